@@ -1,0 +1,23 @@
+// The transformer_linear._C module: exception translation plus one call per kernel family.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "transformer_linear/check.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "transformer_linear FP8 kernels (CPU, and CUDA when built with it)";
+  pybind11::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const tl::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const tl::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const tl::RuntimeError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+  tl::bindings::register_quantize(m);
+  tl::bindings::register_gemm(m);
+  tl::bindings::register_runtime(m);
+}

@@ -1,0 +1,109 @@
+#include "validate.h"
+
+#include <sstream>
+
+namespace tl {
+
+void check_defined(const char* op, const char* name, const TensorDesc& t) {
+  TL_CHECK(t.defined(), op, ": argument '", name, "' is required");
+  TL_CHECK(t.data != nullptr || t.numel() == 0, op, ": argument '", name,
+           "' has a null data pointer");
+}
+
+void check_device(const char* op, const char* name, const TensorDesc& t, DeviceType device,
+                  int device_index) {
+  TL_CHECK_TYPE(t.device == device && (device != DeviceType::kCUDA || t.device_index == device_index),
+                op, ": argument '", name, "' must be on ", device_name(device),
+                device == DeviceType::kCUDA ? ":" + std::to_string(device_index) : std::string(),
+                " like the input, got ", device_name(t.device),
+                t.device == DeviceType::kCUDA ? ":" + std::to_string(t.device_index) : std::string());
+}
+
+void check_dtype(const char* op, const char* name, const TensorDesc& t,
+                 std::initializer_list<DType> allowed) {
+  for (DType d : allowed) {
+    if (t.dtype == d) return;
+  }
+  std::ostringstream ss;
+  bool first = true;
+  for (DType d : allowed) {
+    ss << (first ? "" : " or ") << dtype_name(d);
+    first = false;
+  }
+  TL_ERROR(TypeError, op, ": argument '", name, "' must have dtype ", ss.str(), ", got ",
+           dtype_name(t.dtype));
+}
+
+void check_contiguous(const char* op, const char* name, const TensorDesc& t) {
+  for (int i = 0; i < t.ndim; ++i) {
+    TL_CHECK(t.strides[i] >= 0, op, ": argument '", name, "' has a negative stride (strides ",
+             strides_str(t), ")");
+  }
+  TL_CHECK(t.is_contiguous(), op, ": argument '", name,
+           "' must be contiguous (row-major), got shape ", shape_str(t), " with strides ",
+           strides_str(t), "; call .contiguous() first");
+}
+
+void check_scalar_fp32(const char* op, const char* name, const TensorDesc& t) {
+  check_defined(op, name, t);
+  check_dtype(op, name, t, {DType::kFloat32});
+  TL_CHECK(t.numel() == 1 && t.ndim <= 1, op, ": argument '", name,
+           "' must be a one-element float32 tensor of shape [] or [1], got shape ", shape_str(t));
+}
+
+void check_rank(const char* op, const char* name, const TensorDesc& t, int ndim) {
+  TL_CHECK(t.ndim == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got ", t.ndim,
+           "-D with shape ", shape_str(t));
+}
+
+void check_shape(const char* op, const char* name, const TensorDesc& t,
+                 std::initializer_list<int64_t> shape) {
+  bool same = static_cast<int>(shape.size()) == t.ndim;
+  int i = 0;
+  for (int64_t s : shape) same = same && t.shape[i++] == s;
+  if (same) return;
+  TensorDesc expected;
+  expected.ndim = static_cast<int32_t>(shape.size());
+  i = 0;
+  for (int64_t s : shape) expected.shape[i++] = s;
+  TL_ERROR(ValueError, op, ": argument '", name, "' must have shape ", shape_str(expected),
+           ", got ", shape_str(t));
+}
+
+void check_same_shape(const char* op, const char* name_a, const TensorDesc& a, const char* name_b,
+                      const TensorDesc& b) {
+  bool same = a.ndim == b.ndim;
+  for (int i = 0; same && i < a.ndim; ++i) same = a.shape[i] == b.shape[i];
+  TL_CHECK(same, op, ": argument '", name_b, "' must have the shape of '", name_a, "' ",
+           shape_str(a), ", got ", shape_str(b));
+}
+
+void matrix_strides(const char* op, const char* name, const TensorDesc& t, int64_t* row_stride,
+                    int64_t* col_stride) {
+  check_rank(op, name, t, 2);
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  const int64_t rs = t.strides[0], cs = t.strides[1];
+  TL_CHECK(rs >= 0 && cs >= 0, op, ": argument '", name, "' has a negative stride (strides ",
+           strides_str(t), ")");
+  // Size-1 dimensions may carry any stride (torch gives them arbitrary ones).
+  const bool row_major = (cols <= 1 || cs == 1) && (rows <= 1 || rs >= cols);
+  const bool col_major = (rows <= 1 || rs == 1) && (cols <= 1 || cs >= rows);
+  TL_CHECK(row_major || col_major, op, ": argument '", name,
+           "' must be row-major or column-major (one unit stride), got shape ", shape_str(t),
+           " with strides ", strides_str(t));
+  if (row_major) {
+    *row_stride = rows <= 1 ? cols : rs;
+    *col_stride = 1;
+  } else {
+    *row_stride = 1;
+    *col_stride = cols <= 1 ? rows : cs;
+  }
+}
+
+void fail_no_cuda(const char* op) {
+  TL_ERROR(TypeError, op,
+           ": got CUDA tensors, but this build of transformer_linear has no CUDA kernels; "
+           "rebuild with a CUDA toolkit and TL_CUDA=1");
+}
+
+}  // namespace tl

@@ -1,0 +1,50 @@
+// Argument checks shared by the entry points. Each takes the operation and
+// argument names so that messages read "quantize: argument 'scale' must ...".
+#pragma once
+
+#include <initializer_list>
+
+#include "transformer_linear/check.h"
+#include "transformer_linear/tensor.h"
+
+namespace tl {
+
+/*! \brief Throw unless the tensor was given. */
+void check_defined(const char* op, const char* name, const TensorDesc& t);
+
+/*! \brief Throw unless the tensor is on `device` (TypeError). */
+void check_device(const char* op, const char* name, const TensorDesc& t, DeviceType device,
+                  int device_index);
+
+/*! \brief Throw unless dtype is one of `allowed` (TypeError listing them). */
+void check_dtype(const char* op, const char* name, const TensorDesc& t,
+                 std::initializer_list<DType> allowed);
+
+/*! \brief Throw on negative strides, or strides that are not row-major contiguous. */
+void check_contiguous(const char* op, const char* name, const TensorDesc& t);
+
+/*! \brief Throw unless `t` holds exactly one float32 element (shape () or (1,)). */
+void check_scalar_fp32(const char* op, const char* name, const TensorDesc& t);
+
+/*! \brief Throw unless `t` has rank `ndim`. */
+void check_rank(const char* op, const char* name, const TensorDesc& t, int ndim);
+
+/*! \brief Throw unless `t` has exactly this shape. */
+void check_shape(const char* op, const char* name, const TensorDesc& t,
+                 std::initializer_list<int64_t> shape);
+
+/*! \brief Throw unless `a` and `b` have the same shape. */
+void check_same_shape(const char* op, const char* name_a, const TensorDesc& a, const char* name_b,
+                      const TensorDesc& b);
+
+/*!
+ * \brief Validate a 2-D GEMM operand as row-major or column-major and return
+ *        its (row stride, column stride) in elements.
+ */
+void matrix_strides(const char* op, const char* name, const TensorDesc& t, int64_t* row_stride,
+                    int64_t* col_stride);
+
+/*! \brief Throw the TypeError for CUDA tensors reaching a build without CUDA kernels. */
+[[noreturn]] void fail_no_cuda(const char* op);
+
+}  // namespace tl

@@ -1,0 +1,183 @@
+// CPU quantize family: amax, quantize (optionally with amax, transposed
+// output and bias gradient), dequantize. Element math: fp8_math.h.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../common/backend.h"
+#include "parallel.h"
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
+constexpr int64_t kTile = 64;        // transpose tile edge
+
+template <typename In>
+float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
+  // Eight independent running maxima let the compiler vectorize the loop.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] = fp8::amax_update(acc[j], In::load(x[i + j]));
+  }
+  for (; i < end; ++i) acc[0] = fp8::amax_update(acc[0], In::load(x[i]));
+  float r = 0.0f;
+  for (float a : acc) r = fp8::amax_update(r, a);
+  return r;
+}
+
+template <typename In>
+float parallel_amax(const typename In::storage* x, int64_t n) {
+  std::vector<float> partial(std::max(1, get_num_threads()), 0.0f);
+  parallel_for(n, kGrain, [&](int64_t b, int64_t e) {
+    partial[static_cast<size_t>(omp_get_thread_num())] = amax_range<In>(x, b, e);
+  });
+  float r = 0.0f;
+  for (float a : partial) r = fp8::amax_update(r, a);
+  return r;
+}
+
+// Row-major cast of [begin, end), returning the amax of what it read.
+template <typename In, typename Out>
+float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
+                 int64_t end) {
+  float amax = 0.0f;
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = In::load(x[i]);
+    amax = fp8::amax_update(amax, v);
+    q[i] = Out::quantize(v, scale);
+  }
+  return amax;
+}
+
+// One pass over rows [r0, r1): row-major output, transposed output, amax.
+template <typename In, typename Out>
+float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, float scale,
+                          int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
+  float amax = 0.0f;
+  uint8_t tile[kTile][kTile];
+  for (int64_t rb = r0; rb < r1; rb += kTile) {
+    const int64_t re = std::min(r1, rb + kTile);
+    for (int64_t cb = 0; cb < cols; cb += kTile) {
+      const int64_t ce = std::min(cols, cb + kTile);
+      for (int64_t r = rb; r < re; ++r) {
+        for (int64_t c = cb; c < ce; ++c) {
+          const float v = In::load(x[r * cols + c]);
+          amax = fp8::amax_update(amax, v);
+          const uint8_t b = Out::quantize(v, scale);
+          tile[c - cb][r - rb] = b;
+          if (q) q[r * cols + c] = b;
+        }
+      }
+      for (int64_t c = cb; c < ce; ++c) {
+        std::copy(&tile[c - cb][0], &tile[c - cb][re - rb], qt + c * rows + rb);
+      }
+    }
+  }
+  return amax;
+}
+
+// Column sums in fp32 over fixed 256-row blocks, added in block order, so the
+// result does not depend on the thread count.
+template <typename In, typename Bias>
+void column_sums(const typename In::storage* x, int64_t rows, int64_t cols,
+                 typename Bias::storage* out) {
+  constexpr int64_t kBlock = 256;
+  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(blocks, 1) * cols), 0.0f);
+  parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* acc = partial.data() + blk * cols;
+      for (int64_t r = blk * kBlock; r < std::min(rows, (blk + 1) * kBlock); ++r) {
+        for (int64_t c = 0; c < cols; ++c) acc[c] += In::load(x[r * cols + c]);
+      }
+    }
+  });
+  for (int64_t c = 0; c < cols; ++c) {
+    float s = 0.0f;
+    for (int64_t blk = 0; blk < blocks; ++blk) s += partial[blk * cols + c];
+    out[c] = Bias::store(s);
+  }
+}
+
+template <typename In, typename Out>
+void quantize_impl(const QuantizeParams& p) {
+  using InT = typename In::storage;
+  const InT* x = p.input.ptr<InT>();
+  const int64_t n = p.input.numel();
+  float* scale_ptr = p.scale.ptr<float>();
+  float scale;
+  float known_amax = 0.0f;
+  if (p.current_scaling) {
+    known_amax = parallel_amax<In>(x, n);
+    scale = fp8::compute_scale(known_amax, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
+    *scale_ptr = scale;
+  } else {
+    scale = *scale_ptr;
+  }
+  uint8_t* q = p.output.defined() ? p.output.ptr<uint8_t>() : nullptr;
+  uint8_t* qt = p.output_t.defined() ? p.output_t.ptr<uint8_t>() : nullptr;
+
+  std::vector<float> partial(std::max(1, get_num_threads()), 0.0f);
+  if (qt != nullptr) {
+    const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
+    parallel_for(p.rows, row_grain, [&](int64_t r0, int64_t r1) {
+      partial[static_cast<size_t>(omp_get_thread_num())] =
+          cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
+    });
+  } else {
+    parallel_for(n, kGrain, [&](int64_t b, int64_t e) {
+      partial[static_cast<size_t>(omp_get_thread_num())] = cast_range<In, Out>(x, q, scale, b, e);
+    });
+  }
+  if (p.amax.defined()) {
+    float amax = 0.0f;
+    for (float a : partial) amax = fp8::amax_update(amax, a);
+    *p.amax.ptr<float>() = p.current_scaling ? known_amax : amax;
+  }
+  *p.scale_inv.ptr<float>() = 1.0f / scale;
+  if (p.dbias.defined()) {
+    dispatch_high_precision(p.dbias.dtype, "quantize: argument 'dbias'", [&](auto bias_tag) {
+      using Bias = decltype(bias_tag);
+      column_sums<In, Bias>(x, p.rows, p.cols, p.dbias.ptr<typename Bias::storage>());
+    });
+  }
+}
+
+}  // namespace
+
+void amax(const TensorDesc& input, const TensorDesc& amax_out) {
+  dispatch_high_precision(input.dtype, "amax: argument 'input'", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    *amax_out.ptr<float>() = parallel_amax<In>(input.ptr<typename In::storage>(), input.numel());
+  });
+}
+
+void quantize(const QuantizeParams& p) {
+  dispatch_high_precision(p.input.dtype, "quantize: argument 'input'", [&](auto in_tag) {
+    dispatch_fp8(p.fp8_dtype, "quantize: argument 'output'", [&](auto out_tag) {
+      quantize_impl<decltype(in_tag), decltype(out_tag)>(p);
+    });
+  });
+}
+
+void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output) {
+  const float s = *scale_inv.ptr<float>();
+  const uint8_t* q = input.ptr<uint8_t>();
+  dispatch_fp8(input.dtype, "dequantize: argument 'input'", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    dispatch_high_precision(output.dtype, "dequantize: argument 'output'", [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      auto* y = output.ptr<typename Out::storage>();
+      parallel_for(input.numel(), kGrain, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) y[i] = Out::store(In::load(q[i]) * s);
+      });
+    });
+  });
+}
+
+}  // namespace cpu
+}  // namespace tl

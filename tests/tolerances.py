@@ -1,0 +1,108 @@
+"""The one place that decides whether a result is close enough.
+
+Rules:
+  * Quantize-family outputs are held bitwise to transformer_linear.reference:
+    :func:`assert_bitwise_equal` reports the first mismatching index.
+  * GEMMs and Linear results follow the flash-attention rule: the error of
+    the result against a float64 reference may be at most
+    ``ERROR_RATIO`` times the error that plain PyTorch makes on the same
+    inputs at the same precision (the baseline), plus a floor of a few
+    output-dtype ulps for results that are exact up to final rounding.
+  * FP8-vs-high-precision comparisons (numerics of the Linear against
+    torch.nn.Linear) use SQNR in dB: :func:`sqnr`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+# Allowed ratio of the kernel's error to plain PyTorch's at the same precision.
+ERROR_RATIO = 2.0
+# Floor on the normwise relative error, per output dtype: a few ulps of the
+# final rounding, which even an exact accumulation cannot avoid.
+RELATIVE_ERROR_FLOOR = {
+    torch.float32: 4 * 2.0**-24,
+    torch.bfloat16: 4 * 2.0**-8,
+    torch.float16: 4 * 2.0**-11,
+}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    size = t.element_size()
+    view_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return t.contiguous().view(view_dtype)
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Bit-for-bit equality; on failure names the first mismatching index and both values."""
+    prefix = f"{what}: " if what else ""
+    assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a_bits, e_bits = _as_bits(actual.cpu()), _as_bits(expected.cpu())
+    mismatch = (a_bits != e_bits).flatten().nonzero()
+    if mismatch.numel():
+        flat = int(mismatch[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape)) if actual.dim() else ()
+        a_val = actual.cpu().flatten()[flat].float().item()
+        e_val = expected.cpu().flatten()[flat].float().item()
+        raise AssertionError(
+            f"{prefix}{mismatch.numel()} of {actual.numel()} elements differ; first at index {index}: "
+            f"got {a_val!r} (bits {int(a_bits.flatten()[flat]):#x}), "
+            f"expected {e_val!r} (bits {int(e_bits.flatten()[flat]):#x})"
+        )
+
+
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Normwise relative error ||actual - reference|| / ||reference|| in float64."""
+    ref = reference.double().cpu()
+    diff = actual.double().cpu() - ref
+    denom = ref.norm().item()
+    if denom == 0.0:
+        return diff.norm().item()
+    return diff.norm().item() / denom
+
+
+def assert_close_to_reference(
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    baseline: Optional[torch.Tensor] = None,
+    what: str = "",
+) -> None:
+    """Error of ``actual`` vs the float64 ``reference`` is within the package tolerance.
+
+    Args:
+        actual: the kernel's result.
+        reference: the float64 (or exact) result.
+        baseline: plain PyTorch's result at the kernel's precision (e.g. an
+            fp32 ``torch.mm`` of the dequantized operands); its error sets the
+            budget. Without it only the output-dtype floor applies.
+        what: a label for the failure message.
+    """
+    prefix = f"{what}: " if what else ""
+    assert actual.shape == reference.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    assert torch.isfinite(actual.double()).all() == torch.isfinite(reference.double()).all(), (
+        f"{prefix}non-finite values differ from the reference"
+    )
+    if actual.numel() == 0:
+        return
+    err = relative_error(actual, reference)
+    floor = RELATIVE_ERROR_FLOOR[actual.dtype]
+    budget = floor
+    if baseline is not None:
+        budget = max(floor, ERROR_RATIO * relative_error(baseline, reference))
+    assert err <= budget, f"{prefix}relative error {err:.3e} exceeds budget {budget:.3e}"
+
+
+def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when identical)."""
+    ref = reference.double().cpu()
+    noise = (actual.double().cpu() - ref).norm().item()
+    signal = ref.norm().item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(signal / noise)

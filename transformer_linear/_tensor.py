@@ -1,0 +1,72 @@
+"""Builds the descriptor tuples the C++ kernels take, and the launch context.
+
+The extension does not link libtorch. Each tensor crosses into C++ as
+``(data_ptr, dtype_code, shape, strides, device_code, device_index)``
+(csrc/bindings/tensor_caster.h); the C++ side validates it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from transformer_linear import _C
+
+# Must match tl::DType in csrc/include/transformer_linear/tensor.h.
+_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+    torch.float64: 5,
+    torch.int64: 6,
+    torch.int32: 7,
+    torch.int16: 8,
+    torch.int8: 9,
+    torch.uint8: 10,
+    torch.bool: 11,
+}
+_OTHER_DTYPE = 12
+_DEVICE_CODES = {"cpu": 0, "cuda": 1}
+
+_threads_set = -1
+
+
+def desc(t: Optional[torch.Tensor], op: str, name: str) -> Optional[tuple]:
+    """Describe ``t`` for the kernels; ``None`` passes through as an absent argument.
+
+    Raises:
+        TypeError: ``t`` is neither a tensor nor None.
+    """
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    device = t.device
+    return (
+        t.data_ptr(),
+        _DTYPE_CODES.get(t.dtype, _OTHER_DTYPE),
+        tuple(t.shape),
+        tuple(t.stride()),
+        _DEVICE_CODES.get(device.type, 2),
+        -1 if device.index is None else device.index,
+    )
+
+
+def stream_for(t: torch.Tensor) -> int:
+    """The raw CUDA stream to launch on for ``t`` (0 on the CPU).
+
+    Read on every call, so kernels follow ``torch.cuda.stream(...)`` contexts
+    and CUDA-graph capture.
+    """
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    # Keep the CPU kernels' thread count equal to torch's.
+    global _threads_set
+    n = torch.get_num_threads()
+    if n != _threads_set:
+        _C.set_num_threads(n)
+        _threads_set = n
+    return 0

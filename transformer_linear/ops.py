@@ -1,0 +1,347 @@
+"""The FP8 kernels as ``torch.library`` custom ops (namespace ``transformer_linear``).
+
+Each kernel is registered once, with a fake (meta) implementation, so the ops
+trace under ``torch.compile(fullgraph=True)`` and ``torch.export``. The
+implementation dispatches on the tensors' device inside the extension.
+
+Public functions::
+
+    amax = ops.amax(x)                                         # 0-dim fp32
+    q, scale_inv = ops.quantize(x, scale, dtype)
+    q, scale_inv, amax = ops.quantize_with_amax(x, scale, dtype)
+    q, scale_inv, amax = ops.quantize_current(x, dtype, margin=0)
+    out = ops.quantize_fused(x, dtype, scale=None, ...)        # every output of one pass
+    x_hp = ops.dequantize(q, scale_inv, out_dtype)
+    d = ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None)
+    ops.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)   # out += ...
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from transformer_linear import _C
+from transformer_linear._tensor import desc, stream_for
+from transformer_linear.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
+
+__all__ = [
+    "QuantizeOutput",
+    "amax",
+    "dequantize",
+    "fp8_gemm",
+    "fp8_gemm_accumulate_",
+    "quantize",
+    "quantize_current",
+    "quantize_fused",
+    "quantize_with_amax",
+]
+
+# cuBLASLt's recommended workspace on Hopper and newer.
+_CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+def _check_fp8_dtype(op: str, name: str, dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: argument '{name}' must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+
+
+def _check_hp_dtype(op: str, name: str, dtype: torch.dtype) -> None:
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{op}: argument '{name}' must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+
+
+def _check_margin(op: str, margin: int) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
+        raise ValueError(f"{op}: argument 'margin' must be an integer in [0, 127), got {margin!r}")
+
+
+def _scalar(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=like.device)
+
+
+def _transposed_shape(x: torch.Tensor) -> tuple[int, int]:
+    cols = x.shape[-1] if x.dim() > 0 else 1
+    return (cols, x.numel() // cols if cols else math.prod(x.shape[:-1]))
+
+
+# ---------------------------------------------------------------------------
+# amax
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_linear::amax", mutates_args=())
+def _amax_op(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((), dtype=torch.float32, device=x.device)
+    _C.amax(desc(x, "amax", "input"), desc(out, "amax", "amax"), stream_for(x))
+    return out
+
+
+@_amax_op.register_fake
+def _(x):
+    return x.new_empty((), dtype=torch.float32)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim float32 tensor (NaN-propagating; 0 for an empty tensor).
+
+    Args:
+        x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
+    """
+    return _amax_op(x)
+
+
+# ---------------------------------------------------------------------------
+# quantize: one op for every variant of the one-pass kernel
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_linear::quantize", mutates_args=())
+def _quantize_op(
+    x: torch.Tensor,
+    scale: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    margin: int,
+    rowwise: bool,
+    columnwise: bool,
+    dbias_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = "quantize"
+    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
+    current = scale is None
+    # Current scaling computes the scale into scratch memory; only 1/scale is returned.
+    scale_arg = _scalar(x) if current else scale
+    _C.quantize(
+        desc(x, op, "input"),
+        desc(scale_arg, op, "scale"),
+        desc(q, op, "output") if rowwise else None,
+        desc(q_t, op, "output_t") if columnwise else None,
+        desc(scale_inv, op, "scale_inv"),
+        desc(x_amax, op, "amax"),
+        desc(dbias, op, "dbias") if dbias_dtype is not None else None,
+        current,
+        margin,
+        stream_for(x),
+    )
+    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+
+
+def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
+    """Allocate the quantize op's outputs; unrequested ones are empty tensors."""
+    _check_fp8_dtype("quantize", "dtype", dtype)
+    if dbias_dtype is not None:
+        _check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize: at least one of 'rowwise' and 'columnwise' must be True")
+    empty = x.new_empty(0, dtype=dtype)
+    q = x.new_empty(x.shape, dtype=dtype) if rowwise else empty
+    q_t = x.new_empty(_transposed_shape(x), dtype=dtype) if columnwise else empty.clone()
+    dbias = (
+        x.new_empty(x.shape[-1:], dtype=dbias_dtype)
+        if dbias_dtype is not None
+        else x.new_empty(0, dtype=torch.float32)
+    )
+    return q, q_t, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32), dbias
+
+
+@_quantize_op.register_fake
+def _(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
+    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
+    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+
+
+class QuantizeOutput(NamedTuple):
+    """Everything one quantize pass can produce (unrequested tensors are empty)."""
+
+    data: torch.Tensor
+    """FP8 tensor of the input's shape."""
+    data_t: torch.Tensor
+    """FP8 (last dim, rest) tensor: the input viewed as 2-D, transposed."""
+    scale_inv: torch.Tensor
+    """1-element float32, 1 / scale."""
+    amax: torch.Tensor
+    """0-dim float32, max |input|."""
+    dbias: torch.Tensor
+    """Column sums of the input viewed as 2-D (a bias gradient)."""
+
+
+def quantize_fused(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    scale: Optional[torch.Tensor] = None,
+    *,
+    margin: int = 0,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    dbias_dtype: Optional[torch.dtype] = None,
+) -> QuantizeOutput:
+    """One pass over ``x`` producing any of: FP8 data, its transpose, amax, bias gradient.
+
+    Args:
+        x: contiguous float32, bfloat16 or float16 tensor.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        scale: 1-element float32 scale (delayed scaling); ``None`` computes it
+            from this tensor's amax (current scaling, see reference.compute_scale).
+        margin: current scaling's power-of-two head room.
+        rowwise: produce ``data`` (x's shape).
+        columnwise: produce ``data_t`` (the fused cast + transpose).
+        dbias_dtype: produce ``dbias`` in this dtype.
+    """
+    _check_margin("quantize", margin)
+    return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = saturate(round_nearest_even(x * scale)) in ``dtype``; returns ``(q, scale_inv)``."""
+    out = quantize_fused(x, dtype, scale)
+    return out.data, out.scale_inv
+
+
+def quantize_with_amax(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` that also records max |x| in the same pass (delayed scaling)."""
+    out = quantize_fused(x, dtype, scale)
+    return out.data, out.scale_inv, out.amax
+
+
+def quantize_current(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: amax -> scale = fp8_max / amax / 2^margin -> cast; returns (q, scale_inv, amax)."""
+    out = quantize_fused(x, dtype, None, margin=margin)
+    return out.data, out.scale_inv, out.amax
+
+
+# ---------------------------------------------------------------------------
+# dequantize
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_linear::dequantize", mutates_args=())
+def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    _check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    op = "dequantize"
+    _C.dequantize(desc(q, op, "input"), desc(scale_inv, op, "scale_inv"), desc(out, op, "output"), stream_for(q))
+    return out
+
+
+@_dequantize_op.register_fake
+def _(q, scale_inv, out_dtype):
+    _check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    return q.new_empty(q.shape, dtype=out_dtype)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
+    return _dequantize_op(q, scale_inv, out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# GEMM
+# ---------------------------------------------------------------------------
+
+
+def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_accumulator):
+    op = "fp8_gemm"
+    workspace = None
+    if a.device.type == "cuda":
+        workspace = torch.empty(_CUBLAS_WORKSPACE_BYTES, dtype=torch.uint8, device=a.device)
+    _C.fp8_gemm(
+        desc(a, op, "a"),
+        desc(a_scale_inv, op, "a_scale_inv"),
+        desc(b, op, "b"),
+        desc(b_scale_inv, op, "b_scale_inv"),
+        desc(bias, op, "bias"),
+        desc(out, op, "d"),
+        accumulate,
+        use_split_accumulator,
+        desc(workspace, op, "workspace"),
+        stream_for(a),
+    )
+
+
+def _gemm_out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_gemm: 'a' and 'b' must be 2-D, got shapes {list(a.shape)} and {list(b.shape)}")
+    return (a.shape[0], b.shape[0])
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    use_split_accumulator: bool,
+) -> torch.Tensor:
+    _check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    out = torch.empty(_gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
+    _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
+    return out
+
+
+@_fp8_gemm_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+    _check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    return a.new_empty(_gemm_out_shape(a, b), dtype=out_dtype)
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm_accumulate", mutates_args=("out",))
+def _fp8_gemm_accumulate_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    use_split_accumulator: bool,
+) -> None:
+    _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
+
+
+@_fp8_gemm_accumulate_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
+    return None
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    use_split_accumulator: bool = False,
+) -> torch.Tensor:
+    """(a @ b.T) * a_scale_inv * b_scale_inv [+ bias], accumulated in float32.
+
+    Args:
+        a: FP8 (M, K), row-major or a column-major view (e.g. ``x.t()``).
+        a_scale_inv: 1-element float32.
+        b: FP8 (N, K), row-major or column-major; e4m3 and e5m2 may be mixed.
+        b_scale_inv: 1-element float32.
+        out_dtype: float32, bfloat16 or float16.
+        bias: (N,) tensor of ``out_dtype``, or None.
+        use_split_accumulator: CUDA only: fp32 promotion of partial sums
+            (more exact, slower); the CPU always accumulates in float32.
+    """
+    return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
+
+
+def fp8_gemm_accumulate_(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    use_split_accumulator: bool = True,
+) -> None:
+    """out += (a @ b.T) * a_scale_inv * b_scale_inv, in place (wgrad into ``main_grad``)."""
+    _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
