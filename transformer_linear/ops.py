@@ -125,7 +125,7 @@ def _quantize_op(
         margin,
         stream_for(x),
     )
-    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+    return q, q_t, scale_inv, x_amax, dbias
 
 
 def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
@@ -143,13 +143,12 @@ def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
         if dbias_dtype is not None
         else x.new_empty(0, dtype=torch.float32)
     )
-    return q, q_t, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32), dbias
+    return q, q_t, x.new_empty(1, dtype=torch.float32), x.new_empty((), dtype=torch.float32), dbias
 
 
 @_quantize_op.register_fake
 def _(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
-    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
-    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+    return _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
 
 
 class QuantizeOutput(NamedTuple):
