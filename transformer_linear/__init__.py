@@ -9,3 +9,11 @@ from transformer_linear import ops, reference
 __version__ = "0.1.0"
 
 __all__ = ["ops", "reference", "__version__"]
+
+# The Linear module and its FP8 configuration.
+from transformer_linear import recipe  # noqa: E402
+from transformer_linear.autocast import autocast, fp8_autocast  # noqa: E402
+from transformer_linear.convert import convert_to_fp8  # noqa: E402
+from transformer_linear.linear import Linear  # noqa: E402
+
+__all__ += ["Linear", "autocast", "convert_to_fp8", "fp8_autocast", "recipe"]

@@ -1,0 +1,242 @@
+"""``tl.Linear``: a drop-in ``nn.Linear`` that runs its GEMMs in FP8.
+
+Same parameters, default initialization and ``state_dict`` keys as
+``nn.Linear``. Without a recipe (its own or an active ``tl.autocast``) it is
+``F.linear``: outputs and gradients are bitwise ``nn.Linear``'s. With one, the
+forward and backward go through the custom ops of linear_ops.py.
+
+Delayed scaling keeps its state in two buffers created on first use,
+``fp8_amax_history`` (history_len, 3) and ``fp8_scale`` (3,), columns
+[input, weight, grad_output]; they are saved in ``state_dict`` as plain
+tensors, and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
+``strict=True`` and starts the state fresh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformer_linear.autocast import get_fp8_recipe
+from transformer_linear.linear_args import LinearFwdArgs
+from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, delayed_scaling_update, linear_fwd
+from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
+from transformer_linear.scaling import FP8_STATE_COLUMNS
+
+__all__ = ["Linear"]
+
+_FP8_STATE = ("fp8_amax_history", "fp8_scale")
+_FWD_COLUMN = FP8_STATE_COLUMNS["input"]
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ + b, with FP8 GEMMs under a recipe.
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each output sample.
+        bias: learn an additive bias.
+        device: where to allocate the parameters.
+        dtype: the parameters' dtype (float32, bfloat16 or float16).
+        recipe: this module's recipe; ``None`` follows ``tl.autocast``.
+        delay_wgrad_compute: backward computes only the input gradient;
+            :meth:`backward_dw` computes the weight (and bias) gradient.
+        fuse_wgrad_accumulation: accumulate the weight gradient in fp32 into
+            ``weight.main_grad`` (created as zeros if absent) instead of
+            ``weight.grad``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+        *,
+        recipe: Optional[Recipe] = None,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+    ) -> None:
+        super().__init__()
+        if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(f"Linear: 'recipe' must be a DelayedScaling, CurrentScaling or None, got {recipe!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.recipe = recipe
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        # Not a state: the FP8 weight of the current microbatch group.
+        self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Tensor]] = None
+        self.reset_parameters()
+        self.reset_fp8_state()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, drawing the same random numbers."""
+        nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            f", recipe={self.recipe}"
+        )
+
+    # ------------------------------------------------------------------
+    # delayed-scaling state
+    # ------------------------------------------------------------------
+
+    def reset_fp8_state(self) -> None:
+        """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
+        for name in _FP8_STATE:
+            self._buffers.pop(name, None)
+        if isinstance(self.recipe, DelayedScaling):
+            self._fp8_state(self.recipe)
+
+    def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
+        """The (amax_history, scale) buffers, created fresh on first use or on a new history length."""
+        history = getattr(self, "fp8_amax_history", None)
+        if history is None or history.shape[0] != recipe.amax_history_len:
+            device = self.weight.device
+            history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
+            self.register_buffer("fp8_amax_history", history)
+            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+        return self.fp8_amax_history, self.fp8_scale
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # Match the buffers to what is being loaded: present keys are loaded
+        # (whatever their history length), absent ones reset the state.
+        for name in _FP8_STATE:
+            key = prefix + name
+            if key in state_dict:
+                self.register_buffer(name, torch.empty_like(state_dict[key], device=self.weight.device))
+            elif name in self._buffers:
+                del self._buffers[name]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
+        state = {name: self._buffers.pop(name) for name in _FP8_STATE if name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, t in state.items():
+            self._buffers[name] = t.to(device=self.weight.device)
+        self._weight_cache = None
+        return self
+
+    # ------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------
+
+    def forward(self, inp: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        """Apply the layer to ``inp`` of shape (..., in_features).
+
+        Args:
+            inp: the activation.
+            is_first_microbatch: True quantizes the weight and caches the FP8
+                copy; False reuses that copy (the weight has not changed within
+                a gradient-accumulation group); None disables caching.
+        """
+        recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
+            return F.linear(inp, self.weight, self.bias)
+        if self.delay_wgrad_compute and torch.compiler.is_compiling():
+            raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
+        args = self._fwd_args(inp, recipe, is_first_microbatch)
+        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
+        if isinstance(recipe, DelayedScaling):
+            delayed_scaling_update(
+                args.amax_history, args.scale, amax, _FWD_COLUMN, args.fwd_dtype, recipe.margin, recipe.amax_compute_algo
+            )
+        if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
+            t = w_fp8_t if w_fp8_t.numel() else None
+            self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
+        return out
+
+    def _fwd_args(self, inp: Tensor, recipe: Optional[Recipe], is_first_microbatch: Optional[bool]) -> LinearFwdArgs:
+        grad = torch.is_grad_enabled()
+        device_type = inp.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else inp.dtype
+        fp8 = recipe is not None
+        fmt = recipe.fp8_format if fp8 else None
+        delayed = isinstance(recipe, DelayedScaling)
+        history, scale = self._fp8_state(recipe) if delayed else (None, None)
+        cache = self._weight_cache if fp8 and is_first_microbatch is False else None
+        main_grad = None
+        if self.fuse_wgrad_accumulation and grad and self.weight.requires_grad:
+            if getattr(self.weight, "main_grad", None) is None:
+                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+            main_grad = self.weight.main_grad
+        return LinearFwdArgs(
+            # tensors
+            inp=inp,
+            weight=self.weight,
+            bias=self.bias,
+            # cached FP8 weight
+            weight_fp8=cache[0] if cache else None,
+            weight_fp8_t=cache[1] if cache else None,
+            weight_scale_inv=cache[2] if cache else None,
+            weight_amax=cache[3] if cache else None,
+            # requires-grad flags
+            input_requires_grad=grad and inp.requires_grad,
+            weight_requires_grad=grad and self.weight.requires_grad,
+            bias_requires_grad=grad and self.bias is not None and self.bias.requires_grad,
+            # FP8 formats and scaling state
+            fp8=fp8,
+            fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
+            bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
+            margin=recipe.margin if fp8 else 0,
+            scale=scale,
+            amax_history=history,
+            amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
+            # options
+            out_dtype=out_dtype,
+            main_grad=main_grad,
+            wgrad_queue=id(self) if self.delay_wgrad_compute else -1,
+        )
+
+    # ------------------------------------------------------------------
+    # delayed weight gradient
+    # ------------------------------------------------------------------
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients queued by backward (delay_wgrad_compute=True).
+
+        Each queued backward adds its gradient to ``weight.grad`` / ``bias.grad``
+        (or to ``weight.main_grad`` with fuse_wgrad_accumulation).
+        """
+        if not self.delay_wgrad_compute:
+            return
+        for bwd, dbias in WGRAD_QUEUES.pop(id(self), []):
+            if bwd is not None:
+                main_grad = self.weight.main_grad if self.fuse_wgrad_accumulation else None
+                _accumulate_grad(self.weight, compute_wgrad(bwd, main_grad))
+            if dbias is not None:
+                _accumulate_grad(self.bias, dbias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "Linear":
+        """A ``tl.Linear`` sharing ``linear``'s parameters (no copy).
+
+        Args:
+            linear: the ``nn.Linear`` to convert.
+            **kwargs: keyword options of :class:`Linear` (recipe, delay_wgrad_compute, ...).
+        """
+        from transformer_linear.convert import from_linear
+
+        return from_linear(cls, linear, **kwargs)
+
+
+def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
+    if grad is None:
+        return
+    grad = grad.detach()
+    param.grad = grad if param.grad is None else param.grad + grad
+

@@ -1,0 +1,146 @@
+"""The argument bundles of the Linear forward and backward, and the one place
+that turns them into custom-op schemas.
+
+``LinearFwdArgs`` / ``LinearBwdArgs`` are what the module and the autograd
+rule pass around. A custom op cannot take a dataclass (an exported program
+must save and load), so :func:`args_op` registers an op whose parameters are
+the dataclass fields, in declaration order, with the schema inferred from the
+field annotations: adding a field to the dataclass is the only edit needed.
+"""
+
+# No ``from __future__ import annotations``: the op schema is read from the
+# field annotations, which must be real types.
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ArgsOp", "LinearBwdArgs", "LinearFwdArgs", "args_op"]
+
+
+@dataclasses.dataclass(slots=True)
+class LinearFwdArgs:
+    """Everything ``linear_fwd`` needs; one field = one op argument."""
+
+    # --- tensors ---
+    inp: Tensor
+    """(..., in_features) activation."""
+    weight: Tensor
+    """(out_features, in_features)."""
+    bias: Optional[Tensor]
+    # --- cached FP8 weight (is_first_microbatch=False reuses it) ---
+    weight_fp8: Optional[Tensor]
+    """Row-major (out_features, in_features)."""
+    weight_fp8_t: Optional[Tensor]
+    """The columnwise copy where layout.py needs one, else None."""
+    weight_scale_inv: Optional[Tensor]
+    weight_amax: Optional[Tensor]
+    # --- requires-grad flags ---
+    input_requires_grad: bool
+    weight_requires_grad: bool
+    bias_requires_grad: bool
+    # --- FP8 formats and scaling state ---
+    fp8: bool
+    """False: high-precision GEMMs (used only for the wgrad options without FP8)."""
+    fwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    margin: int
+    scale: Optional[Tensor]
+    """Delayed scaling: (3,) float32 scales of [input, weight, grad_output]; None: current scaling."""
+    amax_history: Optional[Tensor]
+    """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
+    amax_compute_algo: str
+    # --- options ---
+    out_dtype: torch.dtype
+    """The output dtype: the input's, or the enclosing torch.autocast dtype."""
+    main_grad: Optional[Tensor]
+    """fuse_wgrad_accumulation: fp32 buffer backward accumulates wgrad into."""
+    wgrad_queue: int
+    """delay_wgrad_compute: key of the queue backward_dw() drains; -1 when off."""
+
+
+@dataclasses.dataclass(slots=True)
+class LinearBwdArgs:
+    """What ``linear_dgrad`` / ``linear_wgrad`` need; each op takes a subset
+    (so a graph pass can split them: dgrad never sees the input, wgrad never the weight)."""
+
+    # --- grad_output, quantized (or high precision without FP8) ---
+    grad_output: Tensor
+    """(M, out_features) row-major."""
+    grad_output_t: Optional[Tensor]
+    """For wgrad: layout.saved_form of grad_output (the same tensor on the CPU)."""
+    grad_output_scale_inv: Optional[Tensor]
+    # --- tensors saved by forward, in layout.saved_form ---
+    inp: Tensor
+    inp_scale_inv: Optional[Tensor]
+    weight: Tensor
+    weight_scale_inv: Optional[Tensor]
+    # --- results ---
+    input_shape: list[int]
+    """The shape dgrad is returned in."""
+    dgrad_dtype: torch.dtype
+    wgrad_dtype: torch.dtype
+
+
+class ArgsOp:
+    """A custom op taking some fields of an args dataclass, callable with the dataclass."""
+
+    def __init__(self, op: Any, cls: type, fields: Sequence[str]):
+        self.op = op
+        self.cls = cls
+        self.fields = tuple(fields)
+
+    def flatten(self, args: Any) -> tuple:
+        """The op's positional arguments taken from ``args``."""
+        return tuple(getattr(args, f) for f in self.fields)
+
+    def unflatten(self, values: Sequence[Any]) -> Any:
+        """The dataclass rebuilt from the op's positional arguments (other fields None)."""
+        kwargs = dict.fromkeys(f.name for f in dataclasses.fields(self.cls))
+        kwargs.update(zip(self.fields, values))
+        return self.cls(**kwargs)
+
+    def __call__(self, args: Any) -> Any:
+        return self.op(*self.flatten(args))
+
+
+def args_op(
+    name: str,
+    cls: type,
+    returns: Any,
+    fields: Optional[Sequence[str]] = None,
+    mutates_args: Sequence[str] = (),
+) -> Callable[[Callable[[Any], Any]], ArgsOp]:
+    """Register ``impl(args: cls) -> returns`` as the custom op ``name``.
+
+    Args:
+        name: ``"namespace::op"``.
+        cls: the args dataclass.
+        returns: the op's return annotation.
+        fields: the fields the op takes (default: all, in declaration order).
+        mutates_args: fields the op writes to.
+    """
+    hints = typing.get_type_hints(cls)
+    names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
+
+    def register(impl: Callable[[Any], Any]) -> ArgsOp:
+        holder: list[ArgsOp] = []
+
+        def flat(*values: Any) -> Any:
+            return impl(holder[0].unflatten(values))
+
+        flat.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[n]) for n in names],
+            return_annotation=returns,
+        )
+        flat.__name__ = flat.__qualname__ = name.split("::")[-1]
+        flat.__module__ = impl.__module__
+        op = ArgsOp(torch.library.custom_op(name, flat, mutates_args=tuple(mutates_args)), cls, names)
+        holder.append(op)
+        return op
+
+    return register

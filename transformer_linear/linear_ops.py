@@ -1,0 +1,288 @@
+"""The Linear as custom ops: ``linear_fwd``, ``linear_dgrad``, ``linear_wgrad``
+(autograd via ``register_autograd``) and the mutating ``delayed_scaling_update``.
+
+Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
+the FP8 copies so autograd saves those, not the high-precision tensors.
+Backward quantizes grad_output once (bias gradient fused into that pass),
+then calls dgrad and wgrad as two ops that share no inputs but the gradient,
+so a graph pass can split the input- and weight-gradient halves.
+
+``register_autograd`` refuses ops that mutate, so delayed-scaling updates are
+a separate op, called by the module after forward and by backward for
+grad_output: the same operations run in eager and under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from transformer_linear import layout, ops
+from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
+from transformer_linear.reference import fp8_max
+from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
+
+__all__ = ["WGRAD_QUEUES", "compute_wgrad", "delayed_scaling_update", "linear_dgrad", "linear_fwd", "linear_wgrad"]
+
+_GRAD_COLUMN = FP8_STATE_COLUMNS["grad_output"]
+
+# delay_wgrad_compute: per module key, what backward_dw() still has to compute.
+WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
+
+
+# ---------------------------------------------------------------------------
+# delayed-scaling state update (mutating)
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
+def _delayed_scaling_update_op(
+    amax_history: Tensor, scale: Tensor, amax: Tensor, first: int, fp8_max: float, margin: int, amax_compute_algo: str
+) -> None:
+    update_delayed_scaling_(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo)
+
+
+@_delayed_scaling_update_op.register_fake
+def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo):
+    return None
+
+
+def delayed_scaling_update(
+    amax_history: Tensor, scale: Tensor, amax: Tensor, first: int, dtype: torch.dtype, margin: int, algo: str
+) -> None:
+    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place."""
+    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo)
+
+
+# ---------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------
+
+# out, inp (saved form), inp_scale_inv, weight_fp8 (row-major), weight_fp8_t
+# (columnwise or empty), weight_scale_inv, amax [input, weight], grad_output scale.
+_FwdOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _rows(inp: Tensor) -> int:
+    return math.prod(inp.shape[:-1])
+
+
+def _fwd_outputs_like(a: LinearFwdArgs) -> _FwdOutputs:
+    """Output metadata of linear_fwd (the fake kernel, and the unused slots of the real one)."""
+    inp, weight = a.inp, a.weight
+    n, k, m = weight.shape[0], weight.shape[1], _rows(inp)
+    col = layout.needs_columnwise(inp.device)
+    quantize_weight = a.fp8 and a.weight_fp8 is None
+    out = inp.new_empty((*inp.shape[:-1], n), dtype=a.out_dtype)
+    fp8 = a.fwd_dtype if a.fp8 else inp.dtype
+    x_saved = inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8)
+    w_shape = (n, k) if quantize_weight else (0,)
+    w_t_shape = (k, n) if quantize_weight and col else (0,)
+    return (
+        out,
+        x_saved,
+        inp.new_empty((1,) if a.fp8 else (0,), dtype=torch.float32),
+        inp.new_empty(w_shape, dtype=fp8),
+        inp.new_empty(w_t_shape, dtype=fp8),
+        inp.new_empty((1,) if quantize_weight else (0,), dtype=torch.float32),
+        inp.new_empty((2,) if a.fp8 else (0,), dtype=torch.float32),
+        inp.new_empty((1,) if a.scale is not None else (0,), dtype=torch.float32),
+    )
+
+
+def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: int, **kw) -> ops.QuantizeOutput:
+    """quantize_fused with the columnwise copy where layout.py asks for it."""
+    return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=layout.needs_columnwise(x.device), **kw)
+
+
+@args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
+def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
+    """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False)."""
+    empty = _fwd_outputs_like(a)
+    weight, n, k = a.weight, a.weight.shape[0], a.weight.shape[1]
+    x2d = a.inp.reshape(_rows(a.inp), k)
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    if not a.fp8:
+        # Only the wgrad options reach here without FP8; autograd saves the inputs.
+        out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
+        return (out.reshape(empty[0].shape), *empty[1:])
+    delayed = a.scale is not None
+    qx = _quantize(x2d.contiguous(), a.fwd_dtype, a.scale[0:1] if delayed else None, a.margin)
+    if a.weight_fp8 is None:
+        qw = _quantize(weight.contiguous(), a.fwd_dtype, a.scale[1:2] if delayed else None, a.margin)
+        w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
+        w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else empty[4], qw.scale_inv)
+    else:
+        w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
+        w_outputs = empty[3:6]
+    out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
+    return (
+        out.reshape(empty[0].shape),
+        layout.saved_form(qx.data, qx.data_t),
+        qx.scale_inv,
+        *w_outputs,
+        torch.stack([qx.amax, w_amax.reshape(())]),
+        # The grad_output scale as of this forward: a second backward through a
+        # retained graph must quantize exactly like the first.
+        a.scale[_GRAD_COLUMN : _GRAD_COLUMN + 1].clone() if delayed else empty[7],
+    )
+
+
+@linear_fwd.op.register_fake
+def _(*values):
+    return _fwd_outputs_like(linear_fwd.unflatten(values))
+
+
+# ---------------------------------------------------------------------------
+# backward: dgrad and wgrad
+# ---------------------------------------------------------------------------
+
+
+@args_op(
+    "transformer_linear::linear_dgrad",
+    LinearBwdArgs,
+    Tensor,
+    fields=("grad_output", "grad_output_scale_inv", "weight", "weight_scale_inv", "input_shape", "dgrad_dtype"),
+)
+def linear_dgrad(a: LinearBwdArgs) -> Tensor:
+    """dx = grad_output · W, returned in the input's shape and dtype."""
+    if a.weight_scale_inv is None:
+        dx = torch.mm(a.grad_output, a.weight.to(a.grad_output.dtype)).to(a.dgrad_dtype)
+    else:
+        w_t = layout.transposed(a.weight)
+        dx = ops.fp8_gemm(a.grad_output, a.grad_output_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype)
+    return dx.reshape(a.input_shape)
+
+
+@linear_dgrad.op.register_fake
+def _(grad_output, grad_output_scale_inv, weight, weight_scale_inv, input_shape, dgrad_dtype):
+    return grad_output.new_empty(input_shape, dtype=dgrad_dtype)
+
+
+@args_op(
+    "transformer_linear::linear_wgrad",
+    LinearBwdArgs,
+    Tensor,
+    fields=("grad_output_t", "grad_output_scale_inv", "inp", "inp_scale_inv", "wgrad_dtype"),
+)
+def linear_wgrad(a: LinearBwdArgs) -> Tensor:
+    """dW = grad_outputᵀ · x, (out_features, in_features) in the weight's dtype."""
+    if a.inp_scale_inv is None:
+        g_t = layout.transposed(a.grad_output_t)
+        return torch.mm(g_t, a.inp.to(g_t.dtype)).to(a.wgrad_dtype)
+    return ops.fp8_gemm(
+        layout.transposed(a.grad_output_t),
+        a.grad_output_scale_inv,
+        layout.transposed(a.inp),
+        a.inp_scale_inv,
+        a.wgrad_dtype,
+    )
+
+
+@linear_wgrad.op.register_fake
+def _(*values):
+    a = linear_wgrad.unflatten(values)
+    g_t = layout.transposed(a.grad_output_t)
+    k = a.inp.shape[1] if a.inp_scale_inv is None else layout.transposed(a.inp).shape[0]
+    return g_t.new_empty((g_t.shape[0], k), dtype=a.wgrad_dtype)
+
+
+def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Tensor]:
+    """The weight gradient, or None after accumulating it into ``main_grad`` (fp32)."""
+    if main_grad is None:
+        return linear_wgrad(a)
+    if a.inp_scale_inv is None:
+        main_grad.add_(linear_wgrad(LinearBwdArgs(**{**_asdict(a), "wgrad_dtype": torch.float32})))
+    else:
+        ops.fp8_gemm_accumulate_(
+            layout.transposed(a.grad_output_t),
+            a.grad_output_scale_inv,
+            layout.transposed(a.inp),
+            a.inp_scale_inv,
+            main_grad,
+        )
+    return None
+
+
+def _asdict(a: LinearBwdArgs) -> dict:
+    return {f: getattr(a, f) for f in a.__slots__}
+
+
+# ---------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = linear_fwd.unflatten(inputs)
+    _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale = output
+    if not a.fp8:
+        x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
+    elif a.weight_fp8 is not None:
+        # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
+        w_saved, w_scale_inv = layout.saved_form(a.weight_fp8, a.weight_fp8_t), a.weight_scale_inv
+    else:
+        w_saved = layout.saved_form(w_fp8, w_fp8_t)
+    delayed = a.fp8 and a.scale is not None
+    ctx.save_for_backward(
+        x_saved if a.weight_requires_grad else None,
+        x_scale_inv,
+        w_saved if a.input_requires_grad else None,
+        w_scale_inv,
+        grad_scale if delayed else None,
+    )
+    ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
+    ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
+    ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
+    ctx.weight_dtype = a.weight.dtype
+    ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
+    ctx.wgrad_queue = a.wgrad_queue
+    # Mutable state, written by backward: kept as references, not saved tensors
+    # (the forward's own scale update would trip the saved-tensor version check).
+    ctx.amax_history = a.amax_history if delayed else None
+    ctx.scale = a.scale if delayed else None
+    ctx.main_grad = a.main_grad
+
+
+def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
+    x_saved, x_scale_inv, w_saved, w_scale_inv, grad_scale = ctx.saved_tensors
+    input_rg, weight_rg, bias_rg = ctx.flags
+    g2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    dbias_dtype = ctx.bias_dtype if bias_rg else None
+    if ctx.fp8:
+        qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
+        if ctx.scale is not None:
+            delayed_scaling_update(ctx.amax_history, ctx.scale, qg.amax, _GRAD_COLUMN, ctx.bwd_dtype, ctx.margin, ctx.algo)
+        g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
+    else:
+        g, g_t, g_scale_inv = g2d, g2d, None
+        dbias = g2d.sum(0).to(dbias_dtype) if bias_rg else None
+        if x_saved is not None:
+            x_saved = x_saved.reshape(-1, x_saved.shape[-1])
+    b = LinearBwdArgs(
+        grad_output=g,
+        grad_output_t=g_t,
+        grad_output_scale_inv=g_scale_inv,
+        inp=x_saved,
+        inp_scale_inv=x_scale_inv,
+        weight=w_saved,
+        weight_scale_inv=w_scale_inv,
+        input_shape=ctx.input_shape,
+        dgrad_dtype=ctx.input_dtype,
+        wgrad_dtype=ctx.weight_dtype,
+    )
+    dgrad = linear_dgrad(b) if input_rg else None
+    wgrad = None
+    if ctx.wgrad_queue >= 0:
+        if weight_rg or bias_rg:
+            WGRAD_QUEUES.setdefault(ctx.wgrad_queue, []).append((b if weight_rg else None, dbias))
+        dbias = None
+    elif weight_rg:
+        wgrad = compute_wgrad(b, ctx.main_grad)
+    return (dgrad, wgrad, dbias if bias_rg else None) + (None,) * (len(linear_fwd.fields) - 3)
+
+
+linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)

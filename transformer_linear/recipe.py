@@ -1,0 +1,100 @@
+"""FP8 recipes: which formats to use and how scales are chosen.
+
+Names follow TransformerEngine (``recipe.Format.HYBRID``,
+``recipe.DelayedScaling``) so TE users feel at home. Recipes are frozen
+dataclasses validated at construction, so a bad value fails where it is
+written rather than deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = ["CurrentScaling", "DelayedScaling", "Format", "Recipe"]
+
+
+class Format(str, enum.Enum):
+    """FP8 formats of the forward tensors (input, weight) and of the gradients."""
+
+    E4M3 = "E4M3"
+    """e4m3 everywhere."""
+    HYBRID = "HYBRID"
+    """e4m3 forward, e5m2 gradients (their range matters more than precision)."""
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """The dtype of the quantized input and weight."""
+        return torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """The dtype of the quantized grad_output."""
+        return torch.float8_e5m2 if self is Format.HYBRID else torch.float8_e4m3fn
+
+
+def _check_format(cls: str, fp8_format: object) -> None:
+    if not isinstance(fp8_format, Format):
+        raise TypeError(f"{cls}: 'fp8_format' must be a recipe.Format, got {fp8_format!r}")
+
+
+def _check_margin(cls: str, margin: object) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
+        raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Scales from a history of past amaxes (TE's default recipe).
+
+    Forward quantizes with the scale computed from earlier steps and records
+    this step's amax in the same pass; afterwards the history rolls and the
+    scale becomes ``fp8_max / amax / 2^margin`` where amax is the history's
+    max (or its most recent entry). The scale is kept when amax is 0 or
+    non-finite.
+
+    Attributes:
+        margin: power-of-two head room of the scale.
+        fp8_format: the formats of forward tensors and gradients.
+        amax_history_len: number of past amaxes kept per tensor.
+        amax_compute_algo: ``"max"`` (over the history) or ``"most_recent"``.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        _check_margin("DelayedScaling", self.margin)
+        _check_format("DelayedScaling", self.fp8_format)
+        n = self.amax_history_len
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"DelayedScaling: 'amax_history_len' must be a positive integer, got {n!r}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"DelayedScaling: 'amax_compute_algo' must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+
+
+@dataclass(frozen=True)
+class CurrentScaling:
+    """Stateless scaling: each tensor's scale comes from its own amax, per call.
+
+    Attributes:
+        fp8_format: the formats of forward tensors and gradients.
+        margin: power-of-two head room of the scale.
+    """
+
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        _check_format("CurrentScaling", self.fp8_format)
+        _check_margin("CurrentScaling", self.margin)
+
+
+Recipe = Union[DelayedScaling, CurrentScaling]
