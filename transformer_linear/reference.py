@@ -125,3 +125,73 @@ def fp8_gemm(
     if accumulate_into is not None:
         out = out + accumulate_into.double()
     return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# The Linear layer (transformer_linear.Linear's FP8 numerics)
+# ---------------------------------------------------------------------------
+
+
+def quantize_for_linear(
+    x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with a given scale (delayed scaling) or x's own (current scaling, scale=None)."""
+    if scale is None:
+        q, scale_inv, _ = quantize_current(x, dtype, margin)
+        return q, scale_inv
+    return quantize(x, scale, dtype)
+
+
+def linear_fwd(
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    inp_scale: Optional[torch.Tensor] = None,
+    weight_scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """y = q(x) q(W)ᵀ + b for x of shape (..., in_features), GEMM in float64."""
+    out_dtype = out_dtype or inp.dtype
+    x2d = inp.reshape(-1, weight.shape[1])
+    qx, sx = quantize_for_linear(x2d, dtype, inp_scale, margin)
+    qw, sw = quantize_for_linear(weight, dtype, weight_scale, margin)
+    b = bias.to(out_dtype) if bias is not None else None
+    return fp8_gemm(qx, sx, qw, sw, out_dtype, b).reshape(*inp.shape[:-1], weight.shape[0])
+
+
+def linear_dgrad(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    grad_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    grad_scale: Optional[torch.Tensor] = None,
+    weight_scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """dx = q(grad_output) q(W), in grad_output's leading shape."""
+    g2d = grad_output.reshape(-1, weight.shape[0])
+    qg, sg = quantize_for_linear(g2d, grad_dtype, grad_scale, margin)
+    qw, sw = quantize_for_linear(weight, weight_dtype, weight_scale, margin)
+    dx = fp8_gemm(qg, sg, qw.t(), sw, out_dtype or grad_output.dtype)
+    return dx.reshape(*grad_output.shape[:-1], weight.shape[1])
+
+
+def linear_wgrad(
+    grad_output: torch.Tensor,
+    inp: torch.Tensor,
+    grad_dtype: torch.dtype,
+    inp_dtype: torch.dtype,
+    grad_scale: Optional[torch.Tensor] = None,
+    inp_scale: Optional[torch.Tensor] = None,
+    margin: int = 0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """dW = q(grad_output)ᵀ q(x), (out_features, in_features)."""
+    g2d = grad_output.reshape(-1, grad_output.shape[-1])
+    x2d = inp.reshape(-1, inp.shape[-1])
+    qg, sg = quantize_for_linear(g2d, grad_dtype, grad_scale, margin)
+    qx, sx = quantize_for_linear(x2d, inp_dtype, inp_scale, margin)
+    return fp8_gemm(qg.t(), sg, qx.t(), sx, out_dtype or inp.dtype)

@@ -1,0 +1,187 @@
+"""tl.Linear as a module: recipes, drop-in compatibility with nn.Linear, state, conversions."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import transformer_linear as tl
+from transformer_linear import recipe
+from tests.tolerances import assert_bitwise_equal
+from transformer_linear.autocast import get_fp8_recipe
+
+RECIPES = {
+    "current_hybrid": recipe.CurrentScaling(),
+    "current_e4m3": recipe.CurrentScaling(fp8_format=recipe.Format.E4M3),
+    "delayed_hybrid": recipe.DelayedScaling(amax_history_len=4),
+    "delayed_e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_compute_algo="most_recent"),
+}
+
+
+def _pair(in_f=24, out_f=10, bias=True, dtype=torch.float32, **kwargs):
+    """An nn.Linear and a tl.Linear with the same parameters."""
+    torch.manual_seed(1)
+    ref = nn.Linear(in_f, out_f, bias=bias, dtype=dtype)
+    torch.manual_seed(1)
+    layer = tl.Linear(in_f, out_f, bias=bias, dtype=dtype, **kwargs)
+    return ref, layer
+
+
+def _fwd_bwd(module, x):
+    x = x.detach().clone().requires_grad_()
+    y = module(x)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return y, x.grad
+
+
+class TestRecipes:
+    @pytest.mark.parametrize(
+        "make, message",
+        [
+            (lambda: recipe.DelayedScaling(margin=-1), "margin"),
+            (lambda: recipe.DelayedScaling(amax_history_len=0), "amax_history_len"),
+            (lambda: recipe.DelayedScaling(amax_compute_algo="mean"), "amax_compute_algo"),
+            (lambda: recipe.DelayedScaling(fp8_format="E4M3"), "fp8_format"),
+            (lambda: recipe.CurrentScaling(margin=1.5), "margin"),
+        ],
+    )
+    def test_bad_values_raise_at_construction(self, make, message):
+        with pytest.raises((ValueError, TypeError), match=message):
+            make()
+
+    def test_frozen_and_formats(self):
+        r = recipe.DelayedScaling()
+        with pytest.raises(AttributeError):
+            r.margin = 1
+        assert recipe.Format.HYBRID.bwd_dtype == torch.float8_e5m2
+        assert recipe.Format.E4M3.bwd_dtype == torch.float8_e4m3fn
+        assert r.amax_history_len == 1024 and r.fp8_format is recipe.Format.HYBRID
+
+    def test_autocast_validates_and_nests(self):
+        with pytest.raises(TypeError, match="recipe"):
+            with tl.autocast(recipe="delayed"):
+                pass
+        assert tl.fp8_autocast is tl.autocast
+        with tl.autocast(recipe=recipe.CurrentScaling()):
+            with tl.autocast(enabled=False):
+                assert get_fp8_recipe() is None
+            assert get_fp8_recipe() == recipe.CurrentScaling()
+        assert get_fp8_recipe() is None
+        with tl.autocast():
+            assert get_fp8_recipe() == recipe.DelayedScaling()
+
+
+class TestDropIn:
+    def test_same_init_names_and_state_dict_keys(self):
+        ref, layer = _pair()
+        assert_bitwise_equal(layer.weight.detach(), ref.weight.detach(), "weight")
+        assert_bitwise_equal(layer.bias.detach(), ref.bias.detach(), "bias")
+        assert list(layer.state_dict()) == list(ref.state_dict())
+
+    @pytest.mark.parametrize("bias", [True, False])
+    def test_state_dict_loads_both_ways_strict(self, bias):
+        ref = nn.Linear(8, 4, bias=bias)
+        layer = tl.Linear(8, 4, bias=bias)
+        layer.load_state_dict(ref.state_dict(), strict=True)
+        nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=True)
+        assert_bitwise_equal(layer.weight.detach(), ref.weight.detach())
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("shape", [(7, 24), (2, 3, 24), (0, 24), (24,)])
+    def test_without_fp8_bitwise_equal_to_nn_linear(self, dtype, shape):
+        ref, layer = _pair(dtype=dtype)
+        x = torch.randn(shape, dtype=dtype)
+        y_ref, dx_ref = _fwd_bwd(ref, x)
+        y, dx = _fwd_bwd(layer, x)
+        assert_bitwise_equal(y, y_ref, "output")
+        assert_bitwise_equal(dx, dx_ref, "input grad")
+        assert_bitwise_equal(layer.weight.grad, ref.weight.grad, "weight grad")
+        assert_bitwise_equal(layer.bias.grad, ref.bias.grad, "bias grad")
+
+    def test_convert_to_fp8_and_from_linear(self):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        weights = [p for p in model.parameters()]
+        tl.convert_to_fp8(model, recipe=recipe.CurrentScaling(), module_filter_fn=lambda m, fqn: fqn != "2")
+        assert type(model[0]) is tl.Linear and type(model[2]) is nn.Linear
+        assert model[0].weight is weights[0] and model[0].recipe == recipe.CurrentScaling()
+        layer = tl.Linear.from_linear(nn.Linear(8, 4), recipe=recipe.DelayedScaling(amax_history_len=2))
+        assert layer.fp8_amax_history.device.type == "cpu" and layer.fp8_amax_history.shape == (2, 3)
+        with pytest.raises(TypeError, match="nn.Linear"):
+            tl.Linear.from_linear(nn.Conv1d(1, 1, 1))
+
+
+class TestFP8State:
+    def test_delayed_state_in_state_dict_and_resume(self):
+        r = recipe.DelayedScaling(amax_history_len=3)
+        layer = tl.Linear(16, 8, recipe=r)
+        for _ in range(2):
+            _fwd_bwd(layer, torch.randn(5, 16))
+        state = layer.state_dict()
+        assert set(state) == {"weight", "bias", "fp8_amax_history", "fp8_scale"}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        resumed = tl.Linear(16, 8, recipe=r)
+        resumed.load_state_dict(torch.load(buffer, weights_only=True), strict=True)
+        x = torch.randn(5, 16)
+        for module in (layer, resumed):
+            _fwd_bwd(module, x)
+        assert_bitwise_equal(resumed.fp8_scale, layer.fp8_scale, "scale after resume")
+        assert_bitwise_equal(resumed.fp8_amax_history, layer.fp8_amax_history, "history after resume")
+
+    def test_state_dict_without_state_starts_fresh(self):
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
+        _fwd_bwd(layer, torch.randn(5, 16))
+        layer.load_state_dict(nn.Linear(16, 8).state_dict(), strict=True)
+        assert "fp8_scale" not in layer.state_dict()
+        _fwd_bwd(layer, torch.randn(5, 16))
+        assert layer.fp8_amax_history.shape == (3, 3)
+
+    def test_to_deepcopy_pickle_keep_fp32_state(self):
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
+        _fwd_bwd(layer, torch.randn(5, 16))
+        scale = layer.fp8_scale.clone()
+        for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert_bitwise_equal(clone.fp8_scale, scale)
+        layer.to(torch.bfloat16)
+        assert layer.weight.dtype == torch.bfloat16 and layer.fp8_scale.dtype == torch.float32
+        assert_bitwise_equal(layer.fp8_scale, scale, "scale after .to(bfloat16)")
+        layer.to("cpu")
+        y, _ = _fwd_bwd(layer, torch.randn(5, 16, dtype=torch.bfloat16))
+        assert y.dtype == torch.bfloat16
+
+
+class TestModes:
+    @pytest.mark.parametrize("name", list(RECIPES))
+    @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+    def test_no_grad_and_inference_mode(self, name, context):
+        layer = tl.Linear(24, 10, recipe=RECIPES[name])
+        x = torch.randn(3, 24)
+        with torch.no_grad():
+            expected = layer(x)
+        with context():
+            y = layer(x)
+        assert not y.requires_grad
+        if name.startswith("current"):
+            assert_bitwise_equal(y, expected)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_outer_torch_autocast_bfloat16(self, name):
+        ref, layer = _pair(recipe=RECIPES[name])
+        x = torch.randn(4, 24)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, dx = _fwd_bwd(layer, x)
+            y_ref, _ = _fwd_bwd(ref, x)
+        assert y.dtype == y_ref.dtype == torch.bfloat16
+        assert dx.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+    def test_autocast_turns_fp8_on(self):
+        ref, layer = _pair()
+        x = torch.randn(4, 24)
+        with tl.autocast(recipe=recipe.CurrentScaling()):
+            y = layer(x)
+        assert not torch.equal(y, ref(x))
+        assert_bitwise_equal(layer(x), ref(x), "outside autocast")
