@@ -10,7 +10,7 @@ from torch import nn
 
 import transformer_linear as tl
 from transformer_linear import recipe
-from tests.tolerances import assert_bitwise_equal
+from tolerances import assert_bitwise_equal
 from transformer_linear.autocast import get_fp8_recipe
 
 RECIPES = {

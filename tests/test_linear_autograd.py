@@ -1,0 +1,152 @@
+"""tl.Linear's FP8 forward and backward against transformer_linear.reference, and the
+autograd features: retain_graph, weight caching, delayed and fused wgrad."""
+
+import pytest
+import torch
+
+import transformer_linear as tl
+from transformer_linear import recipe, reference
+from tolerances import assert_bitwise_equal, assert_close_to_reference
+
+RECIPES = {
+    "current_hybrid": recipe.CurrentScaling(),
+    "current_e4m3": recipe.CurrentScaling(fp8_format=recipe.Format.E4M3),
+    "delayed_hybrid": recipe.DelayedScaling(amax_history_len=4),
+    "delayed_e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_compute_algo="most_recent", margin=1),
+}
+SHAPES = [(5, 24, 10), (2, 3, 17, 33), (0, 16, 8), (1, 1, 1)]  # (*batch, in_features, out_features)
+
+
+def _run(layer, x, grad):
+    """Forward + backward with a given output gradient; returns (y, dx)."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    return y, x.grad
+
+
+def _fp32_baseline(x, w, grad, r, scale):
+    """Plain fp32 PyTorch on the dequantized FP8 operands: sets the error budget (tolerances.py)."""
+    fmt, m = r.fp8_format, r.margin
+
+    def dq(t, dtype, i):
+        t2d = t.reshape(-1, t.shape[-1])
+        q, scale_inv = reference.quantize_for_linear(t2d, dtype, None if scale is None else scale[i : i + 1], m)
+        return reference.dequantize(q, scale_inv, torch.float32)
+
+    x32, w32, g32 = dq(x, fmt.fwd_dtype, 0), dq(w, fmt.fwd_dtype, 1), dq(grad, fmt.bwd_dtype, 2)
+    return x32 @ w32.t(), g32 @ w32, g32.t() @ x32
+
+
+class TestAgainstReference:
+    @pytest.mark.parametrize("name", list(RECIPES))
+    @pytest.mark.parametrize("shape", SHAPES)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_forward_and_backward(self, name, shape, dtype):
+        r = RECIPES[name]
+        *batch, k, n = shape
+        torch.manual_seed(2)
+        layer = tl.Linear(k, n, bias=False, recipe=r, dtype=dtype)
+        x = torch.randn(*batch, k, dtype=dtype)
+        grad = torch.randn(*batch, n, dtype=dtype)
+        scale = None
+        if isinstance(r, recipe.DelayedScaling):  # a step first, so the scales are not all 1
+            _run(layer, x * 3, grad / 5)
+            layer.weight.grad = None
+            scale = layer.fp8_scale.clone()
+        y, dx = _run(layer, x, grad)
+
+        fmt, m, w, f64 = r.fp8_format, r.margin, layer.weight.detach(), torch.float64
+        s = (lambda i: None) if scale is None else (lambda i: scale[i : i + 1])
+        expected = (
+            reference.linear_fwd(x, w, None, fmt.fwd_dtype, s(0), s(1), m, f64),
+            reference.linear_dgrad(grad, w, fmt.bwd_dtype, fmt.fwd_dtype, s(2), s(1), m, f64),
+            reference.linear_wgrad(grad, x, fmt.bwd_dtype, fmt.fwd_dtype, s(2), s(0), m, f64),
+        )
+        baselines = _fp32_baseline(x, w, grad, r, scale)
+        for what, actual, ref, base in zip(("output", "input grad", "weight grad"), (y, dx, layer.weight.grad), expected, baselines):
+            assert_close_to_reference(actual, ref, base.reshape(ref.shape).to(actual.dtype), what)
+
+    def test_bias_gradient_fused_into_grad_quantize(self):
+        layer = tl.Linear(24, 10, recipe=recipe.CurrentScaling())
+        grad = torch.randn(3, 7, 10)
+        _run(layer, torch.randn(3, 7, 24), grad)
+        expected = grad.double().reshape(-1, 10).sum(0)
+        assert_close_to_reference(layer.bias.grad, expected, grad.reshape(-1, 10).sum(0), "bias grad")
+
+    def test_delayed_scaling_update_follows_te_rule(self):
+        r = recipe.DelayedScaling(amax_history_len=3, margin=1)
+        layer = tl.Linear(16, 8, recipe=r)
+        amaxes = []
+        for step in range(5):
+            x = torch.randn(4, 16) * (step + 1)
+            grad = torch.randn(4, 8) / (step + 1)
+            _run(layer, x, grad)
+            amaxes.append(torch.stack([reference.amax(x), reference.amax(layer.weight), reference.amax(grad)]))
+        window = torch.stack(amaxes[-3:])  # the current amax and history_len - 1 earlier ones
+        fp8_max = torch.tensor([448.0, 448.0, 57344.0])
+        expected = torch.div(fp8_max, window.amax(0)) * 0.5  # margin 1
+        assert_bitwise_equal(layer.fp8_scale, expected, "scale")
+        assert_bitwise_equal(layer.fp8_amax_history[0], torch.zeros(3), "cleared slot")
+
+
+class TestAutogradFeatures:
+    @pytest.mark.parametrize("name", [None, *RECIPES])
+    def test_retain_graph_twice_gives_same_gradients(self, name):
+        layer = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        x = torch.randn(6, 24, requires_grad=True)
+        y = layer(x)
+        grads = []
+        for _ in range(2):
+            x.grad = layer.weight.grad = layer.bias.grad = None
+            y.backward(torch.ones_like(y) * 3, retain_graph=True)
+            grads.append((x.grad, layer.weight.grad, layer.bias.grad))
+        for first, second in zip(*grads):
+            assert_bitwise_equal(second, first)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_is_first_microbatch_caches_weight(self, name):
+        layer = tl.Linear(24, 10, recipe=RECIPES[name])
+        x = torch.randn(6, 24)
+        with torch.no_grad():
+            first = layer(x, is_first_microbatch=True)
+            layer.weight.mul_(2)  # not seen by the cached FP8 weight
+            cached = layer(x, is_first_microbatch=False)
+            fresh = layer(x, is_first_microbatch=None)
+        if name.startswith("current"):
+            assert_bitwise_equal(cached, first)
+        assert not torch.equal(fresh, cached)
+        _, dx = _run(layer, x, torch.ones(6, 10))  # backward through the cached weight works too
+        assert dx.shape == x.shape
+
+    @pytest.mark.parametrize("name", [None, "current_hybrid", "delayed_hybrid"])
+    @pytest.mark.parametrize("fuse", [False, True])
+    def test_delay_wgrad_compute(self, name, fuse):
+        torch.manual_seed(3)
+        base = tl.Linear(24, 10, recipe=RECIPES.get(name), fuse_wgrad_accumulation=fuse)
+        delayed = tl.Linear(24, 10, recipe=RECIPES.get(name), delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse)
+        delayed.load_state_dict(base.state_dict())
+        x, grad = torch.randn(6, 24), torch.randn(6, 10)
+        for _ in range(2):  # two microbatches accumulate
+            _, dx_base = _run(base, x, grad)
+            _, dx = _run(delayed, x, grad)
+            assert_bitwise_equal(dx, dx_base, "input grad")
+        assert delayed.weight.grad is None and delayed.bias.grad is None
+        delayed.backward_dw()
+        weight_grads = (delayed.weight.main_grad, base.weight.main_grad) if fuse else (delayed.weight.grad, base.weight.grad)
+        assert_bitwise_equal(*weight_grads, "weight grad")
+        assert_bitwise_equal(delayed.bias.grad, base.bias.grad, "bias grad")
+
+    @pytest.mark.parametrize("name", [None, "current_hybrid", "delayed_e4m3"])
+    def test_fuse_wgrad_accumulation_into_main_grad(self, name):
+        torch.manual_seed(4)
+        base = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        fused = tl.Linear(24, 10, recipe=RECIPES.get(name), fuse_wgrad_accumulation=True)
+        fused.load_state_dict(base.state_dict())
+        fused.weight.main_grad = torch.full((10, 24), 0.5)
+        x, grad = torch.randn(6, 24), torch.randn(6, 10)
+        _run(base, x, grad)
+        _run(fused, x, grad)
+        assert fused.weight.grad is None
+        expected = base.weight.grad.double() + 0.5
+        assert_close_to_reference(fused.weight.main_grad, expected, base.weight.grad + 0.5, "main_grad")
