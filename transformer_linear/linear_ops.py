@@ -219,6 +219,8 @@ def _asdict(a: LinearBwdArgs) -> dict:
 def _setup_context(ctx, inputs, output) -> None:
     a = linear_fwd.unflatten(inputs)
     _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale = output
+    # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
+    ctx.mark_non_differentiable(*output[1:])
     if not a.fp8:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
     elif a.weight_fp8 is not None:

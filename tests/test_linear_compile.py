@@ -1,0 +1,197 @@
+"""tl.Linear under torch.compile: opcheck, fullgraph with no recompiles on dynamic
+dims, eager == compiled (delayed-scaling state included), and the traced graphs."""
+
+import collections
+import copy
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+import transformer_linear as tl
+from transformer_linear import linear_ops, recipe, reference
+from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs
+from tolerances import assert_bitwise_equal
+
+RECIPES = {
+    "current": recipe.CurrentScaling(),
+    "delayed": recipe.DelayedScaling(amax_history_len=4),
+}
+
+
+def _fwd_args(layer, x, **overrides):
+    """The LinearFwdArgs that tl.Linear builds for ``x`` (under its own recipe)."""
+    args = layer._fwd_args(x, layer.recipe, None)
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.fixture(autouse=True)
+def _allclose_on_fp8(monkeypatch):
+    """opcheck's test_schema compares every input before and after the call with
+    torch.allclose, which has no FP8 kernel: compare FP8 tensors bit for bit instead."""
+    allclose = torch.allclose
+
+    def fp8_aware(a, b, *args, **kwargs):
+        if a.dtype in reference.FP8_DTYPES:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", fp8_aware)
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def _opcheck_fwd(args):
+    """opcheck of linear_fwd. test_aot_dispatch_dynamic's gradient check sums every
+    output, and sum has no FP8 kernel, so that check runs on detached inputs
+    (forward only); fwd+bwd under AOT is test_compiled_equals_eager's job."""
+    flat = linear_ops.linear_fwd.flatten(args)
+    op = linear_ops.linear_fwd.op
+    torch.library.opcheck(op, flat, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    detached = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in flat)
+    torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
+
+
+class TestOpcheck:
+    @pytest.mark.parametrize("name", [None, *RECIPES])
+    @pytest.mark.parametrize("shape", [(2, 3, 16), (0, 16)])
+    def test_linear_fwd(self, name, shape):
+        layer = tl.Linear(16, 8, recipe=RECIPES.get(name), fuse_wgrad_accumulation=name is None)
+        x = torch.randn(shape, requires_grad=True)
+        _opcheck_fwd(_fwd_args(layer, x))
+
+    def test_linear_fwd_with_cached_weight(self):
+        layer = tl.Linear(16, 8, recipe=RECIPES["current"])
+        x = torch.randn(4, 16)
+        layer(x, is_first_microbatch=True)
+        args = layer._fwd_args(x, layer.recipe, False)
+        assert args.weight_fp8 is not None
+        _opcheck_fwd(args)
+
+    @pytest.mark.parametrize("fp8", [True, False])
+    def test_linear_dgrad_and_wgrad(self, fp8):
+        g, x, w = torch.randn(6, 8), torch.randn(6, 16), torch.randn(8, 16)
+        if fp8:
+            q = {name: tl.ops.quantize_current(t, torch.float8_e4m3fn)[:2] for name, t in (("g", g), ("x", x), ("w", w))}
+        else:
+            q = {"g": (g, None), "x": (x, None), "w": (w, None)}
+        b = LinearBwdArgs(
+            grad_output=q["g"][0],
+            grad_output_t=q["g"][0],
+            grad_output_scale_inv=q["g"][1],
+            inp=q["x"][0],
+            inp_scale_inv=q["x"][1],
+            weight=q["w"][0],
+            weight_scale_inv=q["w"][1],
+            input_shape=[2, 3, 16],
+            dgrad_dtype=torch.bfloat16,
+            wgrad_dtype=torch.float32,
+        )
+        for op in (linear_ops.linear_dgrad, linear_ops.linear_wgrad):
+            _opcheck(op.op, op.flatten(b))
+
+    def test_delayed_scaling_update(self):
+        args = (torch.rand(4, 3), torch.ones(3), torch.tensor([2.0, 3.0]), 0, 448.0, 1, "max")
+        _opcheck(torch.ops.transformer_linear.delayed_scaling_update.default, args)
+
+    def test_schema_comes_from_the_dataclass(self):
+        schema = linear_ops.linear_fwd.op._opoverload._schema
+        assert [a.name for a in schema.arguments] == list(LinearFwdArgs.__dataclass_fields__)
+        assert str(schema.arguments[0].type) == "Tensor" and str(schema.arguments[2].type) == "Optional[Tensor]"
+
+
+def _train_steps(model, sizes, mark_dynamic):
+    """fwd+bwd at each (batch, seq) size; returns outputs and gradients."""
+    results = []
+    for batch, seq in sizes:
+        x = torch.randn(batch, seq, 16, generator=torch.Generator().manual_seed(batch * seq), requires_grad=True)
+        if mark_dynamic:
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+        y = model(x)
+        (y * y).sum().backward()
+        results += [y.detach(), x.grad]
+    return results
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compiled_equals_eager_without_recompiles(backend, name):
+    torch._dynamo.reset()
+    eager = torch.nn.Sequential(tl.Linear(16, 12, recipe=RECIPES[name]), torch.nn.ReLU(), tl.Linear(12, 8, recipe=RECIPES[name]))
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    sizes = [(2, 3), (5, 7), (3, 2)]
+    expected = _train_steps(eager, sizes, mark_dynamic=False)
+    actual = _train_steps(compiled, sizes[:1], mark_dynamic=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        actual += _train_steps(compiled, sizes[1:], mark_dynamic=True)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_bitwise_equal(a, e, f"step {i // 2} {'output' if i % 2 == 0 else 'input grad'}")
+    for (key, e), a in zip(eager.state_dict().items(), compiled_model.state_dict().values()):
+        assert_bitwise_equal(a, e, key)
+    for e, a in zip(eager.parameters(), compiled_model.parameters()):
+        assert_bitwise_equal(a.grad, e.grad, "parameter grad")
+
+
+def _aot_graphs(layer, x):
+    """The AOT forward and backward graphs of one fwd+bwd of ``layer`` (aot_eager's partitioner)."""
+    graphs = {}
+
+    def grab(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(
+        fw_compiler=grab("forward"),
+        bw_compiler=grab("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+    torch._dynamo.reset()
+    torch.compile(layer, backend=backend, fullgraph=True)(x).sum().backward()
+    return graphs
+
+
+def _node_counts(gm):
+    names = (getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
+    return dict(collections.Counter(name.split(".")[0] for name in names))
+
+
+# Pinned node counts of one Linear's AOT graphs: the forward is one op (plus the
+# delayed-scaling update), the backward one grad_output quantize (bias grad fused),
+# dgrad and wgrad; no transposes, copies or detaches around them.
+EXPECTED_GRAPHS = {
+    "current": {
+        "forward": {"linear_fwd": 1, "getitem": 5},
+        "backward": {"view": 1, "quantize": 1, "getitem": 3, "linear_dgrad": 1, "linear_wgrad": 1},
+    },
+    "delayed": {
+        "forward": {"linear_fwd": 1, "getitem": 9, "auto_functionalized_v2": 1, "copy_": 2},
+        "backward": {
+            "view": 1,
+            "quantize": 1,
+            "getitem": 6,
+            "auto_functionalized_v2": 1,
+            "linear_dgrad": 1,
+            "linear_wgrad": 1,
+            "copy_": 2,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_aot_graph_node_counts(name):
+    layer = tl.Linear(16, 8, recipe=RECIPES[name])
+    graphs = _aot_graphs(layer, torch.randn(3, 5, 16, requires_grad=True))
+    counts = {kind: _node_counts(gm) for kind, gm in graphs.items()}
+    assert counts == EXPECTED_GRAPHS[name], "\n".join(gm.code for gm in graphs.values())
