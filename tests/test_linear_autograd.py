@@ -41,7 +41,7 @@ def _fp32_baseline(x, w, grad, r, scale):
 class TestAgainstReference:
     @pytest.mark.parametrize("name", list(RECIPES))
     @pytest.mark.parametrize("shape", SHAPES)
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
     def test_forward_and_backward(self, name, shape, dtype):
         r = RECIPES[name]
         *batch, k, n = shape
