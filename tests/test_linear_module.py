@@ -154,6 +154,23 @@ class TestFP8State:
         assert y.dtype == torch.bfloat16
 
 
+class TestErrors:
+    @pytest.mark.parametrize("name", [None, "current_hybrid"])
+    def test_wrong_input_shape_names_the_argument(self, name):
+        layer = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        with pytest.raises(ValueError, match=r"'inp' must have shape \(\.\.\., 24\)"):
+            layer(torch.randn(3, 23))
+
+    def test_bad_recipe_type(self):
+        with pytest.raises(TypeError, match="recipe"):
+            tl.Linear(4, 4, recipe="delayed")
+
+    def test_unsupported_input_dtype_under_fp8(self):
+        layer = tl.Linear(24, 10, recipe=RECIPES["current_hybrid"], dtype=torch.float64)
+        with pytest.raises(TypeError, match="input"):
+            layer(torch.randn(3, 24, dtype=torch.float64))
+
+
 class TestModes:
     @pytest.mark.parametrize("name", list(RECIPES))
     @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])

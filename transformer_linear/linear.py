@@ -144,6 +144,10 @@ class Linear(nn.Module):
                 copy; False reuses that copy (the weight has not changed within
                 a gradient-accumulation group); None disables caching.
         """
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Linear: argument 'inp' must have shape (..., {self.in_features}), got {list(inp.shape)}"
+            )
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return F.linear(inp, self.weight, self.bias)

@@ -93,6 +93,7 @@ class ArgsOp:
         self.op = op
         self.cls = cls
         self.fields = tuple(fields)
+        self._all_fields = tuple(f.name for f in dataclasses.fields(cls))
 
     def flatten(self, args: Any) -> tuple:
         """The op's positional arguments taken from ``args``."""
@@ -100,7 +101,7 @@ class ArgsOp:
 
     def unflatten(self, values: Sequence[Any]) -> Any:
         """The dataclass rebuilt from the op's positional arguments (other fields None)."""
-        kwargs = dict.fromkeys(f.name for f in dataclasses.fields(self.cls))
+        kwargs = dict.fromkeys(self._all_fields)
         kwargs.update(zip(self.fields, values))
         return self.cls(**kwargs)
 
