@@ -142,6 +142,17 @@ def quantize_for_linear(
     return quantize(x, scale, dtype)
 
 
+def _quantized_matmul(a, a_dtype, a_scale, b, b_dtype, b_scale, margin, out_dtype, bias=None):
+    """q(a) @ q(b) [+ bias] for 2-D a (M, K) and b (K, N), in float64 rounded to out_dtype.
+
+    Quantization is elementwise and amax ignores layout, so q(bᵀ) = q(b)ᵀ:
+    quantizing the transposed operand is the same as transposing the quantized one.
+    """
+    qa, sa = quantize_for_linear(a, a_dtype, a_scale, margin)
+    qb, sb = quantize_for_linear(b, b_dtype, b_scale, margin)
+    return fp8_gemm(qa, sa, qb.t(), sb, out_dtype, bias)
+
+
 def linear_fwd(
     inp: torch.Tensor,
     weight: torch.Tensor,
@@ -152,13 +163,12 @@ def linear_fwd(
     margin: int = 0,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """y = q(x) q(W)ᵀ + b for x of shape (..., in_features), GEMM in float64."""
+    """y = q(x) q(W)ᵀ + b for x of shape (..., in_features)."""
     out_dtype = out_dtype or inp.dtype
-    x2d = inp.reshape(-1, weight.shape[1])
-    qx, sx = quantize_for_linear(x2d, dtype, inp_scale, margin)
-    qw, sw = quantize_for_linear(weight, dtype, weight_scale, margin)
     b = bias.to(out_dtype) if bias is not None else None
-    return fp8_gemm(qx, sx, qw, sw, out_dtype, b).reshape(*inp.shape[:-1], weight.shape[0])
+    x2d = inp.reshape(-1, weight.shape[1])
+    y = _quantized_matmul(x2d, dtype, inp_scale, weight.t(), dtype, weight_scale, margin, out_dtype, b)
+    return y.reshape(*inp.shape[:-1], weight.shape[0])
 
 
 def linear_dgrad(
@@ -173,9 +183,8 @@ def linear_dgrad(
 ) -> torch.Tensor:
     """dx = q(grad_output) q(W), in grad_output's leading shape."""
     g2d = grad_output.reshape(-1, weight.shape[0])
-    qg, sg = quantize_for_linear(g2d, grad_dtype, grad_scale, margin)
-    qw, sw = quantize_for_linear(weight, weight_dtype, weight_scale, margin)
-    dx = fp8_gemm(qg, sg, qw.t(), sw, out_dtype or grad_output.dtype)
+    out_dtype = out_dtype or grad_output.dtype
+    dx = _quantized_matmul(g2d, grad_dtype, grad_scale, weight, weight_dtype, weight_scale, margin, out_dtype)
     return dx.reshape(*grad_output.shape[:-1], weight.shape[1])
 
 
@@ -190,8 +199,6 @@ def linear_wgrad(
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """dW = q(grad_output)ᵀ q(x), (out_features, in_features)."""
-    g2d = grad_output.reshape(-1, grad_output.shape[-1])
+    g_t = grad_output.reshape(-1, grad_output.shape[-1]).t()
     x2d = inp.reshape(-1, inp.shape[-1])
-    qg, sg = quantize_for_linear(g2d, grad_dtype, grad_scale, margin)
-    qx, sx = quantize_for_linear(x2d, inp_dtype, inp_scale, margin)
-    return fp8_gemm(qg.t(), sg, qx.t(), sx, out_dtype or inp.dtype)
+    return _quantized_matmul(g_t, grad_dtype, grad_scale, x2d, inp_dtype, inp_scale, margin, out_dtype or inp.dtype)
