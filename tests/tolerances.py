@@ -14,10 +14,12 @@ Rules:
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
+
+# The package's own definition of SQNR, so tests and the numerics report agree.
+from transformer_linear.numerics.stats import sqnr  # noqa: F401
 
 # Allowed ratio of the kernel's error to plain PyTorch's at the same precision.
 ERROR_RATIO = 2.0
@@ -94,15 +96,3 @@ def assert_close_to_reference(
     if baseline is not None:
         budget = max(floor, ERROR_RATIO * relative_error(baseline, reference))
     assert err <= budget, f"{prefix}relative error {err:.3e} exceeds budget {budget:.3e}"
-
-
-def sqnr(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf when identical)."""
-    ref = reference.double().cpu()
-    noise = (actual.double().cpu() - ref).norm().item()
-    signal = ref.norm().item()
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 20.0 * math.log10(signal / noise)
