@@ -1,0 +1,69 @@
+// Internal interface of the blocked CPU FP8 GEMM: the driver (gemm_cpu.cpp)
+// runs BLIS-style NC/KC/MC loops over a KernelSet, the packing routines and
+// register-tiled micro-kernel of one instruction-set path.
+//
+// Packed layout. An operand block of `rows` x `kc` (rows of A, or rows of B
+// which are columns of D) is packed into ceil(rows / R) micro-panels of R
+// rows; a panel stores k-groups of `kpack` consecutive k values:
+//   panel[g][r][t] = decode(src[r, g * kpack + t])   (g < ceil(kc / kpack))
+// kpack = 1 for fp32 elements, 2 for bf16 pairs (the operand of vdpbf16ps).
+// Rows past `rows` and k past `kc` are zero, so micro-kernels always run
+// full R-row tiles and whole k-groups.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_linear/tensor.h"
+
+namespace tl {
+namespace cpu {
+namespace gemm {
+
+/*! \brief A strided FP8 matrix view: element (r, k) is data[r * row_stride + k * col_stride]. */
+struct Operand {
+  const uint8_t* data;
+  int64_t row_stride, col_stride;
+  DType dtype;  // kFloat8E4M3 or kFloat8E5M2
+};
+
+/*! \brief Packs rows [0, rows) x k [0, kc) of `src` into micro-panels of `r` rows at `dst`. */
+using PackFn = void (*)(const Operand& src, int64_t rows, int64_t kc, int r, void* dst);
+
+/*!
+ * \brief c_out[i, j] = sum_k a[i, k] * b[j, k] (+ c_in[i, j] when c_in is not null)
+ *        for one full mr x nr tile, fp32 accumulation. a and b are packed micro-panels.
+ */
+using MicroFn = void (*)(int64_t kc, const void* a, const void* b, const float* c_in,
+                         int64_t ldc_in, float* c_out, int64_t ldc_out);
+
+/*! \brief The packing, micro-kernel and block sizes of one instruction-set path. */
+struct KernelSet {
+  int mr, nr;          // register tile (rows of A, rows of B)
+  int kpack;           // k values per packed group
+  int elem_bytes;      // bytes per packed element
+  int64_t kc, mc, nc;  // cache blocks: k per pass, rows of A, rows of B
+  PackFn pack;
+  MicroFn micro;
+
+  /*! \brief Bytes of one packed micro-panel of `r` rows and `kc` k values. */
+  size_t panel_bytes(int64_t kc_block, int r) const {
+    return static_cast<size_t>((kc_block + kpack - 1) / kpack) * r * kpack * elem_bytes;
+  }
+};
+
+/*! \brief FP8 value of each of the 256 bit patterns, as float (exact). */
+const float* fp8_to_float_table(DType dtype);
+
+/*! \brief bf16 bits of the magnitude of each 7-bit FP8 pattern (sign cleared), 128 entries. */
+const uint16_t* fp8_magnitude_bf16_table(DType dtype);
+
+KernelSet generic_kernels();
+/*! \brief AVX-512F fp32-FMA path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
+KernelSet avx512_kernels();
+/*! \brief AVX512_BF16 vdpbf16ps path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
+KernelSet avx512_bf16_kernels();
+
+}  // namespace gemm
+}  // namespace cpu
+}  // namespace tl
