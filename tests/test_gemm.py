@@ -17,16 +17,26 @@ from transformer_linear import _C, ops, reference
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_FORMATS = [E4M3, E5M2]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-CPU_ISAS = ["generic", "avx512", "avx512_bf16"]
+# (set_cpu_isa name, AMX allowed): avx512_bf16 runs AMX tiles where the CPU
+# has them, and vdpbf16ps with TL_CPU_AMX=0.
+CPU_PATHS = {
+    "generic": ("generic", True),
+    "avx512": ("avx512", True),
+    "avx512_bf16": ("avx512_bf16", True),
+    "avx512_bf16_no_amx": ("avx512_bf16", False),
+}
 
 
-@pytest.fixture(params=CPU_ISAS)
-def cpu_isa(request) -> str:
+@pytest.fixture(params=list(CPU_PATHS))
+def cpu_isa(request, monkeypatch) -> str:
     """Force one CPU path for the test; restore the automatic choice afterwards."""
+    isa, amx = CPU_PATHS[request.param]
     try:
-        _C.set_cpu_isa(request.param)
+        _C.set_cpu_isa(isa)
     except ValueError:
-        pytest.skip(f"this CPU does not support {request.param}")
+        pytest.skip(f"this CPU does not support {isa}")
+    if not amx:
+        monkeypatch.setenv("TL_CPU_AMX", "0")
     yield request.param
     _C.set_cpu_isa("auto")
 

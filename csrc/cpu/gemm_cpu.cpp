@@ -116,7 +116,7 @@ void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, const
 KernelSet kernels_for(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Bf16:
-      return avx512_bf16_kernels();
+      return amx_usable() ? amx_kernels() : avx512_bf16_kernels();
     case Isa::kAvx512:
       return avx512_kernels();
     default:
@@ -205,7 +205,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
           const int64_t j = jc + q * ks.nr;
           const Operand src{b_op.data + j * b_op.row_stride + pc * b_op.col_stride, b_op.row_stride,
                             b_op.col_stride, b_op.dtype};
-          ks.pack(src, std::min<int64_t>(ks.nr, n - j), kb, ks.nr, b_packed + q * b_panel_bytes);
+          ks.pack_b(src, std::min<int64_t>(ks.nr, n - j), kb, ks.nr, b_packed + q * b_panel_bytes);
         }
       });
 
@@ -221,7 +221,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
           const int64_t mb = std::min(part.mc, m - ic);
           const Operand src{a_op.data + ic * a_op.row_stride + pc * a_op.col_stride, a_op.row_stride,
                             a_op.col_stride, a_op.dtype};
-          ks.pack(src, mb, kb, ks.mr, a_packed);
+          ks.pack_a(src, mb, kb, ks.mr, a_packed);
+          if (ks.prepare) ks.prepare();
           const int64_t q_begin = split * b_panels / part.n_splits;
           const int64_t q_end = (split + 1) * b_panels / part.n_splits;
           for (int64_t q = q_begin; q < q_end; ++q) {
@@ -260,7 +261,7 @@ const uint16_t* fp8_magnitude_bf16_table(DType dtype) {
 }
 
 KernelSet generic_kernels() {
-  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, micro_generic};
+  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, pack_generic, micro_generic};
 }
 
 }  // namespace gemm

@@ -4,11 +4,12 @@
 //
 // Packed layout. An operand block of `rows` x `kc` (rows of A, or rows of B
 // which are columns of D) is packed into ceil(rows / R) micro-panels of R
-// rows; a panel stores k-groups of `kpack` consecutive k values:
-//   panel[g][r][t] = decode(src[r, g * kpack + t])   (g < ceil(kc / kpack))
-// kpack = 1 for fp32 elements, 2 for bf16 pairs (the operand of vdpbf16ps).
-// Rows past `rows` and k past `kc` are zero, so micro-kernels always run
-// full R-row tiles and whole k-groups.
+// rows, each of round_up(kc, k_align) * R elements. Within a panel, k-groups
+// of `kpack` consecutive k values are stored row after row:
+//   panel[g][r][t] = decode(src[r, g * kpack + t])
+// kpack = 1 for fp32 elements, 2 for bf16 pairs (vdpbf16ps, and AMX's B
+// tiles), 32 for AMX's A tiles (a 64-byte row of bf16). Rows past `rows` and
+// k past `kc` are zero, so micro-kernels always run full tiles.
 #pragma once
 
 #include <cstddef>
@@ -40,15 +41,16 @@ using MicroFn = void (*)(int64_t kc, const void* a, const void* b, const float* 
 /*! \brief The packing, micro-kernel and block sizes of one instruction-set path. */
 struct KernelSet {
   int mr, nr;          // register tile (rows of A, rows of B)
-  int kpack;           // k values per packed group
+  int k_align;         // packed panels hold k rounded up to this
   int elem_bytes;      // bytes per packed element
   int64_t kc, mc, nc;  // cache blocks: k per pass, rows of A, rows of B
-  PackFn pack;
+  PackFn pack_a, pack_b;
   MicroFn micro;
+  void (*prepare)() = nullptr;  // per thread, before a run of micro-kernel calls (AMX tile config)
 
   /*! \brief Bytes of one packed micro-panel of `r` rows and `kc` k values. */
   size_t panel_bytes(int64_t kc_block, int r) const {
-    return static_cast<size_t>((kc_block + kpack - 1) / kpack) * r * kpack * elem_bytes;
+    return static_cast<size_t>((kc_block + k_align - 1) / k_align) * k_align * r * elem_bytes;
   }
 };
 
@@ -63,6 +65,28 @@ KernelSet generic_kernels();
 KernelSet avx512_kernels();
 /*! \brief AVX512_BF16 vdpbf16ps path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
 KernelSet avx512_bf16_kernels();
+
+/*!
+ * \brief Whether AMX-BF16 tiles can be used: the CPU has them, the kernel grants this
+ *        process the tile state, and the environment does not say TL_CPU_AMX=0.
+ */
+bool amx_usable();
+/*! \brief AMX-BF16 (tdpbf16ps) path of the avx512_bf16 ISA (gemm_cpu_amx_avx512.cpp). */
+KernelSet amx_kernels();
+
+/*!
+ * \brief Pack bf16 pairs (kpack = 2) with `groups` k-pairs per panel, >= ceil(kc / 2);
+ *        the groups past kc are zero.
+ */
+void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r, int64_t groups,
+                            void* dst);
+
+/*! \brief bf16 bits of src[i, 0:kc] for a row-major (col_stride 1) operand, zero-padded to 32. */
+void decode_row_bf16(const Operand& src, int64_t i, int64_t kc, uint16_t* out);
+
+/*! \brief bf16 bits of src[0:rows, k] for a column-major (row_stride 1) operand, rows <= 32;
+ *         out holds 32 words, zero past rows. */
+void decode_column_bf16(const Operand& src, int64_t rows, int64_t k, uint16_t* out);
 
 }  // namespace gemm
 }  // namespace cpu

@@ -71,33 +71,35 @@ void decode_row(const Decoder& dec, const Operand& src, int64_t i, int64_t kc, u
   }
 }
 
+}  // namespace
+
 // kpack = 2 (bf16 pairs): panel dword [g * r + i] = (bf16(src[i, 2g + 1]) << 16) | bf16(src[i, 2g]).
-void pack_bf16_pairs(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
+void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r, int64_t groups,
+                            void* dst) {
   const Decoder dec(src.dtype);
-  const int64_t groups = (kc + 1) / 2;
+  const int64_t used = (kc + 1) / 2;
   uint32_t* out = static_cast<uint32_t*>(dst);
-  if (src.col_stride == 1) {
-    TL_CHECK(kc <= kMaxKc, "fp8_gemm: internal error: KC ", kc, " exceeds ", kMaxKc);
-    alignas(64) uint16_t tmp[kMaxKc + 32];
-    for (int64_t p0 = 0; p0 < rows; p0 += r, out += groups * r) {
+  for (int64_t p0 = 0; p0 < rows; p0 += r, out += groups * r) {
+    std::memset(out + used * r, 0, (groups - used) * r * sizeof(uint32_t));
+    if (src.col_stride == 1) {
+      TL_CHECK(kc <= kMaxKc, "fp8_gemm: internal error: KC ", kc, " exceeds ", kMaxKc);
+      alignas(64) uint16_t tmp[kMaxKc + 32];
       for (int64_t i = 0; i < r; ++i) {
         if (p0 + i < rows) {
           decode_row(dec, src, p0 + i, kc, tmp);  // an odd kc leaves tmp[kc] = 0
           uint32_t pair;
-          for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t g = 0; g < used; ++g) {
             std::memcpy(&pair, tmp + 2 * g, sizeof(pair));
             out[g * r + i] = pair;
           }
         } else {
-          for (int64_t g = 0; g < groups; ++g) out[g * r + i] = 0;
+          for (int64_t g = 0; g < used; ++g) out[g * r + i] = 0;
         }
       }
+      continue;
     }
-    return;
-  }
-  // Column-major (row_stride == 1): the rows of one k are contiguous bytes.
-  for (int64_t p0 = 0; p0 < rows; p0 += r, out += groups * r) {
-    for (int64_t g = 0; g < groups; ++g) {
+    // Column-major (row_stride == 1): the rows of one k are contiguous bytes.
+    for (int64_t g = 0; g < used; ++g) {
       const uint8_t* k_even = src.data + p0 + 2 * g * src.col_stride;
       const bool has_odd = 2 * g + 1 < kc;
       for (int64_t i0 = 0; i0 < r; i0 += 32) {
@@ -112,6 +114,21 @@ void pack_bf16_pairs(const Operand& src, int64_t rows, int64_t kc, int r, void* 
       }
     }
   }
+}
+
+void decode_row_bf16(const Operand& src, int64_t i, int64_t kc, uint16_t* out) {
+  decode_row(Decoder(src.dtype), src, i, kc, out);
+}
+
+void decode_column_bf16(const Operand& src, int64_t rows, int64_t k, uint16_t* out) {
+  const Decoder dec(src.dtype);
+  _mm512_storeu_si512(out, dec.bf16x32(src.data + k * src.col_stride, prefix_mask32(rows)));
+}
+
+namespace {
+
+void pack_bf16_pairs(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
+  pack_bf16_pairs_padded(src, rows, kc, r, (kc + 1) / 2, dst);
 }
 
 // kpack = 1 (fp32): panel float [k * r + i] = src[i, k].
@@ -220,11 +237,12 @@ constexpr int kNv = 2;
 }  // namespace
 
 KernelSet avx512_kernels() {
-  return KernelSet{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, micro_fp32<kMr, kNv>};
+  return KernelSet{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>};
 }
 
 KernelSet avx512_bf16_kernels() {
-  return KernelSet{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, micro_bf16<kMr, kNv>};
+  return KernelSet{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, pack_bf16_pairs,
+                   micro_bf16<kMr, kNv>};
 }
 
 }  // namespace gemm
