@@ -38,13 +38,21 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(view_dtype)
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Bit-for-bit equality; on failure names the first mismatching index and both values."""
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "", any_nan: bool = False) -> None:
+    """Bit-for-bit equality; on failure names the first mismatching index and both values.
+
+    With ``any_nan`` a NaN matches any NaN: sign and payload of a NaN are
+    implementation-defined where torch itself is inconsistent (its scalar and
+    vector dtype conversions treat them differently).
+    """
     prefix = f"{what}: " if what else ""
     assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a_bits, e_bits = _as_bits(actual.cpu()), _as_bits(expected.cpu())
-    mismatch = (a_bits != e_bits).flatten().nonzero()
+    differ = a_bits != e_bits
+    if any_nan:
+        differ &= ~(torch.isnan(actual.cpu().float()) & torch.isnan(expected.cpu().float()))
+    mismatch = differ.flatten().nonzero()
     if mismatch.numel():
         flat = int(mismatch[0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape)) if actual.dim() else ()
