@@ -14,6 +14,7 @@ grad_output: the same operations run in eager and under ``torch.compile``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -27,7 +28,6 @@ from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling
 
 __all__ = ["WGRAD_QUEUES", "compute_wgrad", "delayed_scaling_update", "linear_dgrad", "linear_fwd", "linear_wgrad"]
 
-_GRAD_COLUMN = FP8_STATE_COLUMNS["grad_output"]
 
 # delay_wgrad_compute: per module key, what backward_dw() still has to compute.
 WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
@@ -70,26 +70,30 @@ def _rows(inp: Tensor) -> int:
     return math.prod(inp.shape[:-1])
 
 
-def _fwd_outputs_like(a: LinearFwdArgs) -> _FwdOutputs:
-    """Output metadata of linear_fwd (the fake kernel, and the unused slots of the real one)."""
+def _column(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
+    """The 1-element scale of one tensor under delayed scaling; None under current scaling."""
+    if scale is None:
+        return None
+    i = FP8_STATE_COLUMNS[name]
+    return scale[i : i + 1]
+
+
+def _fwd_side_outputs_like(a: LinearFwdArgs) -> tuple[Tensor, ...]:
+    """Metadata of linear_fwd's outputs after the first; unused slots are empty."""
     inp, weight = a.inp, a.weight
     n, k, m = weight.shape[0], weight.shape[1], _rows(inp)
     col = layout.needs_columnwise(inp.device)
     quantize_weight = a.fp8 and a.weight_fp8 is None
-    out = inp.new_empty((*inp.shape[:-1], n), dtype=a.out_dtype)
     fp8 = a.fwd_dtype if a.fp8 else inp.dtype
-    x_saved = inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8)
-    w_shape = (n, k) if quantize_weight else (0,)
-    w_t_shape = (k, n) if quantize_weight and col else (0,)
+    f32 = torch.float32
     return (
-        out,
-        x_saved,
-        inp.new_empty((1,) if a.fp8 else (0,), dtype=torch.float32),
-        inp.new_empty(w_shape, dtype=fp8),
-        inp.new_empty(w_t_shape, dtype=fp8),
-        inp.new_empty((1,) if quantize_weight else (0,), dtype=torch.float32),
-        inp.new_empty((2,) if a.fp8 else (0,), dtype=torch.float32),
-        inp.new_empty((1,) if a.scale is not None else (0,), dtype=torch.float32),
+        inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8),
+        inp.new_empty((1,) if a.fp8 else (0,), dtype=f32),
+        inp.new_empty((n, k) if quantize_weight else (0,), dtype=fp8),
+        inp.new_empty((k, n) if quantize_weight and col else (0,), dtype=fp8),
+        inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
+        inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
+        inp.new_empty((1,) if a.scale is not None else (0,), dtype=f32),
     )
 
 
@@ -101,39 +105,43 @@ def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: in
 @args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
 def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
     """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False)."""
-    empty = _fwd_outputs_like(a)
-    weight, n, k = a.weight, a.weight.shape[0], a.weight.shape[1]
-    x2d = a.inp.reshape(_rows(a.inp), k)
+    weight, inp = a.weight, a.inp
+    out_shape = (*inp.shape[:-1], weight.shape[0])
+    x2d = inp.reshape(_rows(inp), weight.shape[1])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    f32 = torch.float32
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return (out.reshape(empty[0].shape), *empty[1:])
-    delayed = a.scale is not None
-    qx = _quantize(x2d.contiguous(), a.fwd_dtype, a.scale[0:1] if delayed else None, a.margin)
+        return (out.reshape(out_shape), *_fwd_side_outputs_like(a))
+    qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.scale, "input"), a.margin)
+    no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
-        qw = _quantize(weight.contiguous(), a.fwd_dtype, a.scale[1:2] if delayed else None, a.margin)
+        qw = _quantize(weight.contiguous(), a.fwd_dtype, _column(a.scale, "weight"), a.margin)
         w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
-        w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else empty[4], qw.scale_inv)
+        w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else no_fp8, qw.scale_inv)
     else:
+        # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
-        w_outputs = empty[3:6]
+        w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
+    grad_scale = _column(a.scale, "grad_output")
     return (
-        out.reshape(empty[0].shape),
+        out.reshape(out_shape),
         layout.saved_form(qx.data, qx.data_t),
         qx.scale_inv,
         *w_outputs,
         torch.stack([qx.amax, w_amax.reshape(())]),
         # The grad_output scale as of this forward: a second backward through a
         # retained graph must quantize exactly like the first.
-        a.scale[_GRAD_COLUMN : _GRAD_COLUMN + 1].clone() if delayed else empty[7],
+        grad_scale.clone() if grad_scale is not None else inp.new_empty(0, dtype=f32),
     )
 
 
 @linear_fwd.op.register_fake
 def _(*values):
-    return _fwd_outputs_like(linear_fwd.unflatten(values))
+    a = linear_fwd.unflatten(values)
+    return (a.inp.new_empty((*a.inp.shape[:-1], a.weight.shape[0]), dtype=a.out_dtype), *_fwd_side_outputs_like(a))
 
 
 # ---------------------------------------------------------------------------
@@ -173,13 +181,12 @@ def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     if a.inp_scale_inv is None:
         g_t = layout.transposed(a.grad_output_t)
         return torch.mm(g_t, a.inp.to(g_t.dtype)).to(a.wgrad_dtype)
-    return ops.fp8_gemm(
-        layout.transposed(a.grad_output_t),
-        a.grad_output_scale_inv,
-        layout.transposed(a.inp),
-        a.inp_scale_inv,
-        a.wgrad_dtype,
-    )
+    return ops.fp8_gemm(*_wgrad_operands(a), a.wgrad_dtype)
+
+
+def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_outputᵀ, its scale_inv, xᵀ, its scale_inv) as FP8 GEMM operands."""
+    return layout.transposed(a.grad_output_t), a.grad_output_scale_inv, layout.transposed(a.inp), a.inp_scale_inv
 
 
 @linear_wgrad.op.register_fake
@@ -195,20 +202,10 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
     if main_grad is None:
         return linear_wgrad(a)
     if a.inp_scale_inv is None:
-        main_grad.add_(linear_wgrad(LinearBwdArgs(**{**_asdict(a), "wgrad_dtype": torch.float32})))
+        main_grad.add_(linear_wgrad(dataclasses.replace(a, wgrad_dtype=torch.float32)))
     else:
-        ops.fp8_gemm_accumulate_(
-            layout.transposed(a.grad_output_t),
-            a.grad_output_scale_inv,
-            layout.transposed(a.inp),
-            a.inp_scale_inv,
-            main_grad,
-        )
+        ops.fp8_gemm_accumulate_(*_wgrad_operands(a), main_grad)
     return None
-
-
-def _asdict(a: LinearBwdArgs) -> dict:
-    return {f: getattr(a, f) for f in a.__slots__}
 
 
 # ---------------------------------------------------------------------------
@@ -257,7 +254,8 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     if ctx.fp8:
         qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
         if ctx.scale is not None:
-            delayed_scaling_update(ctx.amax_history, ctx.scale, qg.amax, _GRAD_COLUMN, ctx.bwd_dtype, ctx.margin, ctx.algo)
+            column = FP8_STATE_COLUMNS["grad_output"]
+            delayed_scaling_update(ctx.amax_history, ctx.scale, qg.amax, column, ctx.bwd_dtype, ctx.margin, ctx.algo)
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
@@ -280,7 +278,9 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     wgrad = None
     if ctx.wgrad_queue >= 0:
         if weight_rg or bias_rg:
-            WGRAD_QUEUES.setdefault(ctx.wgrad_queue, []).append((b if weight_rg else None, dbias))
+            # The queue keeps what wgrad reads, not the weight dgrad needed.
+            queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if weight_rg else None
+            WGRAD_QUEUES.setdefault(ctx.wgrad_queue, []).append((queued, dbias))
         dbias = None
     elif weight_rg:
         wgrad = compute_wgrad(b, ctx.main_grad)
