@@ -195,3 +195,17 @@ def test_aot_graph_node_counts(name):
     graphs = _aot_graphs(layer, torch.randn(3, 5, 16, requires_grad=True))
     counts = {kind: _node_counts(gm) for kind, gm in graphs.items()}
     assert counts == EXPECTED_GRAPHS[name], "\n".join(gm.code for gm in graphs.values())
+
+
+def test_autocast_state_is_guarded_under_compile():
+    """Entering or leaving tl.autocast around a compiled module recompiles instead of reusing a graph."""
+    torch._dynamo.reset()
+    layer = tl.Linear(16, 8)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 16)
+    plain = layer(x)
+    with tl.autocast(recipe=recipe.CurrentScaling()):
+        fp8_eager, fp8_compiled = layer(x), compiled(x)
+    assert_bitwise_equal(fp8_compiled, fp8_eager, "inside autocast")
+    assert_bitwise_equal(compiled(x), plain, "after autocast")
+    assert not torch.equal(plain, fp8_eager)
