@@ -150,3 +150,15 @@ class TestAutogradFeatures:
         assert fused.weight.grad is None
         expected = base.weight.grad.double() + 0.5
         assert_close_to_reference(fused.weight.main_grad, expected, base.weight.grad + 0.5, "main_grad")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_backward_keeps_fp8_copies_not_high_precision(name):
+    """Autograd saves the FP8 input and weight (and 1-element scales), nothing in high precision."""
+    layer = tl.Linear(24, 10, recipe=RECIPES[name])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(torch.randn(6, 24, requires_grad=True))
+    big = sorted((tuple(t.shape), t.dtype) for t in saved if t.numel() > 1)
+    assert big == sorted([((6, 24), torch.float8_e4m3fn), ((10, 24), torch.float8_e4m3fn)])
+    assert all(t.dtype == torch.float32 for t in saved if t.numel() == 1)
