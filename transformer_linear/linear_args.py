@@ -129,10 +129,10 @@ def args_op(
     names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
 
     def register(impl: Callable[[Any], Any]) -> ArgsOp:
-        holder: list[ArgsOp] = []
+        wrapped = ArgsOp(None, cls, names)
 
         def flat(*values: Any) -> Any:
-            return impl(holder[0].unflatten(values))
+            return impl(wrapped.unflatten(values))
 
         flat.__signature__ = inspect.Signature(
             [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[n]) for n in names],
@@ -140,8 +140,7 @@ def args_op(
         )
         flat.__name__ = flat.__qualname__ = name.split("::")[-1]
         flat.__module__ = impl.__module__
-        op = ArgsOp(torch.library.custom_op(name, flat, mutates_args=tuple(mutates_args)), cls, names)
-        holder.append(op)
-        return op
+        wrapped.op = torch.library.custom_op(name, flat, mutates_args=tuple(mutates_args))
+        return wrapped
 
     return register

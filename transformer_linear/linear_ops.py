@@ -166,8 +166,9 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
 
 
 @linear_dgrad.op.register_fake
-def _(grad_output, grad_output_scale_inv, weight, weight_scale_inv, input_shape, dgrad_dtype):
-    return grad_output.new_empty(input_shape, dtype=dgrad_dtype)
+def _(*values):
+    a = linear_dgrad.unflatten(values)
+    return a.grad_output.new_empty(a.input_shape, dtype=a.dgrad_dtype)
 
 
 @args_op(
