@@ -1,45 +1,277 @@
-// CPU FP8 GEMM (portable version; replaced by the blocked, packed kernels).
+// CPU FP8 GEMM: BLIS-style blocked driver, the FP8 decode tables and the
+// portable (generic) packing and micro-kernel.
+//
+// Loop nest (BLIS): for each NC block of B rows (columns of D), for each KC
+// block of k: the threads pack the B block together into a shared buffer,
+// then each packs its own MC x KC block of A and runs the micro-kernel over
+// the register tiles. FP8 is decoded while packing; no full-size decoded copy
+// of an operand exists. Partial sums of K > KC go to an fp32 scratch holding
+// the current NC block of C; the epilogue (alpha, bias, accumulate, rounding
+// to D's dtype) runs on each tile after its last KC pass.
+//
+// Every FP8 value and every product of two is exact in fp32 (and FP8 values
+// in bf16), so all paths compute the same function up to summation order.
+#include "gemm_cpu.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../common/backend.h"
+#include "cpu_features.h"
 #include "parallel.h"
+#include "transformer_linear/check.h"
 #include "transformer_linear/dispatch.h"
 
 namespace tl {
 namespace cpu {
+namespace gemm {
+namespace {
+
+template <typename Fp8>
+std::array<float, 256> make_float_table() {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; ++i) t[i] = Fp8::load(static_cast<uint8_t>(i));
+  return t;
+}
+
+template <typename Fp8>
+std::array<uint16_t, 128> make_bf16_table() {
+  std::array<uint16_t, 128> t{};
+  uint32_t bits;
+  for (int i = 0; i < 128; ++i) {
+    // Exact: FP8 values have at most 3 mantissa bits and fit bf16's exponent range.
+    const float v = Fp8::load(static_cast<uint8_t>(i));
+    std::memcpy(&bits, &v, sizeof(bits));
+    t[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return t;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// A 64-byte aligned scratch buffer that only grows.
+class AlignedBuffer {
+ public:
+  void* get(size_t bytes) {
+    if (bytes > capacity_) {
+      capacity_ = round_up(static_cast<int64_t>(std::max<size_t>(bytes, 64)), 64);
+      data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity_)));
+      TL_CHECK(data_ != nullptr, "fp8_gemm: out of memory allocating ", capacity_, " bytes");
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t capacity_ = 0;
+};
+
+// ---- generic path: fp32 panels, kpack = 1 --------------------------------
+
+void pack_generic(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
+  const float* lut = fp8_to_float_table(src.dtype);
+  float* out = static_cast<float*>(dst);
+  for (int64_t p0 = 0; p0 < rows; p0 += r, out += kc * r) {
+    const int64_t n = std::min<int64_t>(r, rows - p0);
+    for (int64_t i = 0; i < r; ++i) {
+      const uint8_t* row = src.data + (p0 + i) * src.row_stride;
+      for (int64_t k = 0; k < kc; ++k) {
+        out[k * r + i] = i < n ? lut[row[k * src.col_stride]] : 0.0f;
+      }
+    }
+  }
+}
+
+constexpr int kGenericMr = 4;
+constexpr int kGenericNr = 8;
+
+void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, const float* c_in,
+                   int64_t ldc_in, float* c_out, int64_t ldc_out) {
+  const float* a = static_cast<const float*>(a_packed);
+  const float* b = static_cast<const float*>(b_packed);
+  float acc[kGenericMr][kGenericNr] = {};
+  for (int64_t k = 0; k < kc; ++k, a += kGenericMr, b += kGenericNr) {
+    for (int i = 0; i < kGenericMr; ++i) {
+      // Products of FP8 values are exact, so mul + add equals an FMA here.
+      for (int j = 0; j < kGenericNr; ++j) acc[i][j] += a[i] * b[j];
+    }
+  }
+  for (int i = 0; i < kGenericMr; ++i) {
+    for (int j = 0; j < kGenericNr; ++j) {
+      c_out[i * ldc_out + j] = c_in ? acc[i][j] + c_in[i * ldc_in + j] : acc[i][j];
+    }
+  }
+}
+
+// ---- driver ----------------------------------------------------------------
+
+KernelSet kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return amx_usable() ? amx_kernels() : avx512_bf16_kernels();
+    case Isa::kAvx512:
+      return avx512_kernels();
+    default:
+      return generic_kernels();
+  }
+}
+
+// D[0:rows, 0:cols] = epilogue(tile): v = acc * alpha; v += bias; v = D + v.
+template <typename Out>
+void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, float alpha,
+                const typename Out::storage* bias, bool accumulate, typename Out::storage* d,
+                int64_t ldd) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* t = tile + i * ld_tile;
+    typename Out::storage* out = d + i * ldd;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = t[j] * alpha;
+      if (bias) v = v + Out::load(bias[j]);
+      if (accumulate) v = Out::load(out[j]) + v;
+      out[j] = Out::store(v);
+    }
+  }
+}
+
+// How the M x (panels of one NC block) work of one KC pass is split among threads.
+struct Partition {
+  int64_t mc;        // rows of A per block (a multiple of mr)
+  int64_t m_blocks;  // blocks of A rows
+  int64_t n_splits;  // slices of the B panels per A block
+};
+
+Partition partition(const KernelSet& ks, int64_t m, int64_t b_panels, int threads) {
+  Partition part;
+  // As many A blocks as fit in cache, rounded to a multiple of the thread count.
+  const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
+  part.mc = round_up(ceil_div(m, blocks), ks.mr);
+  part.m_blocks = ceil_div(m, part.mc);
+  // Too few A blocks (small M): split the B panels as well; each slice packs
+  // its own copy of the (small) A block.
+  part.n_splits = std::min<int64_t>(b_panels, ceil_div(threads, part.m_blocks));
+  return part;
+}
+
+template <typename Out>
+void run(const GemmParams& p, const KernelSet& ks, float alpha) {
+  using T = typename Out::storage;
+  T* d = p.d.ptr<T>();
+  const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int threads = get_num_threads();
+
+  if (k == 0) {  // empty product: D = epilogue(0)
+    std::vector<float> zeros(n, 0.0f);
+    parallel_for(m, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        store_tile<Out>(zeros.data(), 0, 1, n, alpha, bias, p.accumulate, d + i * n, n);
+      }
+    });
+    return;
+  }
+
+  const bool multi_pass = k > ks.kc;
+  const int64_t m_padded = round_up(m, ks.mr);
+  // Bound the fp32 scratch of partial sums (M x NC) to 64 MiB by narrowing NC.
+  int64_t nc = std::min(ks.nc, round_up(n, ks.nr));
+  if (multi_pass) {
+    const int64_t budget_cols = (int64_t{16} << 20) / m_padded;
+    nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
+  }
+  const int64_t kc_max = std::min(ks.kc, k);
+  AlignedBuffer b_buffer, scratch_buffer;
+  uint8_t* b_packed = static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
+  float* scratch = multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
+  const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
+  const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
+
+  for (int64_t jc = 0; jc < n; jc += nc) {
+    const int64_t nb = std::min(nc, n - jc);
+    const int64_t b_panels = ceil_div(nb, ks.nr);
+    for (int64_t pc = 0; pc < k; pc += ks.kc) {
+      const int64_t kb = std::min(ks.kc, k - pc);
+      const bool first = pc == 0, last = pc + kb == k;
+      const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
+      parallel_for(b_panels, 4, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t j = jc + q * ks.nr;
+          const Operand src{b_op.data + j * b_op.row_stride + pc * b_op.col_stride, b_op.row_stride,
+                            b_op.col_stride, b_op.dtype};
+          ks.pack_b(src, std::min<int64_t>(ks.nr, n - j), kb, ks.nr, b_packed + q * b_panel_bytes);
+        }
+      });
+
+      const Partition part = partition(ks, m, b_panels, threads);
+      const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
+      parallel_for(part.m_blocks * part.n_splits, 1, [&](int64_t w0, int64_t w1) {
+        thread_local AlignedBuffer a_buffer;
+        uint8_t* a_packed = static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
+        alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+        for (int64_t w = w0; w < w1; ++w) {
+          const int64_t ic = (w / part.n_splits) * part.mc;
+          const int64_t split = w % part.n_splits;
+          const int64_t mb = std::min(part.mc, m - ic);
+          const Operand src{a_op.data + ic * a_op.row_stride + pc * a_op.col_stride, a_op.row_stride,
+                            a_op.col_stride, a_op.dtype};
+          ks.pack_a(src, mb, kb, ks.mr, a_packed);
+          if (ks.prepare) ks.prepare();
+          const int64_t q_begin = split * b_panels / part.n_splits;
+          const int64_t q_end = (split + 1) * b_panels / part.n_splits;
+          for (int64_t q = q_begin; q < q_end; ++q) {
+            const int64_t j = q * ks.nr;  // within the NC block
+            const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
+            for (int64_t ir = 0; ir < mb; ir += ks.mr) {
+              const int64_t i = ic + ir;
+              float* partial = scratch ? scratch + i * nc + j : nullptr;
+              float* out = last ? tile : partial;
+              ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_packed + q * b_panel_bytes,
+                       first ? nullptr : partial, nc, out, last ? ks.nr : nc);
+              if (last) {
+                store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
+                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+              }
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+}  // namespace
+
+const float* fp8_to_float_table(DType dtype) {
+  static const std::array<float, 256> e4m3 = make_float_table<Float8E4M3>();
+  static const std::array<float, 256> e5m2 = make_float_table<Float8E5M2>();
+  return dtype == DType::kFloat8E4M3 ? e4m3.data() : e5m2.data();
+}
+
+const uint16_t* fp8_magnitude_bf16_table(DType dtype) {
+  static const std::array<uint16_t, 128> e4m3 = make_bf16_table<Float8E4M3>();
+  static const std::array<uint16_t, 128> e5m2 = make_bf16_table<Float8E5M2>();
+  return dtype == DType::kFloat8E4M3 ? e4m3.data() : e5m2.data();
+}
+
+KernelSet generic_kernels() {
+  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, pack_generic, micro_generic};
+}
+
+}  // namespace gemm
 
 void fp8_gemm(const GemmParams& p) {
   if (p.m == 0 || p.n == 0) return;
-  float lut_a[256], lut_b[256];
-  dispatch_fp8(p.a.dtype, "fp8_gemm: argument 'a'", [&](auto t) {
-    for (int i = 0; i < 256; ++i) lut_a[i] = decltype(t)::load(static_cast<uint8_t>(i));
-  });
-  dispatch_fp8(p.b.dtype, "fp8_gemm: argument 'b'", [&](auto t) {
-    for (int i = 0; i < 256; ++i) lut_b[i] = decltype(t)::load(static_cast<uint8_t>(i));
-  });
+  const gemm::KernelSet ks = gemm::kernels_for(current_isa());
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
-  const uint8_t* a = p.a.ptr<uint8_t>();
-  const uint8_t* b = p.b.ptr<uint8_t>();
-  dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'", [&](auto out_tag) {
-    using Out = decltype(out_tag);
-    using T = typename Out::storage;
-    T* d = p.d.ptr<T>();
-    const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
-    parallel_for(p.m, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t j = 0; j < p.n; ++j) {
-          float acc = 0.0f;
-          for (int64_t k = 0; k < p.k; ++k) {
-            acc += lut_a[a[i * p.a_row + k * p.a_col]] * lut_b[b[j * p.b_row + k * p.b_col]];
-          }
-          float v = acc * alpha;
-          if (bias) v = v + Out::load(bias[j]);
-          if (p.accumulate) v = Out::load(d[i * p.n + j]) + v;
-          d[i * p.n + j] = Out::store(v);
-        }
-      }
-    });
-  });
+  dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",
+                          [&](auto out_tag) { gemm::run<decltype(out_tag)>(p, ks, alpha); });
 }
 
 }  // namespace cpu

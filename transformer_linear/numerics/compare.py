@@ -24,18 +24,46 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-def resolve_recipes(recipes: Optional[Iterable[Any]]) -> list[tuple[str, Any]]:
-    """Turn recipe objects or names ("delayed", "current", ...) into (label, recipe) pairs."""
-    from transformer_linear import recipe as recipe_mod
+def _named_recipes() -> dict[str, Any]:
+    from transformer_linear.recipe import CurrentScaling, DelayedScaling, Format
 
+    return {
+        "delayed": DelayedScaling(),
+        "current": CurrentScaling(),
+        "delayed-e4m3": DelayedScaling(fp8_format=Format.E4M3),
+        "current-e4m3": CurrentScaling(fp8_format=Format.E4M3),
+    }
+
+
+def recipe_label(recipe: Any) -> str:
+    """A short name for tables: ``DelayedScaling(HYBRID)``."""
+    return f"{type(recipe).__name__}({recipe.fp8_format.value})"
+
+
+def resolve_recipes(recipes: Optional[Iterable[Any]]) -> list[tuple[str, Any]]:
+    """Turn recipe objects or names into (label, recipe) pairs.
+
+    Names: ``delayed``, ``current`` (HYBRID formats), ``delayed-e4m3``,
+    ``current-e4m3``.
+
+    Raises:
+        ValueError: an unknown name, or no recipe at all.
+        TypeError: something that is neither a name nor a recipe.
+    """
+    from transformer_linear.recipe import CurrentScaling, DelayedScaling
+
+    named = _named_recipes()
     if recipes is None:
         recipes = ("delayed", "current")
     resolved = []
     for r in recipes:
-        obj = recipe_mod.from_name(r) if isinstance(r, str) else r
-        if not isinstance(obj, recipe_mod.Recipe):
+        if isinstance(r, str):
+            if r not in named:
+                raise ValueError(f"unknown recipe {r!r}; expected one of {', '.join(named)}")
+            r = named[r]
+        if not isinstance(r, (DelayedScaling, CurrentScaling)):
             raise TypeError(f"recipes: expected recipe names or transformer_linear.recipe objects, got {r!r}")
-        resolved.append((recipe_mod.label(obj), obj))
+        resolved.append((recipe_label(r), r))
     if not resolved:
         raise ValueError("recipes: at least one recipe is required")
     return resolved
@@ -105,25 +133,35 @@ def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str]
     return float(loss.detach()), capture.records
 
 
-def _fp8_formats(recipe: Any) -> tuple[torch.dtype, torch.dtype]:
-    from transformer_linear import recipe as recipe_mod
+def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], recipe: Any) -> dict[str, dict]:
+    """The scales a delayed-scaling step is about to use (its state before the step).
 
-    return recipe_mod.fp8_dtypes(recipe)
+    Current scaling keeps no state: each tensor's scale comes from its own
+    amax, computed in :func:`_range_stats_for`.
+    """
+    from transformer_linear.recipe import DelayedScaling
+    from transformer_linear.scaling import FP8_STATE_COLUMNS
+
+    if not isinstance(recipe, DelayedScaling):
+        return {}
+    used = {}
+    for name in names:
+        state = getattr(modules[name], "fp8_scale", None)
+        # A layer that has not run yet starts from scale 1.
+        used[name] = {k: (state[c].clone() if state is not None else 1.0) for k, c in FP8_STATE_COLUMNS.items()}
+    return used
 
 
-def _range_stats_for(module: nn.Module, recipe: Any, rec: dict) -> dict[str, dict[str, float]]:
+def _range_stats_for(recipe: Any, rec: dict, used: dict) -> dict[str, dict[str, float]]:
     """amax, scale, underflow and saturation of input, weight and grad_output under ``recipe``."""
-    from transformer_linear import recipe as recipe_mod
-
-    fwd_dtype, bwd_dtype = _fp8_formats(recipe)
-    used = recipe_mod.scales_used(module, recipe)
+    fmt = recipe.fp8_format
     out = {}
-    for key, dtype in (("input", fwd_dtype), ("weight", fwd_dtype), ("grad_output", bwd_dtype)):
+    for key, dtype in (("input", fmt.fwd_dtype), ("weight", fmt.fwd_dtype), ("grad_output", fmt.bwd_dtype)):
         if key not in rec:
             continue
         x = rec[key]
         scale = used.get(key)
-        if scale is None:  # current scaling: the scale this tensor's own amax gives
+        if scale is None:
             scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)
         out[key] = range_stats(x, dtype, scale)
     return out
@@ -190,11 +228,12 @@ def compare(
         fp8_model = convert_to_fp8(copy.deepcopy(model), recipe=recipe)
         for _ in range(calibration_steps):
             _step(fp8_model, inputs, loss_fn, [])
-        losses[label], records = _step(fp8_model, inputs, loss_fn, names)
         modules = dict(fp8_model.named_modules())
+        used = _scales_before_step(modules, names, recipe)
+        losses[label], records = _step(fp8_model, inputs, loss_fn, names)
         for name in names:
             rec, ref = records[name], ref_records[name]
-            ranges = _range_stats_for(modules[name], recipe, rec)
+            ranges = _range_stats_for(recipe, rec, used.get(name, {}))
             layers.append(
                 LayerStats(
                     name=name,
@@ -262,10 +301,11 @@ def train_compare(
         modules = dict(run_model.named_modules())
         for step, inputs in enumerate(batches):
             record = recipe is not None and (step % stats_every == 0 or step == steps - 1)
+            used = _scales_before_step(modules, names, recipe) if record else {}
             loss, records = _step(run_model, inputs, loss_fn, names if record else [])
             if record:
                 history[label].append(
-                    {"step": step, "layers": {n: _range_stats_for(modules[n], recipe, records[n]) for n in names}}
+                    {"step": step, "layers": {n: _range_stats_for(recipe, records[n], used.get(n, {})) for n in names}}
                 )
             opt.step()
             curves[label].append(loss)

@@ -64,7 +64,8 @@ struct TensorDesc {
   /*! \brief Size of dimension `d`; negative `d` counts from the end. */
   int64_t size(int d) const { return shape[d < 0 ? d + ndim : d]; }
 
-  /*! \brief Row-major contiguity (size-1 dimensions, and empty tensors, may carry any strides). */
+  /*! \brief Row-major contiguity (size-1 dimensions may carry any stride; empty tensors,
+   *         whose strides torch leaves arbitrary, count as contiguous as in torch). */
   bool is_contiguous() const {
     if (numel() == 0) return true;
     int64_t expected = 1;

@@ -1,0 +1,93 @@
+// Internal interface of the blocked CPU FP8 GEMM: the driver (gemm_cpu.cpp)
+// runs BLIS-style NC/KC/MC loops over a KernelSet, the packing routines and
+// register-tiled micro-kernel of one instruction-set path.
+//
+// Packed layout. An operand block of `rows` x `kc` (rows of A, or rows of B
+// which are columns of D) is packed into ceil(rows / R) micro-panels of R
+// rows, each of round_up(kc, k_align) * R elements. Within a panel, k-groups
+// of `kpack` consecutive k values are stored row after row:
+//   panel[g][r][t] = decode(src[r, g * kpack + t])
+// kpack = 1 for fp32 elements, 2 for bf16 pairs (vdpbf16ps, and AMX's B
+// tiles), 32 for AMX's A tiles (a 64-byte row of bf16). Rows past `rows` and
+// k past `kc` are zero, so micro-kernels always run full tiles.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transformer_linear/tensor.h"
+
+namespace tl {
+namespace cpu {
+namespace gemm {
+
+/*! \brief A strided FP8 matrix view: element (r, k) is data[r * row_stride + k * col_stride]. */
+struct Operand {
+  const uint8_t* data;
+  int64_t row_stride, col_stride;
+  DType dtype;  // kFloat8E4M3 or kFloat8E5M2
+};
+
+/*! \brief Packs rows [0, rows) x k [0, kc) of `src` into micro-panels of `r` rows at `dst`. */
+using PackFn = void (*)(const Operand& src, int64_t rows, int64_t kc, int r, void* dst);
+
+/*!
+ * \brief c_out[i, j] = sum_k a[i, k] * b[j, k] (+ c_in[i, j] when c_in is not null)
+ *        for one full mr x nr tile, fp32 accumulation. a and b are packed micro-panels.
+ */
+using MicroFn = void (*)(int64_t kc, const void* a, const void* b, const float* c_in,
+                         int64_t ldc_in, float* c_out, int64_t ldc_out);
+
+/*! \brief The packing, micro-kernel and block sizes of one instruction-set path. */
+struct KernelSet {
+  int mr, nr;          // register tile (rows of A, rows of B)
+  int k_align;         // packed panels hold k rounded up to this
+  int elem_bytes;      // bytes per packed element
+  int64_t kc, mc, nc;  // cache blocks: k per pass, rows of A, rows of B
+  PackFn pack_a, pack_b;
+  MicroFn micro;
+  void (*prepare)() = nullptr;  // per thread, before a run of micro-kernel calls (AMX tile config)
+
+  /*! \brief Bytes of one packed micro-panel of `r` rows and `kc` k values. */
+  size_t panel_bytes(int64_t kc_block, int r) const {
+    return static_cast<size_t>((kc_block + k_align - 1) / k_align) * k_align * r * elem_bytes;
+  }
+};
+
+/*! \brief FP8 value of each of the 256 bit patterns, as float (exact). */
+const float* fp8_to_float_table(DType dtype);
+
+/*! \brief bf16 bits of the magnitude of each 7-bit FP8 pattern (sign cleared), 128 entries. */
+const uint16_t* fp8_magnitude_bf16_table(DType dtype);
+
+KernelSet generic_kernels();
+/*! \brief AVX-512F fp32-FMA path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
+KernelSet avx512_kernels();
+/*! \brief AVX512_BF16 vdpbf16ps path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
+KernelSet avx512_bf16_kernels();
+
+/*!
+ * \brief Whether AMX-BF16 tiles can be used: the CPU has them, the kernel grants this
+ *        process the tile state, and the environment does not say TL_CPU_AMX=0.
+ */
+bool amx_usable();
+/*! \brief AMX-BF16 (tdpbf16ps) path of the avx512_bf16 ISA (gemm_cpu_amx_avx512.cpp). */
+KernelSet amx_kernels();
+
+/*!
+ * \brief Pack bf16 pairs (kpack = 2) with `groups` k-pairs per panel, >= ceil(kc / 2);
+ *        the groups past kc are zero.
+ */
+void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r, int64_t groups,
+                            void* dst);
+
+/*! \brief bf16 bits of src[i, 0:kc] for a row-major (col_stride 1) operand, zero-padded to 32. */
+void decode_row_bf16(const Operand& src, int64_t i, int64_t kc, uint16_t* out);
+
+/*! \brief bf16 bits of src[0:rows, k] for a column-major (row_stride 1) operand, rows <= 32;
+ *         out holds 32 words, zero past rows. */
+void decode_column_bf16(const Operand& src, int64_t rows, int64_t k, uint16_t* out);
+
+}  // namespace gemm
+}  // namespace cpu
+}  // namespace tl

@@ -1,0 +1,150 @@
+// AMX-BF16 micro-kernel of the CPU FP8 GEMM: the avx512_bf16 path on CPUs
+// with AMX tiles (Sapphire Rapids and later). Compiled with the AVX-512
+// flags; the tile code carries its own target attribute and is entered only
+// after amx_usable() (CPUID plus the kernel's permission for the tile state).
+//
+// Tiles: A is packed 32 bf16 of k per 64-byte row (kpack = 32); B as bf16
+// pairs (the VNNI layout tdpbf16ps wants, kpack = 2); a 32 x 32 fp32 block
+// of C lives in four accumulator tiles. Like vdpbf16ps, tdpbf16ps flushes
+// denormals, which FP8 inputs never produce (see gemm_cpu_avx512.cpp), and
+// accumulates exact products in fp32.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "gemm_cpu.h"
+
+#define TL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+namespace tl {
+namespace cpu {
+namespace gemm {
+namespace {
+
+constexpr int kTile = 16;     // rows of every tile; also fp32 columns of a C tile
+constexpr int kTileK = 32;    // bf16 k values per A-tile row / per B tile
+constexpr int kMr = 2 * kTile;
+constexpr int kNr = 2 * kTile;
+
+bool amx_supported_and_permitted() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+  if (!amx_bf16 || !amx_tile) return false;
+  // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// A panel: [k block of 32][row r][32 bf16]. Row-major sources copy decoded
+// row segments; column-major ones write each decoded column across the rows.
+void pack_a_amx(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
+  const int64_t blocks = (kc + kTileK - 1) / kTileK;
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  alignas(64) uint16_t tmp[1024 + kTileK];
+  for (int64_t p0 = 0; p0 < rows; p0 += r, out += blocks * r * kTileK) {
+    const int64_t n = std::min<int64_t>(r, rows - p0);
+    const Operand panel{src.data + p0 * src.row_stride, src.row_stride, src.col_stride, src.dtype};
+    if (src.col_stride == 1) {
+      for (int64_t i = 0; i < r; ++i) {
+        if (i < n) {
+          decode_row_bf16(panel, i, kc, tmp);
+        } else {
+          std::memset(tmp, 0, blocks * kTileK * sizeof(uint16_t));
+        }
+        for (int64_t b = 0; b < blocks; ++b) {
+          std::memcpy(out + (b * r + i) * kTileK, tmp + b * kTileK, kTileK * sizeof(uint16_t));
+        }
+      }
+      continue;
+    }
+    std::memset(out, 0, blocks * r * kTileK * sizeof(uint16_t));
+    for (int64_t k = 0; k < kc; ++k) {
+      decode_column_bf16(panel, n, k, tmp);
+      uint16_t* col = out + (k / kTileK) * r * kTileK + k % kTileK;
+      for (int64_t i = 0; i < n; ++i) col[i * kTileK] = tmp[i];
+    }
+  }
+}
+
+// B panel: bf16 pairs padded to whole 32-k tiles.
+void pack_b_amx(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
+  pack_bf16_pairs_padded(src, rows, kc, r, (kc + kTileK - 1) / kTileK * (kTileK / 2), dst);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Loaded before each run of micro-kernel calls: other code on the thread
+// (e.g. oneDNN) may have configured the tiles its own way.
+TL_AMX_TARGET void configure_tiles() {
+  // Static storage: GCC 12 drops stores to a local config as dead before ldtilecfg.
+  static const TileConfig config = [] {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kTile;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+TL_AMX_TARGET void micro_amx(int64_t kc, const void* a_packed, const void* b_packed,
+                             const float* c_in, int64_t ldc_in, float* c_out, int64_t ldc_out) {
+  const int64_t in_stride = ldc_in * sizeof(float), out_stride = ldc_out * sizeof(float);
+  if (c_in) {
+    _tile_loadd(4, c_in, in_stride);
+    _tile_loadd(5, c_in + kTile, in_stride);
+    _tile_loadd(6, c_in + kTile * ldc_in, in_stride);
+    _tile_loadd(7, c_in + kTile * ldc_in + kTile, in_stride);
+  } else {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  const uint8_t* a = static_cast<const uint8_t*>(a_packed);
+  const uint8_t* b = static_cast<const uint8_t*>(b_packed);
+  constexpr int64_t kARow = kTileK * 2, kBRow = kNr * 4;  // bytes per tile row in the panels
+  const int64_t blocks = (kc + kTileK - 1) / kTileK;
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kMr * kARow, b += (kTileK / 2) * kBRow) {
+    _tile_loadd(0, a, kARow);
+    _tile_loadd(1, a + kTile * kARow, kARow);
+    _tile_loadd(2, b, kBRow);
+    _tile_loadd(3, b + 64, kBRow);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c_out, out_stride);
+  _tile_stored(5, c_out + kTile, out_stride);
+  _tile_stored(6, c_out + kTile * ldc_out, out_stride);
+  _tile_stored(7, c_out + kTile * ldc_out + kTile, out_stride);
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool available = amx_supported_and_permitted();
+  const char* env = std::getenv("TL_CPU_AMX");
+  return available && !(env && std::strcmp(env, "0") == 0);
+}
+
+KernelSet amx_kernels() {
+  return KernelSet{kMr, kNr, kTileK, 2, 1024, 256, 2048, pack_a_amx, pack_b_amx, micro_amx, configure_tiles};
+}
+
+}  // namespace gemm
+}  // namespace cpu
+}  // namespace tl
