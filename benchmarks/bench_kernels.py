@@ -47,24 +47,38 @@ QUICK_GEMM = [(256, 256, 256), (512, 512, 512)]
 ROW_LENGTH = 4096  # quantize inputs are (n / 4096, 4096) matrices
 
 
-def timeit(fn: Callable[[], object], repeats: int, warmup: int, budget_s: float = 20.0) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` calls.
-
-    The first warmup call sets how many repeats fit in ``budget_s``, so slow
-    baselines still finish (with at least one timed call).
-    """
+def time_slow(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Median seconds of a possibly very slow function: one call decides whether to repeat."""
     start = time.perf_counter()
     fn()
     first = time.perf_counter() - start
+    if first > budget_s / 2:
+        return first
+    return measure({"fn": fn}, repeats, 1, budget_s)["fn"][0]
+
+
+def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, budget_s: float = 20.0) -> dict:
+    """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls.
+
+    Calls are interleaved round-robin, so on a shared machine every candidate
+    sees the same background load and their ratios stay meaningful. The first
+    warmup round sets how many rounds fit in ``budget_s`` (at least one).
+    """
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    first = time.perf_counter() - start
     for _ in range(warmup - 1):
-        fn()
+        for fn in fns.values():
+            fn()
     repeats = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -100,20 +114,30 @@ def bench_quantize(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
         for n in sizes:
             x = torch.randn(n // ROW_LENGTH, ROW_LENGTH).to(dtype)
             copy_dst = torch.empty_like(x)
-            t_copy = timeit(lambda: copy_dst.copy_(x), repeats, warmup)
-            copy_gbs = 2 * x.numel() * x.element_size() / t_copy / 1e9
             for name, ours, call_ref, ref_fn, nbytes in _quantize_cases(x):
                 if name not in compiled:
                     compiled[name] = torch.compile(ref_fn)
-                t_ours = timeit(ours, repeats, warmup)
-                t_eager = timeit(lambda: call_ref(ref_fn), repeats, warmup)
-                t_comp = timeit(lambda: call_ref(compiled[name]), repeats, warmup)
+                t = measure(
+                    {
+                        "ours": ours,
+                        "eager": lambda: call_ref(ref_fn),
+                        "compiled": lambda: call_ref(compiled[name]),
+                        "memcpy": lambda: copy_dst.copy_(x),
+                    },
+                    repeats,
+                    warmup,
+                )
+                copy_bytes = 2 * x.numel() * x.element_size()
+                gbs = {k: (copy_bytes if k == "memcpy" else nbytes) / v[0] / 1e9 for k, v in t.items()}
+                best_gbs = {k: (copy_bytes if k == "memcpy" else nbytes) / v[1] / 1e9 for k, v in t.items()}
                 rows.append({
                     "op": name, "dtype": str(dtype).removeprefix("torch."), "numel": n,
-                    "ours_gbs": nbytes / t_ours / 1e9, "eager_gbs": nbytes / t_eager / 1e9,
-                    "compiled_gbs": nbytes / t_comp / 1e9, "memcpy_gbs": copy_gbs,
-                    "ours_ms": t_ours * 1e3, "vs_eager": t_eager / t_ours, "vs_compiled": t_comp / t_ours,
-                    "of_memcpy": nbytes / t_ours / 1e9 / copy_gbs,
+                    **{f"{k}_gbs": v for k, v in gbs.items()},
+                    "ours_ms": t["ours"][0] * 1e3,
+                    "vs_eager": t["eager"][0] / t["ours"][0],
+                    "vs_compiled": t["compiled"][0] / t["ours"][0],
+                    "of_memcpy": gbs["ours"] / gbs["memcpy"],
+                    "best_of": {f"{k}_gbs": v for k, v in best_gbs.items()},
                 })
                 print_quantize_row(rows[-1])
     return rows
@@ -152,13 +176,17 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
         b, sb, _ = ops.quantize_current(torch.randn(n, k), E4M3)
         a_hp, b_hp = ref.dequantize(a, sa, torch.float32), ref.dequantize(b, sb, torch.float32)
         flop = 2.0 * m * n * k
-        t_ours = timeit(lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32), repeats, warmup)
-        t_mm = timeit(lambda: torch.mm(a_hp, b_hp.t()), repeats, warmup)
+        t = measure(
+            {"ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32), "mm": lambda: torch.mm(a_hp, b_hp.t())},
+            repeats,
+            warmup,
+        )
+        t_ours, t_mm = t["ours"][0], t["mm"][0]
         row = {"m": m, "n": n, "k": k, "ours_gflops": flop / t_ours / 1e9, "mm_fp32_gflops": flop / t_mm / 1e9}
         # One call of torch._scaled_mm is timed first at the smallest shape; larger
         # shapes are timed only if that rate predicts a call under slow_call_s.
         if scaled_rate is None or flop / (scaled_rate * 1e9) <= slow_call_s:
-            t_scaled = timeit(lambda: _scaled_mm_cpu(a, sa, b, sb), repeats, 1, budget_s=slow_call_s)
+            t_scaled = time_slow(lambda: _scaled_mm_cpu(a, sa, b, sb), repeats, slow_call_s)
             scaled_rate, probe = flop / t_scaled / 1e9, m
             row["scaled_mm_gflops"] = scaled_rate
         else:
@@ -207,6 +235,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_isa": _C.cpu_isa(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": "median of interleaved calls; best_of: minimum",
+        # Other work on a shared machine slows every candidate alike, but
+        # absolute numbers are only as good as this.
+        "loadavg_before": os.getloadavg(),
     }
     print(f"# {result['command']}\n# torch {result['torch']}, {result['torch_threads']} threads, isa {result['cpu_isa']}")
     if args.only in (None, "quantize"):
@@ -221,6 +253,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tag = args.tag or (result["host"] + ("_quick" if args.quick else ""))
     path = args.json or Path(__file__).resolve().parent / "results" / f"kernels_{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    result["loadavg_after"] = os.getloadavg()
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
     return result
