@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "transformer_linear/dispatch.h"
@@ -23,7 +24,7 @@ namespace cpu {
 namespace avx512 {
 namespace {
 
-constexpr int64_t kTile = 64;  // transpose tile edge, as the generic path
+constexpr int64_t kTile = 64;  // rows per stripe of the cast+transpose
 
 __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
