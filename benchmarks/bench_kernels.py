@@ -15,6 +15,10 @@ Usage::
     python benchmarks/bench_kernels.py                 # everything
     python benchmarks/bench_kernels.py --quick         # small sizes (CI smoke)
     python benchmarks/bench_kernels.py --only quantize --json out.json
+    python benchmarks/bench_kernels.py --threads 1 --tag 1thread   # per-core numbers
+
+On a machine shared with other work, one thread per op is spared the
+OpenMP barrier waits that a busy core imposes on a two-thread region.
 """
 
 from __future__ import annotations
@@ -222,9 +226,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--tag", default=None, help="name for the default JSON path (default: host name)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--slow-call-s", type=float, default=5.0, help="longest torch._scaled_mm call to time")
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 10)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     result = {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
