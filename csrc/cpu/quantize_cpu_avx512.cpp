@@ -14,6 +14,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "transformer_linear/dispatch.h"
 
@@ -22,7 +24,7 @@ namespace cpu {
 namespace avx512 {
 namespace {
 
-constexpr int64_t kTile = 64;  // transpose tile edge, as the generic path
+constexpr int64_t kTile = 64;  // rows per stripe of the cast+transpose
 
 __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
@@ -192,47 +194,36 @@ inline void transpose16x16(__m128i* rows) {
   }
 }
 
-// Cast each row of a tile with the vector cast into an L1 buffer (and q),
-// then write the buffer out transposed, 16x16 blocks at a time.
+// Rows are cast in 64-row stripes with the contiguous cast (into q, or a
+// scratch stripe when only qt is wanted); the stripe, still in L2, is then
+// written out transposed in 16x16 blocks.
 template <typename In, typename Out>
 float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, float scale,
                           int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
-  alignas(64) uint8_t tile[kTile][kTile];
-  __m512i acc = _mm512_setzero_si512();
-  const __m512 sc = _mm512_set1_ps(scale);
+  std::vector<uint8_t> scratch(q == nullptr ? static_cast<size_t>(kTile * cols) : 0);
+  float amax = 0.0f;
   for (int64_t rb = r0; rb < r1; rb += kTile) {
     const int64_t nr = std::min(r1, rb + kTile) - rb;
-    for (int64_t cb = 0; cb < cols; cb += kTile) {
-      const int64_t nc = std::min(cols, cb + kTile) - cb;
-      for (int64_t r = 0; r < nr; ++r) {
-        const typename In::storage* src = x + (rb + r) * cols + cb;
-        for (int64_t c = 0; c < nc; c += 16) {
-          const __mmask16 m = tail_mask(std::min<int64_t>(16, nc - c));
-          const __m512 v = load_hp<In>(src + c, m);
-          acc = _mm512_max_epu32(acc, abs_bits(v));
-          const __m128i b = to_fp8<Out>(v, sc);
-          _mm_mask_storeu_epi8(&tile[r][c], m, b);
-          if (q != nullptr) _mm_mask_storeu_epi8(q + (rb + r) * cols + cb + c, m, b);
-        }
-      }
-      // Whole 16x16 blocks even at the edges: rows past nr hold stale bytes
-      // that the masked stores leave out.
+    uint8_t* stripe = q != nullptr ? q + rb * cols : scratch.data();
+    amax = fp8::amax_update(amax, cast_range<In, Out, true, false>(x + rb * cols, stripe, scale, 0, nr * cols));
+    for (int64_t c = 0; c < cols; c += 16) {
+      const int64_t nc = std::min<int64_t>(16, cols - c);
+      const __mmask16 col_mask = tail_mask(nc);
       for (int64_t r = 0; r < nr; r += 16) {
-        const __mmask16 m = tail_mask(std::min<int64_t>(16, nr - r));
-        for (int64_t c = 0; c < nc; c += 16) {
-          __m128i block[16];
-          for (int i = 0; i < 16; ++i) {
-            block[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(&tile[r + i][c]));
-          }
-          transpose16x16(block);
-          for (int64_t j = 0; j < std::min<int64_t>(16, nc - c); ++j) {
-            _mm_mask_storeu_epi8(qt + (cb + c + j) * rows + rb + r, m, block[j]);
-          }
+        const int64_t nrows = std::min<int64_t>(16, nr - r);
+        __m128i block[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, stripe + (r + i) * cols + c)
+                               : _mm_setzero_si128();
+        }
+        transpose16x16(block);
+        for (int64_t j = 0; j < nc; ++j) {
+          _mm_mask_storeu_epi8(qt + (c + j) * rows + rb + r, tail_mask(nrows), block[j]);
         }
       }
     }
   }
-  return fp8::float_of(_mm512_reduce_max_epu32(acc));
+  return amax;
 }
 
 // --- dequantize -------------------------------------------------------------

@@ -1,0 +1,270 @@
+"""Kernel benchmarks: quantize family and FP8 GEMM against named baselines, in one run.
+
+Quantize rows (current scaling, cast+transpose, dequantize) compare
+``transformer_linear.ops`` with ``transformer_linear.reference`` run eagerly and
+under ``torch.compile``, and with a plain copy of the input bytes (``copy_``
+into a preallocated tensor). GB/s counts the bytes an op must move once:
+input read + output written (a copy: 2x the input bytes).
+
+GEMM rows compare ``ops.fp8_gemm`` with ``torch.mm`` in fp32 on the
+already-dequantized operands and with ``torch._scaled_mm`` (CPU), which is
+timed only where one call fits in ``--slow-call-s``.
+
+Usage::
+
+    python benchmarks/bench_kernels.py                 # everything
+    python benchmarks/bench_kernels.py --quick         # small sizes (CI smoke)
+    python benchmarks/bench_kernels.py --only quantize --json out.json
+    python benchmarks/bench_kernels.py --threads 1 --tag 1thread   # per-core numbers
+
+On a machine shared with other work, one thread per op is spared the
+OpenMP barrier waits that a busy core imposes on a two-thread region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from transformer_linear import _C, ops
+from transformer_linear import reference as ref
+
+E4M3 = torch.float8_e4m3fn
+MIB = 2**20
+QUANTIZE_SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
+QUICK_QUANTIZE_SIZES = [256 * 1024, 1 * MIB]
+GEMM_SQUARE = [512, 1024, 2048, 4096]
+GEMM_LLM = [(2048, 4096, 4096), (2048, 11008, 4096), (2048, 4096, 11008)]  # M x N x K
+QUICK_GEMM = [(256, 256, 256), (512, 512, 512)]
+ROW_LENGTH = 4096  # quantize inputs are (n / 4096, 4096) matrices
+
+
+def time_slow(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Median seconds of a possibly very slow function: one call decides whether to repeat."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    if first > budget_s / 2:
+        return first
+    return measure({"fn": fn}, repeats, 1, budget_s)["fn"][0]
+
+
+def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, budget_s: float = 20.0) -> dict:
+    """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls.
+
+    Calls are interleaved round-robin, so on a shared machine every candidate
+    sees the same background load and their ratios stay meaningful. The first
+    warmup round sets how many rounds fit in ``budget_s`` (at least one).
+    """
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        for fn in fns.values():
+            fn()
+    repeats = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------
+# Quantize family
+# ---------------------------------------------------------------------------
+
+
+def _ref_cast_transpose(x: torch.Tensor, scale: torch.Tensor):
+    q, scale_inv = ref.quantize(x, scale, E4M3)
+    return q, ref.transpose_2d(q), scale_inv
+
+
+def _quantize_cases(x: torch.Tensor):
+    """(name, ours, reference fn, bytes moved) for each quantize-family op on ``x``."""
+    n = x.numel()
+    in_bytes = n * x.element_size()
+    scale = torch.ones(1)
+    q, scale_inv, _ = ops.quantize_current(x, E4M3)
+    return [
+        ("quantize_current", lambda: ops.quantize_current(x, E4M3), lambda f: f(x, E4M3),
+         ref.quantize_current, in_bytes + n),
+        ("cast+transpose", lambda: ops.quantize_fused(x, E4M3, scale, columnwise=True),
+         lambda f: f(x, scale), _ref_cast_transpose, in_bytes + 2 * n),
+        ("dequantize", lambda: ops.dequantize(q, scale_inv, x.dtype), lambda f: f(q, scale_inv, x.dtype),
+         ref.dequantize, n + in_bytes),
+    ]
+
+
+def bench_quantize(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
+    rows = []
+    compiled = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            x = torch.randn(n // ROW_LENGTH, ROW_LENGTH).to(dtype)
+            copy_dst = torch.empty_like(x)
+            for name, ours, call_ref, ref_fn, nbytes in _quantize_cases(x):
+                if name not in compiled:
+                    compiled[name] = torch.compile(ref_fn)
+                t = measure(
+                    {
+                        "ours": ours,
+                        "eager": lambda: call_ref(ref_fn),
+                        "compiled": lambda: call_ref(compiled[name]),
+                        "memcpy": lambda: copy_dst.copy_(x),
+                    },
+                    repeats,
+                    warmup,
+                )
+                copy_bytes = 2 * x.numel() * x.element_size()
+                gbs = {k: (copy_bytes if k == "memcpy" else nbytes) / v[0] / 1e9 for k, v in t.items()}
+                best_gbs = {k: (copy_bytes if k == "memcpy" else nbytes) / v[1] / 1e9 for k, v in t.items()}
+                rows.append({
+                    "op": name, "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                    **{f"{k}_gbs": v for k, v in gbs.items()},
+                    "ours_ms": t["ours"][0] * 1e3,
+                    "vs_eager": t["eager"][0] / t["ours"][0],
+                    "vs_compiled": t["compiled"][0] / t["ours"][0],
+                    "of_memcpy": gbs["ours"] / gbs["memcpy"],
+                    "best_of": {f"{k}_gbs": v for k, v in best_gbs.items()},
+                })
+                print_quantize_row(rows[-1])
+    return rows
+
+
+QUANTIZE_HEADER = (
+    f"{'op':<17}{'dtype':<10}{'numel':>10}{'ours GB/s':>11}{'eager':>8}{'compiled':>10}{'memcpy':>8}"
+    f"{'x eager':>9}{'x compiled':>12}{'of memcpy':>11}"
+)
+
+
+def print_quantize_row(r: dict) -> None:
+    print(
+        f"{r['op']:<17}{r['dtype']:<10}{r['numel']:>10}{r['ours_gbs']:>11.1f}{r['eager_gbs']:>8.1f}"
+        f"{r['compiled_gbs']:>10.1f}{r['memcpy_gbs']:>8.1f}{r['vs_eager']:>9.2f}{r['vs_compiled']:>12.2f}"
+        f"{r['of_memcpy']:>10.0%}",
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------
+# GEMM
+# ---------------------------------------------------------------------------
+
+
+def _scaled_mm_cpu(a, sa, b, sb):
+    return torch._scaled_mm(a, b.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=torch.float32)
+
+
+def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, slow_call_s: float) -> list[dict]:
+    rows = []
+    scaled_rate: Optional[float] = None  # GFLOP/s of torch._scaled_mm at the probe size
+    probe = 0
+    for m, n, k in shapes:
+        a, sa, _ = ops.quantize_current(torch.randn(m, k), E4M3)
+        b, sb, _ = ops.quantize_current(torch.randn(n, k), E4M3)
+        a_hp, b_hp = ref.dequantize(a, sa, torch.float32), ref.dequantize(b, sb, torch.float32)
+        flop = 2.0 * m * n * k
+        t = measure(
+            {"ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32), "mm": lambda: torch.mm(a_hp, b_hp.t())},
+            repeats,
+            warmup,
+        )
+        t_ours, t_mm = t["ours"][0], t["mm"][0]
+        row = {"m": m, "n": n, "k": k, "ours_gflops": flop / t_ours / 1e9, "mm_fp32_gflops": flop / t_mm / 1e9}
+        # One call of torch._scaled_mm is timed first at the smallest shape; larger
+        # shapes are timed only if that rate predicts a call under slow_call_s.
+        if scaled_rate is None or flop / (scaled_rate * 1e9) <= slow_call_s:
+            t_scaled = time_slow(lambda: _scaled_mm_cpu(a, sa, b, sb), repeats, slow_call_s)
+            scaled_rate, probe = flop / t_scaled / 1e9, m
+            row["scaled_mm_gflops"] = scaled_rate
+        else:
+            row["scaled_mm_skipped"] = f"too slow: {scaled_rate:.3g} GFLOP/s at {probe}"
+        row["vs_mm_fp32"] = row["ours_gflops"] / row["mm_fp32_gflops"]
+        if "scaled_mm_gflops" in row:
+            row["vs_scaled_mm"] = row["ours_gflops"] / row["scaled_mm_gflops"]
+        rows.append(row)
+        print_gemm_row(row)
+    return rows
+
+
+GEMM_HEADER = f"{'M x N x K':<22}{'ours GFLOP/s':>14}{'mm fp32':>10}{'_scaled_mm':>12}{'x mm fp32':>11}{'x _scaled_mm':>14}"
+
+
+def print_gemm_row(r: dict) -> None:
+    shape = f"{r['m']}x{r['n']}x{r['k']}"
+    if "scaled_mm_gflops" in r:
+        scaled, ratio = f"{r['scaled_mm_gflops']:>12.3g}", f"{r['vs_scaled_mm']:>14.1f}"
+    else:
+        scaled, ratio = f"  skipped ({r['scaled_mm_skipped']})", ""
+    print(f"{shape:<22}{r['ours_gflops']:>14.1f}{r['mm_fp32_gflops']:>10.1f}{scaled}{r['vs_mm_fp32']:>11.2f}{ratio}", flush=True)
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes only (CI smoke test)")
+    parser.add_argument("--only", choices=["quantize", "gemm"], help="run one part")
+    parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/kernels_<tag>.json)")
+    parser.add_argument("--tag", default=None, help="name for the default JSON path (default: host name)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--slow-call-s", type=float, default=5.0, help="longest torch._scaled_mm call to time")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 10)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    result = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "host": socket.gethostname(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_isa": _C.cpu_isa(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": "median of interleaved calls; best_of: minimum",
+        # Other work on a shared machine slows every candidate alike, but
+        # absolute numbers are only as good as this.
+        "loadavg_before": os.getloadavg(),
+    }
+    print(f"# {result['command']}\n# torch {result['torch']}, {result['torch_threads']} threads, isa {result['cpu_isa']}")
+    if args.only in (None, "quantize"):
+        print("\n" + QUANTIZE_HEADER)
+        sizes = QUICK_QUANTIZE_SIZES if args.quick else QUANTIZE_SIZES
+        result["quantize"] = bench_quantize(sizes, repeats, args.warmup)
+    if args.only in (None, "gemm"):
+        print("\n" + GEMM_HEADER)
+        shapes = QUICK_GEMM if args.quick else [(s, s, s) for s in GEMM_SQUARE] + GEMM_LLM
+        result["gemm"] = bench_gemm(shapes, repeats, args.warmup, args.slow_call_s)
+
+    tag = args.tag or (result["host"] + ("_quick" if args.quick else ""))
+    path = args.json or Path(__file__).resolve().parent / "results" / f"kernels_{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["loadavg_after"] = os.getloadavg()
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
