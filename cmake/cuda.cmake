@@ -22,7 +22,8 @@ function(tl_find_cublaslt)
   if(DEFINED ENV{TL_CUBLAS_ROOT})
     list(APPEND roots "$ENV{TL_CUBLAS_ROOT}")
   endif()
-  get_filename_component(nvcc_dir "${CMAKE_CUDA_COMPILER}" DIRECTORY)
+  get_filename_component(nvcc_real "${CMAKE_CUDA_COMPILER}" REALPATH)
+  get_filename_component(nvcc_dir "${nvcc_real}" DIRECTORY)
   list(APPEND roots "${nvcc_dir}/.." "/usr/local/cuda")
   # The nvidia-cublas wheel (what PyTorch's CUDA wheels install): nvidia/cu13
   # for CUDA 13, nvidia/cublas for CUDA 12. `nvidia` is a namespace package.
@@ -82,14 +83,16 @@ if(TL_CUDA STREQUAL "1" OR TL_CUDA STREQUAL "ON" OR TL_CUDA STREQUAL "auto")
     if(NOT CMAKE_CUDA_COMPILER)
       message(STATUS "transformer_linear: no CUDA compiler found; building the CPU kernels only")
     else()
-      message(STATUS "transformer_linear: nvcc found but no cuBLASLt (install nvidia-cublas or set "
-                     "TL_CUBLAS_ROOT); building the CPU kernels only. TL_CUDA=1 makes this an error.")
+      message(STATUS "transformer_linear: nvcc found but no cuBLASLt (pip install nvidia-cublas and "
+                     "build with --no-build-isolation, or set TL_CUBLAS_ROOT); building the CPU kernels "
+                     "only. TL_CUDA=1 makes this an error.")
     endif()
   elseif(NOT CMAKE_CUDA_COMPILER)
     message(FATAL_ERROR "TL_CUDA=1 but no CUDA compiler was found (put nvcc on PATH or set CUDACXX)")
   else()
-    message(FATAL_ERROR "TL_CUDA=1 but cuBLASLt was not found: `pip install nvidia-cublas` or set "
-                        "TL_CUBLAS_ROOT to a folder with include/cublasLt.h and lib/libcublasLt.so*")
+    message(FATAL_ERROR "TL_CUDA=1 but cuBLASLt was not found: `pip install nvidia-cublas` and build "
+                        "with --no-build-isolation, or set TL_CUBLAS_ROOT to a folder with "
+                        "include/cublasLt.h and lib/libcublasLt.so*")
   endif()
 endif()
 message(STATUS "transformer_linear: CUDA kernels ${TL_WITH_CUDA}")

@@ -2,7 +2,6 @@
 // facts, block reductions, vector memory access.
 #pragma once
 
-#include <cublas_api.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -12,9 +11,6 @@
 
 namespace tl {
 namespace cuda {
-
-/*! \brief Readable name of a cuBLAS status (cublasGetStatusName without linking libcublas). */
-const char* cublas_status_name(cublasStatus_t status);
 
 /*! \brief Makes `device` current for the scope; restores the previous device after. */
 class DeviceGuard {
@@ -42,7 +38,7 @@ int sm_count();
 int sm_version();
 
 /*! \brief Blocks for a grid-stride loop over `work` items of `threads` each. */
-inline unsigned grid_for(int64_t work, int threads, int blocks_per_sm = 4) {
+inline unsigned grid_for(int64_t work, int threads, int blocks_per_sm = 8) {
   const int64_t needed = (work + threads - 1) / threads;
   const int64_t cap = static_cast<int64_t>(sm_count()) * blocks_per_sm;
   return static_cast<unsigned>(needed < 1 ? 1 : (needed < cap ? needed : cap));

@@ -155,8 +155,14 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
     const cublasStatus_t status =
         cublasLtMatmulAlgoGetHeuristic(handle(), raw_desc, a_layout.get(), b_layout.get(), d_layout.get(),
                                        d_layout.get(), raw_pref, 1, &result, &found);
-    if (status == CUBLAS_STATUS_SUCCESS && found > 0) algo = result.algo;
-    else if (status != CUBLAS_STATUS_NOT_SUPPORTED) TL_CHECK_CUBLAS(status);
+    // NOT_SUPPORTED / INVALID_VALUE here mean "no FP8 kernel for this
+    // combination" (e.g. a bias type): the tiled kernel takes it.
+    if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+      algo = result.algo;
+    } else if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED &&
+               status != CUBLAS_STATUS_INVALID_VALUE) {
+      TL_CHECK_CUBLAS(status);
+    }
     std::lock_guard<std::mutex> lock(algo_mutex);
     algo_cache.emplace(key, algo);
     if (!algo) return false;
