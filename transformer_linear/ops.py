@@ -121,10 +121,10 @@ def _quantize_op(
     columnwise: bool,
     dbias_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _cuda_fallback.active(x):
-        return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
     op = "quantize"
     q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
+    if _cuda_fallback.active(x):
+        return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
     current = scale is None
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
     scale_arg = _scalar(x) if current else scale
