@@ -1,5 +1,5 @@
-// Device helpers shared by the CUDA kernel files, and the launchers one
-// kernel file offers the others. Element math comes from fp8_math.h /
+// Device helpers shared by the CUDA kernel files (the launchers they offer
+// each other are in launchers.h). Element math comes from fp8_math.h /
 // element_types.h, as on the CPU.
 #pragma once
 
