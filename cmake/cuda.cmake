@@ -13,8 +13,9 @@ set(TL_CUDA_ARCHS "" CACHE STRING "CUDA architectures (default: 89;90a;100a wher
 set(TL_CUBLAS_ROOT "" CACHE PATH "Folder holding include/cublasLt.h and lib/libcublasLt.so*")
 
 # Sets TL_CUBLASLT_INCLUDE, TL_CUBLASLT_LIBRARY and TL_CUBLASLT_RPATH (a list
-# of run-time search folders), or leaves TL_CUBLASLT_LIBRARY empty.
-function(tl_find_cublaslt)
+# of run-time search folders), or leaves TL_CUBLASLT_LIBRARY empty. `nvcc`
+# locates the toolkit.
+function(tl_find_cublaslt nvcc)
   set(roots)
   if(TL_CUBLAS_ROOT)
     list(APPEND roots "${TL_CUBLAS_ROOT}")
@@ -22,7 +23,7 @@ function(tl_find_cublaslt)
   if(DEFINED ENV{TL_CUBLAS_ROOT})
     list(APPEND roots "$ENV{TL_CUBLAS_ROOT}")
   endif()
-  get_filename_component(nvcc_real "${CMAKE_CUDA_COMPILER}" REALPATH)
+  get_filename_component(nvcc_real "${nvcc}" REALPATH)
   get_filename_component(nvcc_dir "${nvcc_real}" DIRECTORY)
   list(APPEND roots "${nvcc_dir}/.." "/usr/local/cuda")
   # The nvidia-cublas wheel (what PyTorch's CUDA wheels install): nvidia/cu13
@@ -73,22 +74,37 @@ endfunction()
 
 set(TL_WITH_CUDA OFF)
 if(TL_CUDA STREQUAL "1" OR TL_CUDA STREQUAL "ON" OR TL_CUDA STREQUAL "auto")
-  check_language(CUDA)
-  if(CMAKE_CUDA_COMPILER)
-    tl_find_cublaslt()
+  # cuBLASLt first: check_language compiles a test project (seconds), which a
+  # CPU machine that merely has nvcc should not pay for.
+  if(DEFINED ENV{CUDACXX})
+    set(tl_nvcc "$ENV{CUDACXX}")
+  else()
+    find_program(tl_nvcc nvcc PATHS /usr/local/cuda/bin NO_CACHE)
   endif()
-  if(CMAKE_CUDA_COMPILER AND TL_CUBLASLT_LIBRARY)
+  if(tl_nvcc)
+    tl_find_cublaslt("${tl_nvcc}")
+  endif()
+  set(have_nvcc OFF)
+  if(tl_nvcc AND (TL_CUBLASLT_LIBRARY OR NOT TL_CUDA STREQUAL "auto"))
+    check_language(CUDA)
+    if(CMAKE_CUDA_COMPILER)
+      set(have_nvcc ON)
+    endif()
+  elseif(tl_nvcc)
+    set(have_nvcc ON)  # not test-compiled: without cuBLASLt `auto` stops here anyway
+  endif()
+  if(have_nvcc AND TL_CUBLASLT_LIBRARY)
     set(TL_WITH_CUDA ON)
   elseif(TL_CUDA STREQUAL "auto")
-    if(NOT CMAKE_CUDA_COMPILER)
+    if(NOT have_nvcc)
       message(STATUS "transformer_linear: no CUDA compiler found; building the CPU kernels only")
     else()
       message(STATUS "transformer_linear: nvcc found but no cuBLASLt (pip install nvidia-cublas and "
                      "build with --no-build-isolation, or set TL_CUBLAS_ROOT); building the CPU kernels "
                      "only. TL_CUDA=1 makes this an error.")
     endif()
-  elseif(NOT CMAKE_CUDA_COMPILER)
-    message(FATAL_ERROR "TL_CUDA=1 but no CUDA compiler was found (put nvcc on PATH or set CUDACXX)")
+  elseif(NOT have_nvcc)
+    message(FATAL_ERROR "TL_CUDA=1 but no working CUDA compiler was found (put nvcc on PATH or set CUDACXX)")
   else()
     message(FATAL_ERROR "TL_CUDA=1 but cuBLASLt was not found: `pip install nvidia-cublas` and build "
                         "with --no-build-isolation, or set TL_CUBLAS_ROOT to a folder with "
