@@ -1,8 +1,10 @@
 """Build script: drives CMake (Ninja) to build the ``transformer_linear._C`` module.
 
 Environment switches:
-  TL_CUDA=auto|0|1       compile the CUDA kernels (auto: when nvcc is found).
-  TL_CUDA_ARCHS="89;90a" CUDA architectures (default chosen by CMakeLists.txt).
+  TL_CUDA=auto|0|1       compile the CUDA kernels (auto: when nvcc and cuBLASLt are found).
+  TL_CUDA_ARCHS="89;90a" CUDA architectures (default chosen by cmake/cuda.cmake).
+  TL_CUBLAS_ROOT=DIR     cuBLASLt's include/ and lib/ (default: the CUDA toolkit, then the
+                         nvidia-cublas wheel of the building Python: use --no-build-isolation).
   TL_BUILD_TYPE=Release  CMake build type (Release unless asked).
   CMAKE_ARGS             extra arguments passed to CMake verbatim.
   CMAKE_BUILD_PARALLEL_LEVEL  parallel build jobs.

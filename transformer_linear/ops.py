@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from transformer_linear import _C
+from transformer_linear import _C, _cuda_fallback
 from transformer_linear._tensor import desc, stream_for
 from transformer_linear.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 
@@ -84,6 +84,8 @@ def _transposed_shape(x: torch.Tensor) -> tuple[int, int]:
 
 @torch.library.custom_op("transformer_linear::amax", mutates_args=())
 def _amax_op(x: torch.Tensor) -> torch.Tensor:
+    if _cuda_fallback.active(x):
+        return _cuda_fallback.amax(x)
     out = torch.empty((), dtype=torch.float32, device=x.device)
     _C.amax(desc(x, "amax", "input"), desc(out, "amax", "amax"), stream_for(x))
     return out
@@ -121,6 +123,8 @@ def _quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "quantize"
     q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
+    if _cuda_fallback.active(x):
+        return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
     current = scale is None
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
     scale_arg = _scalar(x) if current else scale
@@ -237,6 +241,8 @@ def quantize_current(
 @torch.library.custom_op("transformer_linear::dequantize", mutates_args=())
 def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    if _cuda_fallback.active(q):
+        return _cuda_fallback.dequantize(q, scale_inv, out_dtype)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     op = "dequantize"
     _C.dequantize(desc(q, op, "input"), desc(scale_inv, op, "scale_inv"), desc(out, op, "output"), stream_for(q))
@@ -298,6 +304,8 @@ def _fp8_gemm_op(
     use_split_accumulator: bool,
 ) -> torch.Tensor:
     _check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    if _cuda_fallback.active(a):
+        return _cuda_fallback.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
     out = torch.empty(_gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
     return out
@@ -318,6 +326,8 @@ def _fp8_gemm_accumulate_op(
     out: torch.Tensor,
     use_split_accumulator: bool,
 ) -> None:
+    if _cuda_fallback.active(a):
+        return _cuda_fallback.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
 
 

@@ -1,0 +1,197 @@
+// CUDA FP8 GEMM: cuBLASLt where its FP8 path applies, else the tiled kernel of
+// gemm_fallback_cuda.cu. Never an error for a valid shape.
+//
+// Layout. D (M, N) row-major = A (M, K) @ B (N, K)^T. In cuBLAS's column-major
+// terms the same memory is D^T (N x M) = B (N x K) @ A^T (K x M), so cuBLAS's
+// "A" is our B with op T and its "B" is our A with op N: the "TN" layout that
+// FP8 needs on sm_89 / sm_90, reached when both our operands are K-contiguous.
+#include <cublasLt.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+#include "cuda_utils.h"
+#include "launchers.h"
+
+namespace tl {
+namespace cuda {
+namespace {
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
+    case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// One handle per thread and device. Handles are leaked on purpose: destroying
+// them from thread_local destructors at process exit can run after the CUDA
+// runtime has been torn down.
+cublasLtHandle_t handle() {
+  thread_local std::unordered_map<int, cublasLtHandle_t> handles;
+  int device = 0;
+  TL_CHECK_CUDA(cudaGetDevice(&device));
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  TL_CHECK_CUBLAS(cublasLtCreate(&h));
+  handles.emplace(device, h);
+  return h;
+}
+
+// Largest power of two (<= 256) dividing the address: what the heuristic must
+// assume of each buffer.
+uint32_t alignment_of(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && !aligned(p, static_cast<int>(a))) a >>= 1;
+  return a;
+}
+
+// What cuBLASLt's FP8 matmul accepts on every FP8-capable GPU (sm_89+).
+bool cublaslt_eligible(const GemmParams& p) {
+  const bool both_e5m2 = p.a.dtype == DType::kFloat8E5M2 && p.b.dtype == DType::kFloat8E5M2;
+  const bool k_major = p.a_col == 1 && p.b_col == 1;
+  const bool dims16 = p.m % 16 == 0 && p.n % 16 == 0 && p.k % 16 == 0 && p.k > 0;
+  const bool ld16 = p.a_row % 16 == 0 && p.b_row % 16 == 0;
+  const bool aligned16 = aligned(p.a.data, 16) && aligned(p.b.data, 16) && aligned(p.d.data, 16) &&
+                         (!p.bias.defined() || aligned(p.bias.data, 16));
+  return !both_e5m2 && k_major && dims16 && ld16 && aligned16 && sm_version() >= 89;
+}
+
+template <typename T, cublasStatus_t (*Destroy)(T)>
+struct LtDeleter {
+  void operator()(T p) const { Destroy(p); }
+};
+using MatmulDesc = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>,
+                                   LtDeleter<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>>;
+using Layout = std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>,
+                               LtDeleter<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>>;
+using Preference = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                                   LtDeleter<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>>;
+
+Layout make_layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
+  cublasLtMatrixLayout_t l = nullptr;
+  TL_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
+  return Layout(l);
+}
+
+template <typename V>
+void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
+  TL_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+// Heuristic results per problem: the same key always describes the same
+// descriptors, so the first answer is reused (nullopt: cuBLASLt has none).
+using AlgoKey = std::array<int64_t, 17>;
+std::mutex algo_mutex;
+std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algo_cache;
+
+// Runs the GEMM through cuBLASLt; false when cuBLASLt declines the problem.
+bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
+  const bool has_bias = p.bias.defined();
+  const bool fast_accum = !p.use_split_accumulator;
+  const cudaDataType_t d_type = cuda_type(p.d.dtype);
+  void* workspace = p.workspace.defined() ? p.workspace.data : nullptr;
+  const uint64_t workspace_bytes = p.workspace.defined() ? static_cast<uint64_t>(p.workspace.numel()) : 0;
+
+  cublasLtMatmulDesc_t raw_desc = nullptr;
+  TL_CHECK_CUBLAS(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MatmulDesc desc(raw_desc);
+  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  // Fast accumulation keeps partial sums in the tensor cores' reduced
+  // precision; split accumulation promotes them to fp32 (dgrad / wgrad).
+  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum));
+  // Device pointers: the scales are never read on the host.
+  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(p.b_scale_inv.data));
+  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(p.a_scale_inv.data));
+  if (has_bias) {
+    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(p.bias.data));
+    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(p.bias.dtype));
+  }
+  const Layout a_layout = make_layout(cuda_type(p.b.dtype), p.k, p.n, p.b_row);
+  const Layout b_layout = make_layout(cuda_type(p.a.dtype), p.k, p.m, p.a_row);
+  const Layout d_layout = make_layout(d_type, p.n, p.m, p.n);
+
+  int device = 0;
+  TL_CHECK_CUDA(cudaGetDevice(&device));
+  const uint32_t align_a = alignment_of(p.b.data), align_b = alignment_of(p.a.data);
+  const uint32_t align_d = alignment_of(p.d.data);
+  const AlgoKey key = {device, p.m, p.n, p.k, p.a_row, p.b_row, static_cast<int64_t>(p.a.dtype),
+                       static_cast<int64_t>(p.b.dtype), static_cast<int64_t>(p.d.dtype), has_bias,
+                       p.accumulate, fast_accum, static_cast<int64_t>(workspace_bytes), align_a,
+                       align_b, align_d, has_bias ? alignment_of(p.bias.data) : 0};
+  std::optional<cublasLtMatmulAlgo_t> algo;
+  {
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    auto it = algo_cache.find(key);
+    if (it != algo_cache.end()) {
+      if (!it->second) return false;
+      algo = it->second;
+    }
+  }
+  if (!algo) {
+    cublasLtMatmulPreference_t raw_pref = nullptr;
+    TL_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_pref));
+    Preference pref(raw_pref);
+    auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value) {
+      TL_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &value, sizeof(value)));
+    };
+    set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
+    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(handle(), raw_desc, a_layout.get(), b_layout.get(), d_layout.get(),
+                                       d_layout.get(), raw_pref, 1, &result, &found);
+    // NOT_SUPPORTED / INVALID_VALUE here mean "no FP8 kernel for this
+    // combination" (e.g. a bias type): the tiled kernel takes it.
+    if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+      algo = result.algo;
+    } else if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED &&
+               status != CUBLAS_STATUS_INVALID_VALUE) {
+      TL_CHECK_CUBLAS(status);
+    }
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    algo_cache.emplace(key, algo);
+    if (!algo) return false;
+  }
+
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;  // C is D itself: wgrad accumulates into main_grad
+  const cublasStatus_t status =
+      cublasLtMatmul(handle(), raw_desc, &alpha, p.b.data, a_layout.get(), p.a.data, b_layout.get(),
+                     &beta, p.d.data, d_layout.get(), p.d.data, d_layout.get(), &*algo, workspace,
+                     workspace_bytes, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    std::lock_guard<std::mutex> lock(algo_mutex);
+    algo_cache[key] = std::nullopt;
+    return false;
+  }
+  TL_CHECK_CUBLAS(status);
+  return true;
+}
+
+}  // namespace
+
+void fp8_gemm(const GemmParams& p) {
+  if (p.m == 0 || p.n == 0) return;
+  DeviceGuard guard(p.a.device_index);
+  const cudaStream_t stream = to_stream(p.stream);
+  if (cublaslt_eligible(p) && run_cublaslt(p, stream)) return;
+  fp8_gemm_fallback(p, stream);
+}
+
+}  // namespace cuda
+}  // namespace tl

@@ -1,0 +1,113 @@
+// The FP8 GEMM for what cuBLASLt's FP8 path does not take: GPUs below sm_89,
+// e5m2 x e5m2, column-major operands, dimensions or leading dimensions that
+// are not multiples of 16, misaligned pointers, K == 0. Correct for every
+// shape, not fast: a 64 x 64 shared-memory tile per block, 4 x 4 outputs per
+// thread, FP8 decoded on load with the shared element math, fp32 FMA
+// accumulation. Same epilogue as the CPU kernel: acc * alpha [+ bias] [+ D].
+#include "kernels.cuh"
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cuda {
+namespace {
+
+constexpr int kBM = 64;  // output rows per block
+constexpr int kBN = 64;  // output columns per block
+constexpr int kBK = 16;  // K per shared-memory stage
+constexpr int kSide = 16;  // threads per block side: 16 x 16 threads, 4 x 4 outputs each
+constexpr int kGemmThreads = kSide * kSide;
+
+// Loads a (rows_in_tile x kBK) slice of an operand into smem[k][row], reading
+// along whichever dimension is contiguous so that neighbouring threads read
+// neighbouring bytes.
+template <typename Tag, int kRows>
+__device__ __forceinline__ void load_tile(float (*smem)[kRows + 1], const uint8_t* __restrict__ src,
+                                          int64_t row0, int64_t k0, int64_t rows, int64_t k,
+                                          int64_t row_stride, int64_t k_stride) {
+  constexpr int kElems = kRows * kBK / kGemmThreads;
+#pragma unroll
+  for (int l = 0; l < kElems; ++l) {
+    const int e = threadIdx.x + l * kGemmThreads;
+    const bool k_contiguous = k_stride == 1;
+    const int kk = k_contiguous ? e % kBK : e / kRows;
+    const int rr = k_contiguous ? e / kBK : e % kRows;
+    const int64_t r = row0 + rr, p = k0 + kk;
+    smem[kk][rr] = (r < rows && p < k) ? Tag::load(src[r * row_stride + p * k_stride]) : 0.0f;
+  }
+}
+
+template <typename A, typename B, typename Out>
+__global__ void __launch_bounds__(kGemmThreads)
+    gemm_kernel(const uint8_t* __restrict__ a, const uint8_t* __restrict__ b,
+                const float* __restrict__ a_scale_inv, const float* __restrict__ b_scale_inv,
+                const typename Out::storage* __restrict__ bias, typename Out::storage* d, int64_t m,
+                int64_t n, int64_t k, int64_t a_row, int64_t a_col, int64_t b_row, int64_t b_col,
+                bool accumulate) {
+  __shared__ float as[kBK][kBM + 1];
+  __shared__ float bs[kBK][kBN + 1];
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kBM;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBN;
+  const int tx = threadIdx.x % kSide;  // output columns tx + 16 j: coalesced stores
+  const int ty = threadIdx.x / kSide;  // output rows ty + 16 i
+  float acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < k; k0 += kBK) {
+    load_tile<A, kBM>(as, a, m0, k0, m, k, a_row, a_col);
+    load_tile<B, kBN>(bs, b, n0, k0, n, k, b_row, b_col);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; ++kk) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = as[kk][ty + kSide * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bv[j] = bs[kk][tx + kSide * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+  const float alpha = *a_scale_inv * *b_scale_inv;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = m0 + ty + kSide * i;
+    if (r >= m) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c = n0 + tx + kSide * j;
+      if (c >= n) continue;
+      float v = acc[i][j] * alpha;
+      if (bias != nullptr) v = v + Out::load(bias[c]);
+      if (accumulate) v = Out::load(d[r * n + c]) + v;
+      d[r * n + c] = Out::store(v);
+    }
+  }
+}
+
+}  // namespace
+
+void fp8_gemm_fallback(const GemmParams& p, cudaStream_t stream) {
+  const int64_t m_tiles = (p.m + kBM - 1) / kBM;
+  const int64_t n_tiles = (p.n + kBN - 1) / kBN;
+  TL_CHECK(n_tiles <= 65535, "fp8_gemm: N = ", p.n, " exceeds the fallback kernel's limit of ",
+           65535 * kBN);
+  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
+  dispatch_fp8(p.a.dtype, "fp8_gemm: argument 'a'", [&](auto a_tag) {
+    dispatch_fp8(p.b.dtype, "fp8_gemm: argument 'b'", [&](auto b_tag) {
+      dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'", [&](auto out_tag) {
+        using Out = decltype(out_tag);
+        using T = typename Out::storage;
+        gemm_kernel<decltype(a_tag), decltype(b_tag), Out><<<grid, kGemmThreads, 0, stream>>>(
+            p.a.ptr<uint8_t>(), p.b.ptr<uint8_t>(), p.a_scale_inv.ptr<float>(),
+            p.b_scale_inv.ptr<float>(), p.bias.defined() ? p.bias.ptr<T>() : nullptr, p.d.ptr<T>(),
+            p.m, p.n, p.k, p.a_row, p.a_col, p.b_row, p.b_col, p.accumulate);
+        TL_CHECK_CUDA_LAUNCH();
+      });
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace tl
