@@ -161,7 +161,11 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
         dx = torch.mm(a.grad_output, a.weight.to(a.grad_output.dtype)).to(a.dgrad_dtype)
     else:
         w_t = layout.transposed(a.weight)
-        dx = ops.fp8_gemm(a.grad_output, a.grad_output_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype)
+        # Gradients take the split (fp32-promoted) accumulator, as TE does; the
+        # forward GEMM keeps the faster default.
+        dx = ops.fp8_gemm(
+            a.grad_output, a.grad_output_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True
+        )
     return dx.reshape(a.input_shape)
 
 
@@ -182,7 +186,7 @@ def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     if a.inp_scale_inv is None:
         g_t = layout.transposed(a.grad_output_t)
         return torch.mm(g_t, a.inp.to(g_t.dtype)).to(a.wgrad_dtype)
-    return ops.fp8_gemm(*_wgrad_operands(a), a.wgrad_dtype)
+    return ops.fp8_gemm(*_wgrad_operands(a), a.wgrad_dtype, use_split_accumulator=True)
 
 
 def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -43,15 +43,25 @@ def sqnr_bars(report: "CompareReport", path: Path) -> Path:
 
 
 def loss_curves(report: "TrainReport", path: Path) -> Path:
+    """Left: every run's loss. Right: each recipe's loss relative to the reference, in percent."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    ref = report.loss_curves[report.reference]
     for name, curve in report.loss_curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, label=name, linewidth=1.2)
+        steps = range(1, len(curve) + 1)
+        ax.plot(steps, curve, label=name, linewidth=1.2)
+        if name != report.reference:
+            gap_ax.plot(steps, [100.0 * (c - r) / r for c, r in zip(curve, ref)], label=name, linewidth=1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("FP8 recipes vs reference: training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_title("training loss")
+    gap_ax.axhline(0.0, color="black", linewidth=0.8)
+    gap_ax.set_xlabel("step")
+    gap_ax.set_ylabel("% vs reference")
+    gap_ax.set_title(f"loss relative to {report.reference} (lower is better)")
+    for a in (ax, gap_ax):
+        a.grid(alpha=0.3)
+        a.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

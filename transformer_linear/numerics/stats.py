@@ -55,7 +55,7 @@ def range_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float
     Returns:
         ``{"amax", "scale", "underflow", "saturation"}``: underflow is the
         fraction of non-zero elements that the cast flushes to zero;
-        saturation the fraction whose scaled magnitude reaches the format's
+        saturation the fraction whose scaled magnitude exceeds the format's
         max (they are clamped there).
     """
     x = x.detach().float()
@@ -66,7 +66,8 @@ def range_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float
     q, _ = reference.quantize(x, scale_t, dtype)
     nonzero = x != 0
     underflow = ((q.float() == 0) & nonzero).sum().item() / n
-    saturation = ((x * scale_t).abs() >= reference.fp8_max(dtype)).sum().item() / n
+    # Strictly beyond: the amax element itself lands exactly on max under current scaling.
+    saturation = ((x * scale_t).abs() > reference.fp8_max(dtype)).sum().item() / n
     return {
         "amax": float(reference.amax(x)),
         "scale": float(scale_t),
