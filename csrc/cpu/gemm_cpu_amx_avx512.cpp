@@ -142,7 +142,7 @@ bool amx_usable() {
 }
 
 KernelSet amx_kernels() {
-  return KernelSet{kMr, kNr, kTileK, 2, 1024, 256, 2048, pack_a_amx, pack_b_amx, micro_amx, configure_tiles};
+  return KernelSet{kMr, kNr, kTileK, 2, 512, 256, 2048, pack_a_amx, pack_b_amx, micro_amx, configure_tiles};
 }
 
 }  // namespace gemm
