@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.tolerances import assert_close_to_reference
+from tolerances import assert_close_to_reference
 from transformer_linear import _C, ops, reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -58,6 +58,16 @@ def _check_margin(op: str, margin: int) -> None:
         raise ValueError(f"{op}: argument 'margin' must be an integer in [0, 127), got {margin!r}")
 
 
+def _check_tensor(op: str, name: str, t: object, like: Optional[torch.Tensor] = None) -> None:
+    """Type and device checks that must run before dispatch: the dispatcher reports
+    a non-tensor as a RuntimeError, and a 'meta' argument routes a CPU call to the
+    fake implementation, which would return uninitialized tensors."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if like is not None and t.device != like.device:
+        raise TypeError(f"{op}: argument '{name}' must be on {like.device} like the input, got {t.device}")
+
+
 def _scalar(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=like.device)
 
@@ -90,6 +100,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
     """
+    _check_tensor("amax", "input", x)
     return _amax_op(x)
 
 
@@ -125,7 +136,7 @@ def _quantize_op(
         margin,
         stream_for(x),
     )
-    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+    return q, q_t, scale_inv, x_amax, dbias
 
 
 def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
@@ -143,13 +154,12 @@ def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
         if dbias_dtype is not None
         else x.new_empty(0, dtype=torch.float32)
     )
-    return q, q_t, x.new_empty(1, dtype=torch.float32), x.new_empty(1, dtype=torch.float32), dbias
+    return q, q_t, x.new_empty(1, dtype=torch.float32), x.new_empty((), dtype=torch.float32), dbias
 
 
 @_quantize_op.register_fake
 def _(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
-    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
-    return q, q_t, scale_inv, x_amax.reshape(()), dbias
+    return _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
 
 
 class QuantizeOutput(NamedTuple):
@@ -189,6 +199,10 @@ def quantize_fused(
         columnwise: produce ``data_t`` (the fused cast + transpose).
         dbias_dtype: produce ``dbias`` in this dtype.
     """
+    _check_tensor("quantize", "input", x)
+    if scale is not None:
+        _check_tensor("quantize", "scale", scale, like=x)
+    _check_fp8_dtype("quantize", "dtype", dtype)
     _check_margin("quantize", margin)
     return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
 
@@ -237,6 +251,9 @@ def _(q, scale_inv, out_dtype):
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
+    _check_tensor("dequantize", "input", q)
+    _check_tensor("dequantize", "scale_inv", scale_inv, like=q)
+    _check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return _dequantize_op(q, scale_inv, out_dtype)
 
 
