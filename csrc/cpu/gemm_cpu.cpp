@@ -141,6 +141,12 @@ void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, 
   }
 }
 
+// The view of `op` starting at (row, k).
+Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
+  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
+                 op.dtype};
+}
+
 // How the M x (panels of one NC block) work of one KC pass is split among threads.
 struct Partition {
   int64_t mc;        // rows of A per block (a multiple of mr)
@@ -188,8 +194,10 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   }
   const int64_t kc_max = std::min(ks.kc, k);
   AlignedBuffer b_buffer, scratch_buffer;
-  uint8_t* b_packed = static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
-  float* scratch = multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
+  uint8_t* b_packed =
+      static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
+  float* scratch =
+      multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
 
@@ -203,9 +211,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
       parallel_for(b_panels, 4, [&](int64_t q0, int64_t q1) {
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t j = jc + q * ks.nr;
-          const Operand src{b_op.data + j * b_op.row_stride + pc * b_op.col_stride, b_op.row_stride,
-                            b_op.col_stride, b_op.dtype};
-          ks.pack_b(src, std::min<int64_t>(ks.nr, n - j), kb, ks.nr, b_packed + q * b_panel_bytes);
+          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
+                    b_packed + q * b_panel_bytes);
         }
       });
 
@@ -213,15 +220,14 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
       const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
       parallel_for(part.m_blocks * part.n_splits, 1, [&](int64_t w0, int64_t w1) {
         thread_local AlignedBuffer a_buffer;
-        uint8_t* a_packed = static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
+        uint8_t* a_packed =
+            static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
         alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
         for (int64_t w = w0; w < w1; ++w) {
           const int64_t ic = (w / part.n_splits) * part.mc;
           const int64_t split = w % part.n_splits;
           const int64_t mb = std::min(part.mc, m - ic);
-          const Operand src{a_op.data + ic * a_op.row_stride + pc * a_op.col_stride, a_op.row_stride,
-                            a_op.col_stride, a_op.dtype};
-          ks.pack_a(src, mb, kb, ks.mr, a_packed);
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
           const int64_t q_begin = split * b_panels / part.n_splits;
           const int64_t q_end = (split + 1) * b_panels / part.n_splits;
@@ -236,7 +242,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
                        first ? nullptr : partial, nc, out, last ? ks.nr : nc);
               if (last) {
                 store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
-                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j,
+                                n);
               }
             }
           }
@@ -261,7 +268,8 @@ const uint16_t* fp8_magnitude_bf16_table(DType dtype) {
 }
 
 KernelSet generic_kernels() {
-  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, pack_generic, micro_generic};
+  return KernelSet{kGenericMr,   kGenericNr, 1, 4, 256, 128, 1024,
+                   pack_generic, pack_generic, micro_generic};
 }
 
 }  // namespace gemm

@@ -27,7 +27,7 @@ __mmask32 prefix_mask32(int64_t n) {
   return n >= 32 ? ~__mmask32{0} : (n <= 0 ? 0 : static_cast<__mmask32>((1u << n) - 1));
 }
 __mmask16 prefix_mask16(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : (n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1));
+  return static_cast<__mmask16>(prefix_mask32(std::min<int64_t>(n, 16)));
 }
 
 class Decoder {
@@ -99,7 +99,8 @@ void decode_row_block(const Decoder& dec, const Operand& src, int64_t i0, int64_
 
 }  // namespace
 
-// kpack = 2 (bf16 pairs): panel dword [g * r + i] = (bf16(src[i, 2g + 1]) << 16) | bf16(src[i, 2g]).
+// kpack = 2 (bf16 pairs):
+//   panel dword [g * r + i] = (bf16(src[i, 2g + 1]) << 16) | bf16(src[i, 2g]).
 void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r, int64_t groups,
                             void* dst) {
   const Decoder dec(src.dtype);
@@ -134,7 +135,8 @@ void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r,
         for (int half = 0; half < 2; ++half) {
           const __m512i pairs =
               _mm512_or_si512(widen_half(even, half), _mm512_slli_epi32(widen_half(odd, half), 16));
-          _mm512_mask_storeu_epi32(out + g * r + i0 + 16 * half, prefix_mask16(r - i0 - 16 * half), pairs);
+          _mm512_mask_storeu_epi32(out + g * r + i0 + 16 * half, prefix_mask16(r - i0 - 16 * half),
+                                   pairs);
         }
       }
     }
