@@ -11,6 +11,8 @@
 //
 // Every FP8 value and every product of two is exact in fp32 (and FP8 values
 // in bf16), so all paths compute the same function up to summation order.
+// Paths (cpu::current_isa()): generic (portable C++, below), avx512 (fp32 FMA
+// micro-kernel), avx512_bf16 (AMX tiles where present, else vdpbf16ps).
 #include "gemm_cpu.h"
 
 #include <algorithm>
