@@ -174,7 +174,11 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int64_t m = p.m, n = p.n, k = p.k;
-  const int threads = get_num_threads();
+  // Tiny products (tens of microseconds) run on one thread: waking the
+  // others would cost more than it saves.
+  constexpr double kMinParallelFlops = 1 << 22;
+  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
+  const int threads = serial ? 1 : get_num_threads();
 
   if (k == 0) {  // empty product: D = epilogue(0)
     std::vector<float> zeros(n, 0.0f);
@@ -210,7 +214,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
       const int64_t kb = std::min(ks.kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-      parallel_for(b_panels, 4, [&](int64_t q0, int64_t q1) {
+      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t j = jc + q * ks.nr;
           ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
@@ -220,7 +224,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
 
       const Partition part = partition(ks, m, b_panels, threads);
       const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
-      parallel_for(part.m_blocks * part.n_splits, 1, [&](int64_t w0, int64_t w1) {
+      const int64_t work_items = part.m_blocks * part.n_splits;
+      parallel_for(work_items, serial ? work_items : 1, [&](int64_t w0, int64_t w1) {
         thread_local AlignedBuffer a_buffer;
         uint8_t* a_packed =
             static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
