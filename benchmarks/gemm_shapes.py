@@ -6,12 +6,13 @@ where cheap enough, ``torch._scaled_mm`` (very slow on the CPU, so only timed
 up to ``--scaled-mm-max`` FLOPs). Prints GFLOP/s and the ratios.
 
     python benchmarks/gemm_shapes.py                      # squares + LLM shapes
-    python benchmarks/gemm_shapes.py --shapes 2048x2048x2048 --isa avx512_bf16 avx512
+    python benchmarks/gemm_shapes.py --shapes 2048x2048x2048 --isa avx512_bf16 avx512_bf16_no_amx avx512
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Callable, List, Tuple
 
@@ -43,7 +44,10 @@ def parse_shape(text: str) -> Tuple[int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", type=parse_shape, help="MxNxK shapes (default: squares + LLM)")
-    parser.add_argument("--isa", nargs="*", default=["auto"], help="CPU paths to time (set_cpu_isa names)")
+    parser.add_argument(
+        "--isa", nargs="*", default=["auto"],
+        help="CPU paths to time: set_cpu_isa names, or avx512_bf16_no_amx for vdpbf16ps without AMX tiles",
+    )
     parser.add_argument("--scaled-mm-max", type=float, default=2 * 512**3, help="largest FLOPs for _scaled_mm")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -52,7 +56,7 @@ def main() -> None:
     shapes = args.shapes or [(s, s, s) for s in SQUARES] + LLM_SHAPES
     one = torch.ones(1)
     print(f"threads={torch.get_num_threads()}")
-    print(f"{'M x N x K':>20} {'path':>12} {'fp8 GF/s':>9} {'mm GF/s':>8} {'vs mm':>6} {'smm GF/s':>9} {'vs smm':>7}")
+    print(f"{'M x N x K':>20} {'path':>18} {'fp8 GF/s':>9} {'mm GF/s':>8} {'vs mm':>6} {'smm GF/s':>9} {'vs smm':>7}")
     for m, n, k in shapes:
         flops = 2.0 * m * n * k
         a = torch.randn(m, k).to(torch.float8_e4m3fn)
@@ -65,10 +69,12 @@ def main() -> None:
                 lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32), max_reps=3
             ) / 1e9
         for isa in args.isa:
-            _C.set_cpu_isa(isa)
-            path = _C.cpu_isa()
+            no_amx = isa.endswith("_no_amx")
+            os.environ["TL_CPU_AMX"] = "0" if no_amx else "1"
+            _C.set_cpu_isa(isa.removesuffix("_no_amx"))
+            path = _C.cpu_isa() + ("-no-amx" if no_amx else "")
             fp8 = flops / best_time(lambda: ops.fp8_gemm(a, one, b, one, torch.float32)) / 1e9
-            print(f"{f'{m}x{n}x{k}':>20} {path:>12} {fp8:9.1f} {mm:8.1f} {fp8 / mm:6.2f} {smm:9.2f} {fp8 / smm:7.1f}")
+            print(f"{f'{m}x{n}x{k}':>20} {path:>18} {fp8:9.1f} {mm:8.1f} {fp8 / mm:6.2f} {smm:9.2f} {fp8 / smm:7.1f}")
         _C.set_cpu_isa("auto")
 
 

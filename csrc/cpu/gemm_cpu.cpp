@@ -11,6 +11,8 @@
 //
 // Every FP8 value and every product of two is exact in fp32 (and FP8 values
 // in bf16), so all paths compute the same function up to summation order.
+// Paths (cpu::current_isa()): generic (portable C++, below), avx512 (fp32 FMA
+// micro-kernel), avx512_bf16 (AMX tiles where present, else vdpbf16ps).
 #include "gemm_cpu.h"
 
 #include <algorithm>
@@ -141,6 +143,12 @@ void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, 
   }
 }
 
+// The view of `op` starting at (row, k).
+Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
+  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
+                 op.dtype};
+}
+
 // How the M x (panels of one NC block) work of one KC pass is split among threads.
 struct Partition {
   int64_t mc;        // rows of A per block (a multiple of mr)
@@ -166,7 +174,11 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int64_t m = p.m, n = p.n, k = p.k;
-  const int threads = get_num_threads();
+  // Tiny products (tens of microseconds) run on one thread: waking the
+  // others would cost more than it saves.
+  constexpr double kMinParallelFlops = 1 << 22;
+  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
+  const int threads = serial ? 1 : get_num_threads();
 
   if (k == 0) {  // empty product: D = epilogue(0)
     std::vector<float> zeros(n, 0.0f);
@@ -188,8 +200,10 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   }
   const int64_t kc_max = std::min(ks.kc, k);
   AlignedBuffer b_buffer, scratch_buffer;
-  uint8_t* b_packed = static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
-  float* scratch = multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
+  uint8_t* b_packed =
+      static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
+  float* scratch =
+      multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
 
@@ -200,28 +214,27 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
       const int64_t kb = std::min(ks.kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-      parallel_for(b_panels, 4, [&](int64_t q0, int64_t q1) {
+      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t j = jc + q * ks.nr;
-          const Operand src{b_op.data + j * b_op.row_stride + pc * b_op.col_stride, b_op.row_stride,
-                            b_op.col_stride, b_op.dtype};
-          ks.pack_b(src, std::min<int64_t>(ks.nr, n - j), kb, ks.nr, b_packed + q * b_panel_bytes);
+          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
+                    b_packed + q * b_panel_bytes);
         }
       });
 
       const Partition part = partition(ks, m, b_panels, threads);
       const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
-      parallel_for(part.m_blocks * part.n_splits, 1, [&](int64_t w0, int64_t w1) {
+      const int64_t work_items = part.m_blocks * part.n_splits;
+      parallel_for(work_items, serial ? work_items : 1, [&](int64_t w0, int64_t w1) {
         thread_local AlignedBuffer a_buffer;
-        uint8_t* a_packed = static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
+        uint8_t* a_packed =
+            static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
         alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
         for (int64_t w = w0; w < w1; ++w) {
           const int64_t ic = (w / part.n_splits) * part.mc;
           const int64_t split = w % part.n_splits;
           const int64_t mb = std::min(part.mc, m - ic);
-          const Operand src{a_op.data + ic * a_op.row_stride + pc * a_op.col_stride, a_op.row_stride,
-                            a_op.col_stride, a_op.dtype};
-          ks.pack_a(src, mb, kb, ks.mr, a_packed);
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
           const int64_t q_begin = split * b_panels / part.n_splits;
           const int64_t q_end = (split + 1) * b_panels / part.n_splits;
@@ -236,7 +249,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
                        first ? nullptr : partial, nc, out, last ? ks.nr : nc);
               if (last) {
                 store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
-                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j,
+                                n);
               }
             }
           }
@@ -261,7 +275,8 @@ const uint16_t* fp8_magnitude_bf16_table(DType dtype) {
 }
 
 KernelSet generic_kernels() {
-  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, pack_generic, micro_generic};
+  return KernelSet{kGenericMr,   kGenericNr, 1, 4, 256, 128, 1024,
+                   pack_generic, pack_generic, micro_generic};
 }
 
 }  // namespace gemm

@@ -81,12 +81,8 @@ KernelSet amx_kernels();
 void pack_bf16_pairs_padded(const Operand& src, int64_t rows, int64_t kc, int r, int64_t groups,
                             void* dst);
 
-/*! \brief bf16 bits of src[i, 0:kc] for a row-major (col_stride 1) operand, zero-padded to 32. */
-void decode_row_bf16(const Operand& src, int64_t i, int64_t kc, uint16_t* out);
-
-/*! \brief bf16 bits of src[0:rows, k] for a column-major (row_stride 1) operand, rows <= 32;
- *         out holds 32 words, zero past rows. */
-void decode_column_bf16(const Operand& src, int64_t rows, int64_t k, uint16_t* out);
+/*! \brief Pack bf16 with kpack = 32: each panel row holds 32 consecutive k (an AMX A-tile row). */
+void pack_bf16_k32(const Operand& src, int64_t rows, int64_t kc, int r, void* dst);
 
 }  // namespace gemm
 }  // namespace cpu

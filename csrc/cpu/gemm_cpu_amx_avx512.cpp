@@ -13,7 +13,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -39,37 +38,6 @@ bool amx_supported_and_permitted() {
   // Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-// A panel: [k block of 32][row r][32 bf16]. Row-major sources copy decoded
-// row segments; column-major ones write each decoded column across the rows.
-void pack_a_amx(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
-  const int64_t blocks = (kc + kTileK - 1) / kTileK;
-  uint16_t* out = static_cast<uint16_t*>(dst);
-  alignas(64) uint16_t tmp[1024 + kTileK];
-  for (int64_t p0 = 0; p0 < rows; p0 += r, out += blocks * r * kTileK) {
-    const int64_t n = std::min<int64_t>(r, rows - p0);
-    const Operand panel{src.data + p0 * src.row_stride, src.row_stride, src.col_stride, src.dtype};
-    if (src.col_stride == 1) {
-      for (int64_t i = 0; i < r; ++i) {
-        if (i < n) {
-          decode_row_bf16(panel, i, kc, tmp);
-        } else {
-          std::memset(tmp, 0, blocks * kTileK * sizeof(uint16_t));
-        }
-        for (int64_t b = 0; b < blocks; ++b) {
-          std::memcpy(out + (b * r + i) * kTileK, tmp + b * kTileK, kTileK * sizeof(uint16_t));
-        }
-      }
-      continue;
-    }
-    std::memset(out, 0, blocks * r * kTileK * sizeof(uint16_t));
-    for (int64_t k = 0; k < kc; ++k) {
-      decode_column_bf16(panel, n, k, tmp);
-      uint16_t* col = out + (k / kTileK) * r * kTileK + k % kTileK;
-      for (int64_t i = 0; i < n; ++i) col[i * kTileK] = tmp[i];
-    }
-  }
 }
 
 // B panel: bf16 pairs padded to whole 32-k tiles.
@@ -142,7 +110,8 @@ bool amx_usable() {
 }
 
 KernelSet amx_kernels() {
-  return KernelSet{kMr, kNr, kTileK, 2, 1024, 256, 2048, pack_a_amx, pack_b_amx, micro_amx, configure_tiles};
+  return KernelSet{kMr, kNr, kTileK, 2, 512, 256, 2048,
+                   pack_bf16_k32, pack_b_amx, micro_amx, configure_tiles};
 }
 
 }  // namespace gemm
