@@ -17,3 +17,8 @@ from transformer_linear.convert import convert_to_fp8  # noqa: E402
 from transformer_linear.linear import Linear  # noqa: E402
 
 __all__ += ["Linear", "autocast", "convert_to_fp8", "fp8_autocast", "recipe"]
+
+# "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.
+from transformer_linear import numerics  # noqa: E402
+
+__all__ += ["numerics"]
