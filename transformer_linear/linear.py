@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_linear import distributed
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
 from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, delayed_scaling_update, linear_fwd
@@ -69,6 +70,10 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        # Delayed scaling's amax all-reduce group, as a distributed.py key
+        # (an int, so torch.compile guards on it cheaply): set it with
+        # tl.distributed.set_amax_reduction_group.
+        self.amax_reduction_group = distributed.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
@@ -157,7 +162,14 @@ class Linear(nn.Module):
         out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
         if isinstance(recipe, DelayedScaling):
             delayed_scaling_update(
-                args.amax_history, args.scale, amax, _FWD_COLUMN, args.fwd_dtype, recipe.margin, recipe.amax_compute_algo
+                args.amax_history,
+                args.scale,
+                amax,
+                _FWD_COLUMN,
+                args.fwd_dtype,
+                recipe.margin,
+                recipe.amax_compute_algo,
+                args.amax_reduction_group,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
             t = w_fp8_t if w_fp8_t.numel() else None
@@ -200,6 +212,7 @@ class Linear(nn.Module):
             scale=scale,
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
+            amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,
