@@ -168,13 +168,17 @@ def _ddp_rank(rank, world, name, compile_backend=None):
     fp8_recipe = RECIPES[name]
     batches = _batches(STEPS)
     model = DDP(_mlp(fp8_recipe))
+    if compile_backend is not None:
+        # The module DDP runs, compiled whole: fullgraph fails on any graph
+        # break. (Compiling the DDP object itself also works, but DDP's own
+        # forward wrapper breaks the graph by design, hiding ours.)
+        model.module.compile(backend=compile_backend, fullgraph=True)
     opt = _sgd(model)
-    run = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     torch._dynamo.utils.counters.clear()
     for batch in batches:
-        _step(run, opt, _shard(batch, rank, world))
-    breaks = dict(torch._dynamo.utils.counters["graph_break"])
-    assert not breaks, f"graph breaks: {breaks}"
+        _step(model, opt, _shard(batch, rank, world))
+    if compile_backend is not None:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     _assert_same_on_all_ranks(model.module, f"DDP[{name}]")
     ref = _reference(fp8_recipe, batches, world)
     tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
