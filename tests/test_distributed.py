@@ -271,3 +271,51 @@ class TestFSDP2:
 
     def test_checkpoint_resume_gives_identical_next_step(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------------------
+# tensor parallelism
+# ---------------------------------------------------------------------------
+
+
+def _tp_mlp(fp8_recipe, **kwargs):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    styles = {"0": tl.distributed.ColwiseParallel(), "2": tl.distributed.RowwiseParallel()}
+    return parallelize_module(_mlp(fp8_recipe, **kwargs), mesh, styles)
+
+
+def _tp_rank(rank, world, name):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fp8_recipe = RECIPES[name]
+    batches = _batches(STEPS)
+    model = _tp_mlp(fp8_recipe)
+    assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Shard(1),)
+    assert model[2].bias.placements == (Replicate(),) and isinstance(model[0].bias, DTensor)
+    opt = _sgd(model)
+    for batch in batches:
+        _step(model, opt, batch)  # tensor parallelism: every rank sees the whole batch
+    ref = _reference(fp8_recipe, batches, 1)
+    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
+    _assert_close(model, ref, tol, f"TP[{name}]")
+    if name == "delayed":
+        for (h, s), (h_ref, s_ref) in zip(_fp8_state(model), _fp8_state(ref)):
+            # Shards' amaxes reduced to the whole tensor's: the unsharded layer's scales.
+            assert_bitwise_equal(s, s_ref, "delayed scales vs unsharded")
+
+
+def _tp_rejects_rank(rank, world, option):
+    with pytest.raises(ValueError, match=f"{option}=True, which tensor parallelism does not support"):
+        _tp_mlp(RECIPES["delayed"], **{option: True})
+
+
+class TestTensorParallel:
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_colwise_rowwise_mlp_matches_unsharded(self, name):
+        run_ranks(_tp_rank, name, timeout=TIMEOUT)
+
+    def test_unsupported_wgrad_option_raises_at_wrap_time(self):
+        run_ranks(_tp_rejects_rank, "fuse_wgrad_accumulation", timeout=TIMEOUT)

@@ -28,13 +28,23 @@ A ProcessGroup cannot be an op argument, so the op takes an int key into
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_GROUP", "NO_GROUP", "all_reduce_amax_", "check_fsdp_compatible", "fully_shard", "set_amax_reduction_group"]
+__all__ = [
+    "DEFAULT_GROUP",
+    "NO_GROUP",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "all_reduce_amax_",
+    "check_fsdp_compatible",
+    "fully_shard",
+    "set_amax_reduction_group",
+]
 
 NO_GROUP = -1
 """Key: no amax reduction."""
@@ -102,6 +112,10 @@ def check_fsdp_compatible(model: nn.Module) -> None:
     elsewhere (``fuse_wgrad_accumulation``'s ``main_grad``) would never be
     reduced: the optimizer would silently step on an unreduced or missing gradient.
     """
+    _check_wgrad_options(model, "fully_shard", "FSDP2", "its gradient reduction only sees weight.grad")
+
+
+def _check_wgrad_options(model: nn.Module, where: str, engine: str, why: str) -> None:
     from transformer_linear.linear import Linear
 
     for fqn, module in model.named_modules():
@@ -109,9 +123,8 @@ def check_fsdp_compatible(model: nn.Module) -> None:
             for option in ("delay_wgrad_compute", "fuse_wgrad_accumulation"):
                 if getattr(module, option):
                     raise ValueError(
-                        f"fully_shard: tl.Linear {fqn or '<root>'!r} has {option}=True, which FSDP2 does not support "
-                        "(its gradient reduction only sees weight.grad at the end of backward); "
-                        f"build the layer with {option}=False"
+                        f"{where}: tl.Linear {fqn or '<root>'!r} has {option}=True, which {engine} does not support "
+                        f"({why}); build the layer with {option}=False"
                     )
 
 
@@ -126,3 +139,117 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 
     check_fsdp_compatible(module)
     return torch_fully_shard(module, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# tensor parallelism
+# ---------------------------------------------------------------------------
+
+
+def is_tensor_parallel(weight: Tensor) -> bool:
+    """Whether ``weight`` is a DTensor (a parallelize_module-sharded parameter)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
+
+
+def _local(inp: Tensor, placement: Any) -> Tensor:
+    """The local shard of ``inp`` in ``placement`` (a plain tensor is taken to be that shard already)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(inp, DTensor):
+        return inp.redistribute(placements=[placement]).to_local()
+    return inp
+
+
+def tensor_parallel_forward(module: nn.Module, inp: Tensor, run: Callable[..., Tensor]) -> Tensor:
+    """A sharded ``tl.Linear``'s forward on local shards; returns a DTensor.
+
+    The FP8 custom ops run on plain local tensors (quantize and GEMM see only
+    this rank's shard), and DTensor does the communication around them:
+
+    * column-parallel (weight ``Shard(0)``): replicated input, output sharded
+      on its last dim, no communication;
+    * row-parallel (weight ``Shard(1)``): input sharded on its last dim, partial
+      outputs all-reduced, then the replicated bias added once.
+
+    Under delayed scaling the amax all-reduce (default group) makes every
+    shard's scales those of the whole tensor, as in the unsharded layer.
+
+    Args:
+        module: the ``tl.Linear`` whose parameters are DTensors on a 1-D mesh.
+        inp: the input (DTensor, or a plain tensor already in the local layout).
+        run: ``run(inp, weight, bias) -> out`` on local tensors.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    weight, bias = module.weight, module.bias
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    if placements == (Shard(0),):
+        out = run(_local(inp, Replicate()), weight.to_local(), bias.to_local() if bias is not None else None)
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+    if placements == (Shard(1),):
+        out = run(_local(inp, Shard(inp.dim() - 1)), weight.to_local(), None)
+        out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        return out if bias is None else out.redistribute(placements=[Replicate()]) + bias
+    raise ValueError(
+        f"tl.Linear: tensor parallelism needs the weight sharded Shard(0) (colwise) or Shard(1) (rowwise) "
+        f"on a 1-D mesh, got placements {placements}"
+    )
+
+
+def _styles() -> tuple[type, type]:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel.style import distribute_module
+
+    from transformer_linear.linear import Linear
+
+    def apply(style: Any, base: type, module: nn.Module, device_mesh: Any) -> nn.Module:
+        # torch's styles accept only nn.Linear / nn.Embedding by type; a
+        # tl.Linear has the same parameters, so it is partitioned the same way.
+        if not isinstance(module, Linear):
+            return base._apply(style, module, device_mesh)
+        _check_wgrad_options(module, "parallelize_module", "tensor parallelism", "gradients of sharded weights are DTensors")
+        if base is TorchRowwise:
+            style.desired_input_layouts = (Shard(-1),)
+        module = distribute_module(
+            module,
+            device_mesh,
+            style._partition_linear_fn,
+            partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+        )
+        # distribute_module replicates buffers as DTensors; the delayed-scaling
+        # state stays a plain per-rank tensor (the custom ops take local
+        # tensors), kept identical on all ranks by the amax reduction.
+        for name, buf in module._buffers.items():
+            if buf is not None and is_tensor_parallel(buf):
+                module._buffers[name] = buf.to_local()
+        return module
+
+    class ColwiseParallel(TorchColwise):
+        """``ColwiseParallel`` that also shards ``tl.Linear`` (weight and bias ``Shard(0)``)."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return apply(self, TorchColwise, module, device_mesh)
+
+    class RowwiseParallel(TorchRowwise):
+        """``RowwiseParallel`` that also shards ``tl.Linear`` (weight ``Shard(1)``, bias replicated)."""
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            return apply(self, TorchRowwise, module, device_mesh)
+
+    return ColwiseParallel, RowwiseParallel
+
+
+def __getattr__(name: str) -> Any:
+    # The styles subclass torch's, whose import is heavy: build them on first use.
+    if name in ("ColwiseParallel", "RowwiseParallel"):
+        colwise, rowwise = _styles()
+        globals().update(ColwiseParallel=colwise, RowwiseParallel=rowwise)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
