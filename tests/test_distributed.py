@@ -96,19 +96,30 @@ def _gathered(t):
     return out
 
 
+def _full(t):
+    """The whole tensor of a DTensor (sharded by FSDP2 or tensor parallelism); ``t`` otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _assert_same_on_all_ranks(model, what):
     for name, t in model.state_dict().items():
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        first, *others = _gathered(t.detach())
+        first, *others = _gathered(_full(t).detach())
         for other in others:
             assert_bitwise_equal(other, first, f"{what} {name} across ranks")
 
 
-def _assert_close(model, ref, tol, what):
-    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        err = relative_error(p.detach(), p_ref.detach())
-        assert err <= tol, f"{what} {name}: relative error {err:.3e} vs single process exceeds {tol:.0e}"
+def _assert_matches_reference(model, name, batches, world, what):
+    """``model`` (trained) against the single-process run: parameters within the
+    recipe's tolerance; delayed-scaling state bitwise (the amaxes reduced across
+    ranks are the whole batch's / whole tensor's)."""
+    ref = _reference(RECIPES[name], batches, world)
+    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
+    for (pname, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        err = relative_error(_full(p).detach(), p_ref.detach())
+        assert err <= tol, f"{what} {pname}: relative error {err:.3e} vs single process exceeds {tol:.0e}"
+    for (h, s), (h_ref, s_ref) in zip(_fp8_state(model), _fp8_state(ref)):
+        assert_bitwise_equal(s, s_ref, f"{what} delayed scales vs single process")
+        assert_bitwise_equal(h, h_ref, f"{what} amax history vs single process")
 
 
 def _fp8_state(model):
@@ -180,14 +191,7 @@ def _ddp_rank(rank, world, name, compile_backend=None):
     if compile_backend is not None:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
     _assert_same_on_all_ranks(model.module, f"DDP[{name}]")
-    ref = _reference(fp8_recipe, batches, world)
-    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
-    _assert_close(model.module, ref, tol, f"DDP[{name}]")
-    if name == "delayed":
-        for (h, s), (h_ref, s_ref) in zip(_fp8_state(model.module), _fp8_state(ref)):
-            # Forward amaxes are the whole batch's; grad_output's too (max over rows).
-            assert_bitwise_equal(s, s_ref, "delayed scales vs single process")
-            assert_bitwise_equal(h, h_ref, "amax history vs single process")
+    _assert_matches_reference(model.module, name, batches, world, f"DDP[{name}]")
 
 
 class TestDDP:
@@ -226,9 +230,7 @@ def _fsdp_rank(rank, world, name):
     for batch in batches:
         _step(model, opt, _shard(batch, rank, world))
     _assert_same_on_all_ranks(model, f"FSDP2[{name}]")
-    ref = _reference(fp8_recipe, batches, world)
-    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
-    _assert_close(model, ref, tol, f"FSDP2[{name}]")
+    _assert_matches_reference(model, name, batches, world, f"FSDP2[{name}]")
 
 
 def _fsdp_rejects_rank(rank, world, option):
@@ -255,9 +257,7 @@ def _checkpoint_rank(rank, world, path):
     resumed.load_state_dict(state)
     _step(resumed, _sgd(resumed), _shard(batches[-1], rank, world))
     for (name, t), t_resumed in zip(model.state_dict().items(), resumed.state_dict().values()):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        full_resumed = t_resumed.full_tensor() if hasattr(t_resumed, "full_tensor") else t_resumed
-        assert_bitwise_equal(full_resumed, full, f"resumed {name}")
+        assert_bitwise_equal(_full(t_resumed), _full(t), f"resumed {name}")
 
 
 class TestFSDP2:
@@ -298,13 +298,8 @@ def _tp_rank(rank, world, name):
     opt = _sgd(model)
     for batch in batches:
         _step(model, opt, batch)  # tensor parallelism: every rank sees the whole batch
-    ref = _reference(fp8_recipe, batches, 1)
-    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
-    _assert_close(model, ref, tol, f"TP[{name}]")
-    if name == "delayed":
-        for (h, s), (h_ref, s_ref) in zip(_fp8_state(model), _fp8_state(ref)):
-            # Shards' amaxes reduced to the whole tensor's: the unsharded layer's scales.
-            assert_bitwise_equal(s, s_ref, "delayed scales vs unsharded")
+    _assert_same_on_all_ranks(model, f"TP[{name}]")
+    _assert_matches_reference(model, name, batches, 1, f"TP[{name}]")
 
 
 def _tp_rejects_rank(rank, world, option):

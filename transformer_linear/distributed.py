@@ -1,5 +1,6 @@
-"""``tl.Linear`` with torch.distributed: amax reduction across ranks and the
-checks that keep DDP / FSDP2 / tensor parallelism from going silently wrong.
+"""``tl.Linear`` with torch.distributed: amax reduction across ranks, the
+tensor-parallel styles, and the checks that keep FSDP2 / tensor parallelism
+from going silently wrong.
 
 What is reduced across ranks
 ----------------------------
@@ -34,6 +35,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor as _DTensor
+else:  # builds without distributed support
+    _DTensor = None
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -148,11 +154,7 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 
 def is_tensor_parallel(weight: Tensor) -> bool:
     """Whether ``weight`` is a DTensor (a parallelize_module-sharded parameter)."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(weight, DTensor)
+    return _DTensor is not None and isinstance(weight, _DTensor)
 
 
 def _local(inp: Tensor, placement: Any) -> Tensor:
