@@ -14,12 +14,14 @@ tensors, and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_linear import distributed
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
 from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, delayed_scaling_update, linear_fwd
@@ -69,6 +71,10 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        # Delayed scaling's amax all-reduce group, as a distributed.py key
+        # (an int, so torch.compile guards on it cheaply): set it with
+        # tl.distributed.set_amax_reduction_group.
+        self.amax_reduction_group = distributed.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
@@ -148,23 +154,46 @@ class Linear(nn.Module):
             raise ValueError(
                 f"Linear: argument 'inp' must have shape (..., {self.in_features}), got {list(inp.shape)}"
             )
+        if distributed.is_tensor_parallel(self.weight):
+            # parallelize_module made the parameters DTensors: run on the local shards.
+            return distributed.tensor_parallel_forward(self, inp, functools.partial(self._forward, is_first_microbatch))
+        return self._forward(is_first_microbatch, inp, self.weight, self.bias)
+
+    def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """The forward with explicit (possibly local-shard) parameters."""
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
-            return F.linear(inp, self.weight, self.bias)
+            return F.linear(inp, weight, bias)
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
-        args = self._fwd_args(inp, recipe, is_first_microbatch)
+        args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
         out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
         if isinstance(recipe, DelayedScaling):
             delayed_scaling_update(
-                args.amax_history, args.scale, amax, _FWD_COLUMN, args.fwd_dtype, recipe.margin, recipe.amax_compute_algo
+                args.amax_history,
+                args.scale,
+                amax,
+                _FWD_COLUMN,
+                args.fwd_dtype,
+                recipe.margin,
+                recipe.amax_compute_algo,
+                args.amax_reduction_group,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
             t = w_fp8_t if w_fp8_t.numel() else None
             self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
         return out
 
-    def _fwd_args(self, inp: Tensor, recipe: Optional[Recipe], is_first_microbatch: Optional[bool]) -> LinearFwdArgs:
+    def _fwd_args(
+        self,
+        inp: Tensor,
+        recipe: Optional[Recipe],
+        is_first_microbatch: Optional[bool],
+        weight: Optional[Tensor] = None,
+        bias: Optional[Tensor] = None,
+    ) -> LinearFwdArgs:
+        if weight is None:
+            weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
         device_type = inp.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else inp.dtype
@@ -174,15 +203,15 @@ class Linear(nn.Module):
         history, scale = self._fp8_state(recipe) if delayed else (None, None)
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
-        if self.fuse_wgrad_accumulation and grad and self.weight.requires_grad:
+        if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
             if getattr(self.weight, "main_grad", None) is None:
-                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+                self.weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
             main_grad = self.weight.main_grad
         return LinearFwdArgs(
             # tensors
             inp=inp,
-            weight=self.weight,
-            bias=self.bias,
+            weight=weight,
+            bias=bias,
             # cached FP8 weight
             weight_fp8=cache[0] if cache else None,
             weight_fp8_t=cache[1] if cache else None,
@@ -190,8 +219,8 @@ class Linear(nn.Module):
             weight_amax=cache[3] if cache else None,
             # requires-grad flags
             input_requires_grad=grad and inp.requires_grad,
-            weight_requires_grad=grad and self.weight.requires_grad,
-            bias_requires_grad=grad and self.bias is not None and self.bias.requires_grad,
+            weight_requires_grad=grad and weight.requires_grad,
+            bias_requires_grad=grad and bias is not None and bias.requires_grad,
             # FP8 formats and scaling state
             fp8=fp8,
             fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
@@ -200,6 +229,7 @@ class Linear(nn.Module):
             scale=scale,
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
+            amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

@@ -54,6 +54,8 @@ class LinearFwdArgs:
     amax_history: Optional[Tensor]
     """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
     amax_compute_algo: str
+    amax_reduction_group: int
+    """Delayed scaling: distributed.py key of the group amaxes are all-reduced over (-1: none)."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""

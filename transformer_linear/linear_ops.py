@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from transformer_linear import layout, ops
+from transformer_linear import distributed, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
 from transformer_linear.reference import fp8_max
 from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
@@ -40,21 +40,44 @@ WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
 
 @torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
 def _delayed_scaling_update_op(
-    amax_history: Tensor, scale: Tensor, amax: Tensor, first: int, fp8_max: float, margin: int, amax_compute_algo: str
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    first: int,
+    fp8_max: float,
+    margin: int,
+    amax_compute_algo: str,
+    group: int = distributed.NO_GROUP,
 ) -> None:
+    if group != distributed.NO_GROUP:
+        # Reduce a copy: ``amax`` may be saved or returned elsewhere. Inside
+        # the op the collective is opaque to torch.compile, so eager and
+        # compiled runs reduce identically.
+        amax = amax.detach().clone()
+        distributed.all_reduce_amax_(amax, group)
     update_delayed_scaling_(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo)
 
 
 @_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo):
+def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=distributed.NO_GROUP):
     return None
 
 
 def delayed_scaling_update(
-    amax_history: Tensor, scale: Tensor, amax: Tensor, first: int, dtype: torch.dtype, margin: int, algo: str
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    first: int,
+    dtype: torch.dtype,
+    margin: int,
+    algo: str,
+    group: int = distributed.NO_GROUP,
 ) -> None:
-    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place."""
-    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo)
+    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
+
+    ``group`` (a distributed.py key) first all-reduces ``amax`` with MAX across ranks.
+    """
+    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group)
 
 
 # ---------------------------------------------------------------------------
@@ -240,6 +263,7 @@ def _setup_context(ctx, inputs, output) -> None:
     )
     ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
     ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
+    ctx.amax_group = a.amax_reduction_group
     ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
     ctx.weight_dtype = a.weight.dtype
     ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
@@ -260,7 +284,9 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
         if ctx.scale is not None:
             column = FP8_STATE_COLUMNS["grad_output"]
-            delayed_scaling_update(ctx.amax_history, ctx.scale, qg.amax, column, ctx.bwd_dtype, ctx.margin, ctx.algo)
+            delayed_scaling_update(
+                ctx.amax_history, ctx.scale, qg.amax, column, ctx.bwd_dtype, ctx.margin, ctx.algo, ctx.amax_group
+            )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
