@@ -104,6 +104,30 @@ class TestAutogradFeatures:
         for first, second in zip(*grads):
             assert_bitwise_equal(second, first)
 
+    @pytest.mark.parametrize("name", [None, *RECIPES])
+    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
+    def test_output_modified_in_place(self, name, shape):
+        """``y += residual`` works on the output, as on nn.Linear's, and gives the out-of-place gradients."""
+        layer = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        x = torch.randn(*shape)
+        residual = torch.randn(*shape[:-1], 10)
+        grads = []
+        for in_place in (False, True):
+            xi = x.clone().requires_grad_()
+            layer.weight.grad = None
+            y = layer(xi)
+            if in_place:
+                y += residual
+            else:
+                y = y + residual
+            y.square().sum().backward()
+            grads.append((y.detach(), xi.grad, layer.weight.grad))
+            if isinstance(layer.recipe, recipe.DelayedScaling):
+                layer.fp8_scale.fill_(1.0)  # the second run quantizes like the first
+                layer.fp8_amax_history.zero_()
+        for out_of_place, in_place in zip(*grads):
+            assert_bitwise_equal(in_place, out_of_place)
+
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_is_first_microbatch_caches_weight(self, name):
         layer = tl.Linear(24, 10, recipe=RECIPES[name])

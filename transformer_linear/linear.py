@@ -182,7 +182,8 @@ class Linear(nn.Module):
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
             t = w_fp8_t if w_fp8_t.numel() else None
             self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
-        return out
+        # The op's output is 2-D; a 2-D input gets it as is (not a view, as from nn.Linear).
+        return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
 
     def _fwd_args(
         self,

@@ -127,16 +127,20 @@ def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: in
 
 @args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
 def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
-    """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False)."""
+    """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False).
+
+    ``y`` is returned 2-D, (rows of x, out_features); the caller restores x's
+    leading dims. Reshaping in here would make ``y`` a view created inside the
+    op, which autograd forbids modifying in place (``y += residual``).
+    """
     weight, inp = a.weight, a.inp
-    out_shape = (*inp.shape[:-1], weight.shape[0])
     x2d = inp.reshape(_rows(inp), weight.shape[1])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     f32 = torch.float32
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return (out.reshape(out_shape), *_fwd_side_outputs_like(a))
+        return (out, *_fwd_side_outputs_like(a))
     qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.scale, "input"), a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
@@ -150,7 +154,7 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
     grad_scale = _column(a.scale, "grad_output")
     return (
-        out.reshape(out_shape),
+        out,
         layout.saved_form(qx.data, qx.data_t),
         qx.scale_inv,
         *w_outputs,
@@ -164,7 +168,7 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
 @linear_fwd.op.register_fake
 def _(*values):
     a = linear_fwd.unflatten(values)
-    return (a.inp.new_empty((*a.inp.shape[:-1], a.weight.shape[0]), dtype=a.out_dtype), *_fwd_side_outputs_like(a))
+    return (a.inp.new_empty((_rows(a.inp), a.weight.shape[0]), dtype=a.out_dtype), *_fwd_side_outputs_like(a))
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +282,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     x_saved, x_scale_inv, w_saved, w_scale_inv, grad_scale = ctx.saved_tensors
     input_rg, weight_rg, bias_rg = ctx.flags
-    g2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
     dbias_dtype = ctx.bias_dtype if bias_rg else None
     if ctx.fp8:
         qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
