@@ -1,5 +1,6 @@
 """tl.Linear under torch.distributed on 2 gloo ranks (CPU): amax reduction,
-DDP, FSDP2, distributed checkpointing and torch.compile of a DDP model.
+DDP, FSDP2, distributed checkpointing, tensor parallelism, torch.compile of
+each, and the harness's handling of failing and hanging ranks.
 
 Every rank builds the same model from the same seed, trains on its half of
 each global batch, and also trains a single-process reference on the whole
@@ -219,16 +220,24 @@ def _fully_shard_mlp(fp8_recipe, **kwargs):
     return tl.distributed.fully_shard(model, mesh=mesh)
 
 
-def _fsdp_rank(rank, world, name):
+def _fsdp_rank(rank, world, name, compile_backend=None):
     from torch.distributed.tensor import DTensor
 
     fp8_recipe = RECIPES[name]
     batches = _batches(STEPS)
     model = _fully_shard_mlp(fp8_recipe)
     assert isinstance(model[0].weight, DTensor) and model[0].weight.to_local().shape == (32 // world, 16)
+    if compile_backend is not None:
+        # Per layer, as FSDP2 models are compiled (TorchTitan's pattern): FSDP2's
+        # hooks run outside the graphs, fullgraph fails on a break in ours.
+        for layer in (model[0], model[2]):
+            layer.compile(backend=compile_backend, fullgraph=True)
     opt = _sgd(model)
+    torch._dynamo.utils.counters.clear()
     for batch in batches:
         _step(model, opt, _shard(batch, rank, world))
+    if compile_backend is not None:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2, "the layers were not compiled"
     _assert_same_on_all_ranks(model, f"FSDP2[{name}]")
     _assert_matches_reference(model, name, batches, world, f"FSDP2[{name}]")
 
@@ -265,6 +274,10 @@ class TestFSDP2:
     def test_matches_single_process(self, name):
         run_ranks(_fsdp_rank, name, timeout=TIMEOUT)
 
+    @pytest.mark.parametrize("name", ["delayed", "current"])
+    def test_compiled_fsdp2_model(self, name):
+        run_ranks(_fsdp_rank, name, "aot_eager", timeout=TIMEOUT)
+
     @pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
     def test_unsupported_wgrad_options_raise_at_wrap_time(self, option):
         run_ranks(_fsdp_rejects_rank, option, timeout=TIMEOUT)
@@ -287,7 +300,7 @@ def _tp_mlp(fp8_recipe, **kwargs):
     return parallelize_module(_mlp(fp8_recipe, **kwargs), mesh, styles)
 
 
-def _tp_rank(rank, world, name):
+def _tp_rank(rank, world, name, compile_backend=None):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     fp8_recipe = RECIPES[name]
@@ -295,6 +308,8 @@ def _tp_rank(rank, world, name):
     model = _tp_mlp(fp8_recipe)
     assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Shard(1),)
     assert model[2].bias.placements == (Replicate(),) and isinstance(model[0].bias, DTensor)
+    if compile_backend is not None:
+        model.compile(backend=compile_backend, fullgraph=True)
     opt = _sgd(model)
     for batch in batches:
         _step(model, opt, batch)  # tensor parallelism: every rank sees the whole batch
@@ -312,5 +327,37 @@ class TestTensorParallel:
     def test_colwise_rowwise_mlp_matches_unsharded(self, name):
         run_ranks(_tp_rank, name, timeout=TIMEOUT)
 
+    def test_compiled_tensor_parallel_mlp(self):
+        run_ranks(_tp_rank, "delayed", "aot_eager", timeout=TIMEOUT)
+
     def test_unsupported_wgrad_option_raises_at_wrap_time(self):
         run_ranks(_tp_rejects_rank, "fuse_wgrad_accumulation", timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------------------
+# the harness: a failing or hanging rank fails the test, fast
+# ---------------------------------------------------------------------------
+
+
+def _failing_rank(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits on a peer that is gone
+
+
+def _hanging_rank(rank, world):
+    if rank == 1:
+        import time
+
+        time.sleep(3600)
+    return rank
+
+
+class TestHarness:
+    def test_rank_exception_fails_with_its_message(self):
+        with pytest.raises(AssertionError, match=r"rank 1 failed:(.|\n)*ValueError: rank 1 gives up"):
+            run_ranks(_failing_rank, timeout=TIMEOUT)
+
+    def test_hanging_rank_times_out(self):
+        with pytest.raises(AssertionError, match=r"timed out after 20s; ranks finished: \[0\]"):
+            run_ranks(_hanging_rank, timeout=20.0)
