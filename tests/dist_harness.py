@@ -53,11 +53,14 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
         p.start()
     outcomes: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + timeout  # for the whole run, not per rank
+    join_grace = 5.0  # seconds a rank gets to exit after reporting
     try:
         for _ in range(world_size):
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as e:  # queue.Empty: some rank hangs
+                join_grace = 0.5  # the hanging ranks are killed, not waited for
                 raise AssertionError(
                     f"distributed test timed out after {timeout:.0f}s; ranks finished: {sorted(outcomes)}"
                 ) from e
@@ -65,6 +68,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
                 outcomes[rank] = value
             else:
                 failures.append(f"rank {rank} failed:\n{value}")
+                join_grace = 0.5
                 break  # the others may now hang waiting for it
         if failures:
             # Give the other ranks a moment to report too: the first failure to
@@ -79,7 +83,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
                     failures.append(f"rank {rank} failed:\n{value}")
     finally:
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            p.join(timeout=join_grace)
             if p.is_alive():
                 p.kill()
                 p.join()
