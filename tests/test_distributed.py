@@ -210,14 +210,15 @@ class TestDDP:
 # ---------------------------------------------------------------------------
 
 
-def _fully_shard_mlp(fp8_recipe, **kwargs):
+def _fully_shard_mlp(fp8_recipe, mp_policy=None, **kwargs):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _mlp(fp8_recipe, **kwargs)
+    shard_kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     for layer in (model[0], model[2]):
-        tl.distributed.fully_shard(layer, mesh=mesh)
-    return tl.distributed.fully_shard(model, mesh=mesh)
+        tl.distributed.fully_shard(layer, **shard_kwargs)
+    return tl.distributed.fully_shard(model, **shard_kwargs)
 
 
 def _fsdp_rank(rank, world, name, compile_backend=None):
@@ -240,6 +241,37 @@ def _fsdp_rank(rank, world, name, compile_backend=None):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2, "the layers were not compiled"
     _assert_same_on_all_ranks(model, f"FSDP2[{name}]")
     _assert_matches_reference(model, name, batches, world, f"FSDP2[{name}]")
+
+
+def _fsdp_mixed_precision_rank(rank, world, name):
+    """FSDP2 computing in bf16 (gathered bf16 weights) with fp32 master weights and reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batches = _batches(STEPS)
+    model = _fully_shard_mlp(RECIPES[name], mp_policy=policy)
+    start = [_full(p).detach().clone() for p in model.parameters()]
+    opt = _sgd(model)
+    for batch in batches:
+        x, target = _shard(batch, rank, world)
+        opt.zero_grad()
+        out = model(x)
+        assert out.dtype == torch.bfloat16, f"FSDP2 bf16 compute returned {out.dtype}"
+        ((out.float() - target) ** 2).sum().backward()
+        opt.step()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(t.dtype == torch.float32 for h, s in _fp8_state(model) for t in (h, s)), "FP8 state left fp32"
+    _assert_same_on_all_ranks(model, f"FSDP2 bf16[{name}]")
+    # The updates (not the parameters, which barely move) against the fp32
+    # single-process run. bf16 operands alone move them by ~0.4%; with FP8 a
+    # bf16 rounding also flips some FP8 roundings (an e5m2 step is 25%), up to
+    # ~16% seen on these 8-row batches. A lost or unaveraged gradient
+    # reduction would be off by 50% or more.
+    tol = 2e-2 if name == "none" else 0.3
+    ref = _reference(RECIPES[name], batches, world)
+    for (pname, p), p_ref, p0 in zip(model.named_parameters(), ref.parameters(), start):
+        err = relative_error(_full(p).detach() - p0, p_ref.detach() - p0)
+        assert err <= tol, f"FSDP2 bf16[{name}] {pname}: update off by {err:.3f} (relative) vs fp32 single process"
 
 
 def _fsdp_rejects_rank(rank, world, option):
@@ -273,6 +305,10 @@ class TestFSDP2:
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_matches_single_process(self, name):
         run_ranks(_fsdp_rank, name, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_bf16_mixed_precision_policy(self, name):
+        run_ranks(_fsdp_mixed_precision_rank, name, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", ["delayed", "current"])
     def test_compiled_fsdp2_model(self, name):
