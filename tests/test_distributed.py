@@ -124,6 +124,7 @@ def _assert_matches_reference(model, name, batches, world, what):
 
 
 def _fp8_state(model):
+    tl.distributed.finish_amax_reductions(model)
     return [(m.fp8_amax_history.clone(), m.fp8_scale.clone()) for m in model.modules() if hasattr(m, "fp8_scale")]
 
 
@@ -133,15 +134,21 @@ def _fp8_state(model):
 
 
 def _amax_reduction_rank(rank, world, reduce):
+    from transformer_linear.distributed import _PENDING
+
     layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
     if not reduce:
         tl.distributed.set_amax_reduction_group(layer, None)
     torch.manual_seed(10 + rank)  # different data per rank
-    x = torch.randn(4, 16, requires_grad=True) * (rank + 1)
-    layer(x).square().sum().backward()
+    x = (torch.randn(4, 16) * (rank + 1)).requires_grad_()
+    for _ in range(2):  # the second forward applies the first step's reductions
+        layer(x).square().sum().backward()
+    # Launched in forward and backward; applied by the next forward or state_dict().
+    assert len(_PENDING.get(id(layer), [])) == (2 if reduce else 0)
+    history, scale = layer.state_dict()["fp8_amax_history"], layer.fp8_scale
+    assert id(layer) not in _PENDING
     local = torch.stack([x.detach().abs().max(), layer.weight.detach().abs().max()])
-    history, scale = layer.fp8_amax_history, layer.fp8_scale
-    # After one step the recorded amaxes have rolled into the last row.
+    # The latest step's amaxes have rolled into the last row.
     expected = torch.stack(_gathered(local)).amax(0) if reduce else local
     assert_bitwise_equal(history[-1, :2], expected, "recorded forward amaxes")
     return [s.tolist() for s in _gathered(scale)] + [[t.tolist() for t in _gathered(history)]]

@@ -99,6 +99,10 @@ class TestOpcheck:
         args = (torch.rand(4, 3), torch.ones(3), torch.tensor([2.0, 3.0]), 0, 448.0, 1, "max")
         _opcheck(torch.ops.transformer_linear.delayed_scaling_update.default, args)
 
+    def test_delayed_scaling_flush(self):
+        # Without a process group nothing is pending: the op leaves the state as it is.
+        _opcheck(torch.ops.transformer_linear.delayed_scaling_flush.default, (torch.rand(4, 3), torch.ones(3), 123))
+
     def test_schema_comes_from_the_dataclass(self):
         schema = linear_ops.linear_fwd.op._opoverload._schema
         assert [a.name for a in schema.arguments] == list(LinearFwdArgs.__dataclass_fields__)

@@ -19,11 +19,22 @@ What is reduced across ranks
 
 The group is a per-module knob (:func:`set_amax_reduction_group`); by default
 it is the default process group when one is initialised with more than one
-rank, and nothing otherwise. The reduction runs inside the
-``transformer_linear::delayed_scaling_update`` custom op, whose body is
-opaque to torch.compile: eager and compiled runs issue the same collective.
-A ProcessGroup cannot be an op argument, so the op takes an int key into
-:data:`_GROUPS`, resolved here.
+rank, and nothing otherwise. A ProcessGroup cannot be an op argument, so the
+ops take an int key into :data:`_GROUPS`, resolved here.
+
+When the reduction
+------------------
+The ``transformer_linear::delayed_scaling_update`` custom op launches the
+all-reduce asynchronously and returns; ``delayed_scaling_flush`` applies it
+(wait, record, update the scales) at the start of the layer's next forward,
+the first point that reads the scales. The updated scales are the same as a
+blocking reduction's, but no rank waits for the others in the middle of
+forward or backward (on a GPU, the compute stream does not wait behind the
+gradient collectives queued on the same group). Until then the layer's
+``fp8_amax_history`` / ``fp8_scale`` lag by the pending updates:
+``state_dict()`` applies them first, and so does
+:func:`finish_amax_reductions`. Both ops are opaque to torch.compile, so
+eager and compiled runs issue the same collectives.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ __all__ = [
     "RowwiseParallel",
     "all_reduce_amax_",
     "check_fsdp_compatible",
+    "finish_amax_reductions",
     "fully_shard",
     "set_amax_reduction_group",
 ]
@@ -88,6 +100,56 @@ def all_reduce_amax_(amax: Tensor, key: int) -> None:
     group = _resolve(key)
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+
+
+def reduces_amax(key: int) -> bool:
+    """Whether the group of ``key`` is live: initialised, more than one rank."""
+    return _resolve(key) is not None
+
+
+# A layer's launched, not yet applied reductions, in launch order:
+# (work, amax being reduced, *the update's arguments after amax*).
+_PENDING: dict[int, list[tuple[Any, ...]]] = {}
+
+
+def launch_amax_reduction(amax: Tensor, key: int, layer_key: int, *update_args: Any) -> bool:
+    """Start an async MAX all-reduce of a copy of ``amax``; False (nothing started) without a live group.
+
+    ``update_args`` are kept for :func:`pop_amax_reductions`'s caller, which
+    applies the update once the reduction is done.
+    """
+    group = _resolve(key)
+    if group is None:
+        return False
+    reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
+    work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _PENDING.setdefault(layer_key, []).append((work, reduced, *update_args))
+    return True
+
+
+def pop_amax_reductions(layer_key: int) -> list[tuple[Any, ...]]:
+    """The layer's launched reductions as (reduced amax, *update_args), waited for, in launch order."""
+    pending = _PENDING.pop(layer_key, [])
+    for work, *_ in pending:
+        work.wait()
+    return [tuple(rest) for _, *rest in pending]
+
+
+def finish_amax_reductions(model: nn.Module) -> nn.Module:
+    """Apply every ``tl.Linear``'s pending amax reductions to its delayed-scaling state.
+
+    Needed only to read ``fp8_amax_history`` / ``fp8_scale`` directly between
+    steps; ``state_dict()`` and the next forward apply them anyway.
+
+    Returns:
+        ``model``.
+    """
+    from transformer_linear.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finish_amax_reductions()
+    return model
 
 
 def set_amax_reduction_group(model: nn.Module, group: Optional["dist.ProcessGroup"]) -> nn.Module:

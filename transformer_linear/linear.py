@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from transformer_linear import distributed
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
-from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, delayed_scaling_update, linear_fwd
+from transformer_linear.linear_ops import (
+    WGRAD_QUEUES,
+    compute_wgrad,
+    delayed_scaling_flush,
+    delayed_scaling_update,
+    linear_fwd,
+)
 from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
 from transformer_linear.scaling import FP8_STATE_COLUMNS
 
@@ -32,6 +38,10 @@ __all__ = ["Linear"]
 
 _FP8_STATE = ("fp8_amax_history", "fp8_scale")
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
+
+
+def _finish_amax_reductions_hook(module: "Linear", prefix: str, keep_vars: bool) -> None:
+    module.finish_amax_reductions()  # module level, so a Linear pickles
 
 
 class Linear(nn.Module):
@@ -85,6 +95,9 @@ class Linear(nn.Module):
         self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Tensor]] = None
         self.reset_parameters()
         self.reset_fp8_state()
+        # A checkpoint holds the scales as of the last step, not lagging behind
+        # reductions still in flight (tl.distributed).
+        self.register_state_dict_pre_hook(_finish_amax_reductions_hook)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization, drawing the same random numbers."""
@@ -102,6 +115,7 @@ class Linear(nn.Module):
 
     def reset_fp8_state(self) -> None:
         """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
+        distributed.pop_amax_reductions(id(self))
         for name in _FP8_STATE:
             self._buffers.pop(name, None)
         if isinstance(self.recipe, DelayedScaling):
@@ -117,7 +131,14 @@ class Linear(nn.Module):
             self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
         return self.fp8_amax_history, self.fp8_scale
 
+    def finish_amax_reductions(self) -> None:
+        """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
+        history = getattr(self, "fp8_amax_history", None)
+        if history is not None:
+            delayed_scaling_flush(history, self.fp8_scale, id(self))
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        distributed.pop_amax_reductions(id(self))  # updates of the state being replaced
         # Match the buffers to what is being loaded: present keys are loaded
         # (whatever their history length), absent ones reset the state.
         for name in _FP8_STATE:
@@ -167,6 +188,8 @@ class Linear(nn.Module):
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
+        if args.amax_reduction_layer_key != -1:
+            delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
         out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
         if isinstance(recipe, DelayedScaling):
             delayed_scaling_update(
@@ -178,6 +201,7 @@ class Linear(nn.Module):
                 recipe.margin,
                 recipe.amax_compute_algo,
                 args.amax_reduction_group,
+                args.amax_reduction_layer_key,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
             t = w_fp8_t if w_fp8_t.numel() else None
@@ -231,6 +255,8 @@ class Linear(nn.Module):
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
             amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
+            # Across ranks, reductions run in the background until the next forward.
+            amax_reduction_layer_key=id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

@@ -56,6 +56,8 @@ class LinearFwdArgs:
     amax_compute_algo: str
     amax_reduction_group: int
     """Delayed scaling: distributed.py key of the group amaxes are all-reduced over (-1: none)."""
+    amax_reduction_layer_key: int
+    """Delayed scaling across ranks: the layer's key for reductions applied at its next forward (-1: at once)."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""

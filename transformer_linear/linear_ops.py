@@ -1,5 +1,6 @@
 """The Linear as custom ops: ``linear_fwd``, ``linear_dgrad``, ``linear_wgrad``
-(autograd via ``register_autograd``) and the mutating ``delayed_scaling_update``.
+(autograd via ``register_autograd``) and the mutating ``delayed_scaling_update``
+and ``delayed_scaling_flush``.
 
 Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
 the FP8 copies so autograd saves those, not the high-precision tensors.
@@ -26,7 +27,15 @@ from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
 from transformer_linear.reference import fp8_max
 from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
 
-__all__ = ["WGRAD_QUEUES", "compute_wgrad", "delayed_scaling_update", "linear_dgrad", "linear_fwd", "linear_wgrad"]
+__all__ = [
+    "WGRAD_QUEUES",
+    "compute_wgrad",
+    "delayed_scaling_flush",
+    "delayed_scaling_update",
+    "linear_dgrad",
+    "linear_fwd",
+    "linear_wgrad",
+]
 
 
 # delay_wgrad_compute: per module key, what backward_dw() still has to compute.
@@ -48,18 +57,19 @@ def _delayed_scaling_update_op(
     margin: int,
     amax_compute_algo: str,
     group: int = distributed.NO_GROUP,
+    layer_key: int = -1,
 ) -> None:
+    update = (first, fp8_max, margin, amax_compute_algo)
+    if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, *update):
+        return  # applied by delayed_scaling_flush before the layer next reads its scales
     if group != distributed.NO_GROUP:
-        # Reduce a copy: ``amax`` may be saved or returned elsewhere. Inside
-        # the op the collective is opaque to torch.compile, so eager and
-        # compiled runs reduce identically.
-        amax = amax.detach().clone()
+        amax = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
         distributed.all_reduce_amax_(amax, group)
-    update_delayed_scaling_(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo)
+    update_delayed_scaling_(amax_history, scale, amax, *update)
 
 
 @_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=distributed.NO_GROUP):
+def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=distributed.NO_GROUP, layer_key=-1):
     return None
 
 
@@ -72,12 +82,31 @@ def delayed_scaling_update(
     margin: int,
     algo: str,
     group: int = distributed.NO_GROUP,
+    layer_key: int = -1,
 ) -> None:
     """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
 
-    ``group`` (a distributed.py key) first all-reduces ``amax`` with MAX across ranks.
+    ``group`` (a distributed.py key) all-reduces ``amax`` with MAX across ranks
+    first: blocking when ``layer_key`` is -1, else launched asynchronously and
+    applied by :func:`delayed_scaling_flush` with the same ``layer_key``.
     """
-    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group)
+    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group, layer_key)
+
+
+@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
+def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
+    for update in distributed.pop_amax_reductions(layer_key):
+        update_delayed_scaling_(amax_history, scale, *update)
+
+
+@_delayed_scaling_flush_op.register_fake
+def _(amax_history, scale, layer_key):
+    return None
+
+
+def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
+    """Wait for the layer's launched amax reductions and apply their updates, in launch order, in place."""
+    _delayed_scaling_flush_op(amax_history, scale, layer_key)
 
 
 # ---------------------------------------------------------------------------
@@ -267,7 +296,7 @@ def _setup_context(ctx, inputs, output) -> None:
     )
     ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
     ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
-    ctx.amax_group = a.amax_reduction_group
+    ctx.amax_group, ctx.amax_layer_key = a.amax_reduction_group, a.amax_reduction_layer_key
     ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
     ctx.weight_dtype = a.weight.dtype
     ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
@@ -289,7 +318,15 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         if ctx.scale is not None:
             column = FP8_STATE_COLUMNS["grad_output"]
             delayed_scaling_update(
-                ctx.amax_history, ctx.scale, qg.amax, column, ctx.bwd_dtype, ctx.margin, ctx.algo, ctx.amax_group
+                ctx.amax_history,
+                ctx.scale,
+                qg.amax,
+                column,
+                ctx.bwd_dtype,
+                ctx.margin,
+                ctx.algo,
+                ctx.amax_group,
+                ctx.amax_layer_key,
             )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
     else:
