@@ -167,6 +167,22 @@ class TestAmaxReduction:
         with pytest.raises(TypeError, match="'group' must be a ProcessGroup or None"):
             tl.distributed.set_amax_reduction_group(tl.Linear(4, 4), "world")
 
+    @pytest.mark.parametrize("drop", ["reset_fp8_state", "load_state_dict", "del"])
+    def test_pending_reductions_go_with_the_state_they_update(self, drop):
+        """Reset, load_state_dict and the layer's end drop its pending reductions (keyed by id(layer))."""
+        from transformer_linear.distributed import _PENDING
+
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling())
+        key = id(layer)
+        _PENDING[key] = [("work", "reduced amax")]  # a stand-in: it must be dropped, never applied
+        if drop == "reset_fp8_state":
+            layer.reset_fp8_state()
+        elif drop == "load_state_dict":
+            layer.load_state_dict(tl.Linear(16, 8, recipe=layer.recipe).state_dict())
+        else:
+            del layer
+        assert key not in _PENDING
+
     def test_without_process_group_is_single_process(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
         ref = tl.distributed.set_amax_reduction_group(tl.Linear(16, 8, recipe=layer.recipe), None)

@@ -135,6 +135,11 @@ def pop_amax_reductions(layer_key: int) -> list[tuple[Any, ...]]:
     return [tuple(rest) for _, *rest in pending]
 
 
+def discard_amax_reductions(layer_key: int) -> None:
+    """Forget the layer's launched reductions (its state is being replaced, or the layer is gone)."""
+    _PENDING.pop(layer_key, None)
+
+
 def finish_amax_reductions(model: nn.Module) -> nn.Module:
     """Apply every ``tl.Linear``'s pending amax reductions to its delayed-scaling state.
 

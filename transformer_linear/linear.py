@@ -115,7 +115,7 @@ class Linear(nn.Module):
 
     def reset_fp8_state(self) -> None:
         """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
-        distributed.pop_amax_reductions(id(self))
+        distributed.discard_amax_reductions(id(self))
         for name in _FP8_STATE:
             self._buffers.pop(name, None)
         if isinstance(self.recipe, DelayedScaling):
@@ -125,11 +125,18 @@ class Linear(nn.Module):
         """The (amax_history, scale) buffers, created fresh on first use or on a new history length."""
         history = getattr(self, "fp8_amax_history", None)
         if history is None or history.shape[0] != recipe.amax_history_len:
+            distributed.discard_amax_reductions(id(self))
             device = self.weight.device
             history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
             self.register_buffer("fp8_amax_history", history)
             self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
         return self.fp8_amax_history, self.fp8_scale
+
+    def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
+        # Pending reductions are keyed by id(self): a later layer given the
+        # same id must not inherit them. (_discard is bound early: module
+        # globals may be gone when this runs at interpreter exit.)
+        _discard(id(self))
 
     def finish_amax_reductions(self) -> None:
         """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
@@ -138,7 +145,7 @@ class Linear(nn.Module):
             delayed_scaling_flush(history, self.fp8_scale, id(self))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        distributed.pop_amax_reductions(id(self))  # updates of the state being replaced
+        distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
         # Match the buffers to what is being loaded: present keys are loaded
         # (whatever their history length), absent ones reset the state.
         for name in _FP8_STATE:
