@@ -266,6 +266,37 @@ def _fsdp_rank(rank, world, name, compile_backend=None):
     _assert_matches_reference(model, name, batches, world, f"FSDP2[{name}]")
 
 
+class _Checkpointed(nn.Module):
+    """``inner`` under activation checkpointing (non-reentrant): recomputed in backward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _fsdp_checkpointing_rank(rank, world, name):
+    """FSDP2 over activation-checkpointed layers (TorchTitan's layout): the
+    recompute re-gathers the weights and must quantize as the forward did."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    batches = _batches(STEPS)
+    model = _mlp(RECIPES[name])
+    for i in (0, 2):
+        model[i] = tl.distributed.fully_shard(_Checkpointed(model[i]), mesh=mesh)
+    tl.distributed.fully_shard(model, mesh=mesh)
+    opt = _sgd(model)
+    for batch in batches:
+        _step(model, opt, _shard(batch, rank, world))
+    _assert_same_on_all_ranks(model, f"FSDP2+AC[{name}]")
+    _assert_matches_reference(model, name, batches, world, f"FSDP2+AC[{name}]")
+
+
 def _fsdp_mixed_precision_rank(rank, world, name):
     """FSDP2 computing in bf16 (gathered bf16 weights) with fp32 master weights and reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -332,6 +363,10 @@ class TestFSDP2:
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_bf16_mixed_precision_policy(self, name):
         run_ranks(_fsdp_mixed_precision_rank, name, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["delayed", "current"])
+    def test_activation_checkpointing(self, name):
+        run_ranks(_fsdp_checkpointing_rank, name, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", ["delayed", "current"])
     def test_compiled_fsdp2_model(self, name):

@@ -129,6 +129,32 @@ class TestAutogradFeatures:
             assert_bitwise_equal(in_place, out_of_place)
 
     @pytest.mark.parametrize("name", list(RECIPES))
+    @pytest.mark.parametrize("use_reentrant", [False, True])
+    def test_activation_checkpointing_matches_plain_backward(self, name, use_reentrant):
+        """The recompute quantizes with the original forward's delayed scales and records no amax twice."""
+        from torch.utils.checkpoint import checkpoint
+
+        def mlp():
+            torch.manual_seed(0)
+            r = RECIPES[name]
+            return torch.nn.Sequential(tl.Linear(16, 32, recipe=r), torch.nn.ReLU(), tl.Linear(32, 8, recipe=r))
+
+        plain, checkpointed = mlp(), mlp()
+        x = torch.randn(8, 16) * 3
+        for step in range(3):  # the scales change every step
+            x_plain, x_ckpt = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_plain, y_ckpt = plain(x_plain), checkpoint(checkpointed, x_ckpt, use_reentrant=use_reentrant)
+            y_plain.square().sum().backward()
+            y_ckpt.square().sum().backward()
+            assert_bitwise_equal(y_ckpt, y_plain, f"step {step} output")
+            assert_bitwise_equal(x_ckpt.grad, x_plain.grad, f"step {step} input grad")
+            for (pname, p), p_plain in zip(checkpointed.named_parameters(), plain.parameters()):
+                assert_bitwise_equal(p.grad, p_plain.grad, f"step {step} {pname}.grad")
+                p.grad = p_plain.grad = None
+        for key, t in checkpointed.state_dict().items():
+            assert_bitwise_equal(t, plain.state_dict()[key], key)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
     def test_is_first_microbatch_caches_weight(self, name):
         layer = tl.Linear(24, 10, recipe=RECIPES[name])
         x = torch.randn(6, 24)

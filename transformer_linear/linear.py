@@ -40,6 +40,11 @@ _FP8_STATE = ("fp8_amax_history", "fp8_scale")
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
 
 
+def _run_by_backward() -> bool:
+    """Whether autograd is running a backward (a forward now is a recompute), in eager mode."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def _finish_amax_reductions_hook(module: "Linear", prefix: str, keep_vars: bool) -> None:
     module.finish_amax_reductions()  # module level, so a Linear pickles
 
@@ -93,6 +98,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         # Not a state: the FP8 weight of the current microbatch group.
         self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Tensor]] = None
+        # Not a state: the delayed scales the last forward used, for activation checkpointing's recompute.
+        self._recompute_scale: Optional[Tensor] = None
         self.reset_parameters()
         self.reset_fp8_state()
         # A checkpoint holds the scales as of the last step, not lagging behind
@@ -116,6 +123,7 @@ class Linear(nn.Module):
     def reset_fp8_state(self) -> None:
         """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
         distributed.discard_amax_reductions(id(self))
+        self._recompute_scale = None
         for name in _FP8_STATE:
             self._buffers.pop(name, None)
         if isinstance(self.recipe, DelayedScaling):
@@ -146,6 +154,7 @@ class Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
+        self._recompute_scale = None
         # Match the buffers to what is being loaded: present keys are loaded
         # (whatever their history length), absent ones reset the state.
         for name in _FP8_STATE:
@@ -162,7 +171,7 @@ class Linear(nn.Module):
         super()._apply(fn, recurse)
         for name, t in state.items():
             self._buffers[name] = t.to(device=self.weight.device)
-        self._weight_cache = None
+        self._weight_cache = self._recompute_scale = None
         return self
 
     # ------------------------------------------------------------------
@@ -195,10 +204,17 @@ class Linear(nn.Module):
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
-        if args.amax_reduction_layer_key != -1:
-            delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
-        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
-        if isinstance(recipe, DelayedScaling):
+        delayed = isinstance(recipe, DelayedScaling)
+        recompute = delayed and _run_by_backward()
+        scale_to_restore = self._prepare_delayed_scales(args, recompute) if delayed else None
+        try:
+            out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
+        finally:
+            # Also when non-reentrant checkpointing stops the recompute early
+            # (by raising once it has the tensors it needs).
+            if scale_to_restore is not None:
+                args.scale.copy_(scale_to_restore)
+        if delayed and not recompute:
             delayed_scaling_update(
                 args.amax_history,
                 args.scale,
@@ -215,6 +231,31 @@ class Linear(nn.Module):
             self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
         # The op's output is 2-D; a 2-D input gets it as is (not a view, as from nn.Linear).
         return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+
+    def _prepare_delayed_scales(self, args: LinearFwdArgs, recompute: bool) -> Optional[Tensor]:
+        """Make ``args.scale`` hold the scales this forward quantizes with.
+
+        A normal forward first applies pending amax reductions and remembers
+        its scales. Activation checkpointing's recompute (a forward run by
+        backward) must quantize with the scales the original forward used,
+        updated since: they are put in the buffer itself (backward updates
+        the buffer it was given) and the current ones are returned, for the
+        caller to put back after the op. One remembered set per layer: with
+        several forwards before their backwards (pipeline schedules), a
+        recompute uses the latest forward's scales.
+        """
+        if recompute:
+            if self._recompute_scale is None:
+                return None
+            current = args.scale.clone()
+            args.scale.copy_(self._recompute_scale)
+            return current
+        if args.amax_reduction_layer_key != -1:
+            delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
+        # Also under no_grad, which is how reentrant checkpointing runs the
+        # original forward. Eager only: under torch.compile, recomputation is the compiler's.
+        self._recompute_scale = None if torch.compiler.is_compiling() else args.scale.clone()
+        return None
 
     def _fwd_args(
         self,
