@@ -408,6 +408,22 @@ def _tp_rank(rank, world, name, compile_backend=None):
     _assert_matches_reference(model, name, batches, 1, f"TP[{name}]")
 
 
+def _tp_fsdp2_rank(rank, world, name):
+    """TorchTitan's 2-D layout on a (dp=2, tp=2) mesh: tensor parallelism inside, FSDP2 across."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    model = _mlp(RECIPES[name])
+    parallelize_module(model, mesh["tp"], {"0": tl.distributed.ColwiseParallel(), "2": tl.distributed.RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        tl.distributed.fully_shard(layer, mesh=mesh["dp"])
+    tl.distributed.fully_shard(model, mesh=mesh["dp"])
+    batches = _batches(STEPS)
+    _train(model, batches, mesh["dp"].get_local_rank(), 2)
+    _assert_matches_reference(model, name, batches, 2, f"TP+FSDP2[{name}]")
+
+
 def _tp_rejects_rank(rank, world, option):
     with pytest.raises(ValueError, match=f"{option}=True, which tensor parallelism does not support"):
         _tp_mlp(RECIPES["delayed"], **{option: True})
@@ -420,6 +436,9 @@ class TestTensorParallel:
 
     def test_compiled_tensor_parallel_mlp(self):
         run_ranks(_tp_rank, "delayed", "aot_eager", timeout=TIMEOUT)
+
+    def test_with_fsdp2_on_a_2d_mesh(self):
+        run_ranks(_tp_fsdp2_rank, "delayed", world_size=4, timeout=TIMEOUT)
 
     def test_unsupported_wgrad_option_raises_at_wrap_time(self):
         run_ranks(_tp_rejects_rank, "fuse_wgrad_accumulation", timeout=TIMEOUT)
