@@ -415,7 +415,8 @@ def _tp_fsdp2_rank(rank, world, name):
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     model = _mlp(RECIPES[name])
-    parallelize_module(model, mesh["tp"], {"0": tl.distributed.ColwiseParallel(), "2": tl.distributed.RowwiseParallel()})
+    styles = {"0": tl.distributed.ColwiseParallel(), "2": tl.distributed.RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], styles)
     for layer in (model[0], model[2]):
         tl.distributed.fully_shard(layer, mesh=mesh["dp"])
     tl.distributed.fully_shard(model, mesh=mesh["dp"])

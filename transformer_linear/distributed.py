@@ -282,7 +282,9 @@ def _styles() -> tuple[type, type]:
         # tl.Linear has the same parameters, so it is partitioned the same way.
         if not isinstance(module, Linear):
             return base._apply(style, module, device_mesh)
-        _check_wgrad_options(module, "parallelize_module", "tensor parallelism", "gradients of sharded weights are DTensors")
+        _check_wgrad_options(
+            module, "parallelize_module", "tensor parallelism", "gradients of sharded weights are DTensors"
+        )
         if base is TorchRowwise:
             style.desired_input_layouts = (Shard(-1),)
         module = distribute_module(

@@ -274,6 +274,8 @@ class Linear(nn.Module):
         fmt = recipe.fp8_format if fp8 else None
         delayed = isinstance(recipe, DelayedScaling)
         history, scale = self._fp8_state(recipe) if delayed else (None, None)
+        # Across ranks, amax reductions run in the background until the next forward.
+        layer_key = id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
@@ -303,8 +305,7 @@ class Linear(nn.Module):
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
             amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
-            # Across ranks, reductions run in the background until the next forward.
-            amax_reduction_layer_key=id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1,
+            amax_reduction_layer_key=layer_key,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,
