@@ -129,8 +129,8 @@ class TestAutogradFeatures:
             assert_bitwise_equal(in_place, out_of_place)
 
     @pytest.mark.parametrize("name", list(RECIPES))
-    @pytest.mark.parametrize("use_reentrant", [False, True])
-    def test_activation_checkpointing_matches_plain_backward(self, name, use_reentrant):
+    @pytest.mark.parametrize("mode", ["eager", "eager_reentrant", "eager_selective", "compiled_selective"])
+    def test_activation_checkpointing_matches_plain_backward(self, name, mode):
         """The recompute quantizes with the original forward's delayed scales and records no amax twice."""
         from torch.utils.checkpoint import checkpoint
 
@@ -140,10 +140,20 @@ class TestAutogradFeatures:
             return torch.nn.Sequential(tl.Linear(16, 32, recipe=r), torch.nn.ReLU(), tl.Linear(32, 8, recipe=r))
 
         plain, checkpointed = mlp(), mlp()
+        kwargs = {"use_reentrant": mode == "eager_reentrant"}
+        if mode.endswith("selective"):
+            kwargs["context_fn"] = tl.selective_checkpoint_contexts
+
+        def run(x):
+            return checkpoint(checkpointed, x, **kwargs)
+
+        if mode.startswith("compiled"):
+            torch._dynamo.reset()
+            run = torch.compile(run, backend="aot_eager", fullgraph=True)
         x = torch.randn(8, 16) * 3
         for step in range(3):  # the scales change every step
             x_plain, x_ckpt = x.clone().requires_grad_(), x.clone().requires_grad_()
-            y_plain, y_ckpt = plain(x_plain), checkpoint(checkpointed, x_ckpt, use_reentrant=use_reentrant)
+            y_plain, y_ckpt = plain(x_plain), run(x_ckpt)
             y_plain.square().sum().backward()
             y_ckpt.square().sum().backward()
             assert_bitwise_equal(y_ckpt, y_plain, f"step {step} output")

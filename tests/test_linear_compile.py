@@ -173,14 +173,15 @@ def _node_counts(gm):
 # Pinned node counts of one Linear's AOT graphs: the forward is one op (plus the
 # delayed-scaling update), the backward one grad_output quantize (bias grad fused),
 # dgrad and wgrad; no transposes, copies or detaches around them. The views fold
-# the 3-D input's leading dims, as nn.Linear's do.
+# the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
+# forward also copies the scales into fwd_scale (the copy_s write buffers back).
 EXPECTED_GRAPHS = {
     "current": {
         "forward": {"linear_fwd": 1, "getitem": 5, "view": 1},
         "backward": {"view": 1, "quantize": 1, "getitem": 3, "linear_dgrad": 1, "linear_wgrad": 1},
     },
     "delayed": {
-        "forward": {"linear_fwd": 1, "getitem": 9, "auto_functionalized_v2": 1, "copy_": 2, "view": 1},
+        "forward": {"copy": 1, "linear_fwd": 1, "getitem": 9, "auto_functionalized_v2": 1, "copy_": 3, "view": 1},
         "backward": {
             "view": 1,
             "quantize": 1,

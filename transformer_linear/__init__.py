@@ -13,10 +13,19 @@ __all__ = ["ops", "reference", "__version__"]
 # The Linear module and its FP8 configuration.
 from transformer_linear import distributed, recipe  # noqa: E402
 from transformer_linear.autocast import autocast, fp8_autocast  # noqa: E402
+from transformer_linear.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.convert import convert_to_fp8  # noqa: E402
 from transformer_linear.linear import Linear  # noqa: E402
 
-__all__ += ["Linear", "autocast", "distributed", "convert_to_fp8", "fp8_autocast", "recipe"]
+__all__ += [
+    "Linear",
+    "autocast",
+    "convert_to_fp8",
+    "distributed",
+    "fp8_autocast",
+    "recipe",
+    "selective_checkpoint_contexts",
+]
 
 # "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.
 from transformer_linear import numerics  # noqa: E402

@@ -37,6 +37,7 @@ from transformer_linear.scaling import FP8_STATE_COLUMNS
 __all__ = ["Linear"]
 
 _FP8_STATE = ("fp8_amax_history", "fp8_scale")
+_FWD_SCALE = "fp8_fwd_scale"
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
 
 
@@ -98,8 +99,6 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         # Not a state: the FP8 weight of the current microbatch group.
         self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Tensor]] = None
-        # Not a state: the delayed scales the last forward used, for activation checkpointing's recompute.
-        self._recompute_scale: Optional[Tensor] = None
         self.reset_parameters()
         self.reset_fp8_state()
         # A checkpoint holds the scales as of the last step, not lagging behind
@@ -123,14 +122,13 @@ class Linear(nn.Module):
     def reset_fp8_state(self) -> None:
         """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
         distributed.discard_amax_reductions(id(self))
-        self._recompute_scale = None
-        for name in _FP8_STATE:
+        for name in (*_FP8_STATE, _FWD_SCALE):
             self._buffers.pop(name, None)
         if isinstance(self.recipe, DelayedScaling):
             self._fp8_state(self.recipe)
 
-    def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
-        """The (amax_history, scale) buffers, created fresh on first use or on a new history length."""
+    def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor, Tensor]:
+        """The (amax_history, scale, fwd_scale) buffers, created fresh on first use or on a new history length."""
         history = getattr(self, "fp8_amax_history", None)
         if history is None or history.shape[0] != recipe.amax_history_len:
             distributed.discard_amax_reductions(id(self))
@@ -138,7 +136,10 @@ class Linear(nn.Module):
             history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
             self.register_buffer("fp8_amax_history", history)
             self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
-        return self.fp8_amax_history, self.fp8_scale
+        if getattr(self, _FWD_SCALE, None) is None:
+            # Not state: rewritten from fp8_scale at the start of every forward.
+            self.register_buffer(_FWD_SCALE, torch.ones_like(self.fp8_scale), persistent=False)
+        return self.fp8_amax_history, self.fp8_scale, getattr(self, _FWD_SCALE)
 
     def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
         # Pending reductions are keyed by id(self): a later layer given the
@@ -154,7 +155,6 @@ class Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
-        self._recompute_scale = None
         # Match the buffers to what is being loaded: present keys are loaded
         # (whatever their history length), absent ones reset the state.
         for name in _FP8_STATE:
@@ -167,11 +167,11 @@ class Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
-        state = {name: self._buffers.pop(name) for name in _FP8_STATE if name in self._buffers}
+        state = {name: self._buffers.pop(name) for name in (*_FP8_STATE, _FWD_SCALE) if name in self._buffers}
         super()._apply(fn, recurse)
         for name, t in state.items():
             self._buffers[name] = t.to(device=self.weight.device)
-        self._weight_cache = self._recompute_scale = None
+        self._weight_cache = None
         return self
 
     # ------------------------------------------------------------------
@@ -205,15 +205,15 @@ class Linear(nn.Module):
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
         delayed = isinstance(recipe, DelayedScaling)
+        # A forward run by backward is activation checkpointing's recompute:
+        # it quantizes with fwd_scale as the original forward left it and
+        # records no amax a second time.
         recompute = delayed and _run_by_backward()
-        scale_to_restore = self._prepare_delayed_scales(args, recompute) if delayed else None
-        try:
-            out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
-        finally:
-            # Also when non-reentrant checkpointing stops the recompute early
-            # (by raising once it has the tensors it needs).
-            if scale_to_restore is not None:
-                args.scale.copy_(scale_to_restore)
+        if delayed and not recompute:
+            if args.amax_reduction_layer_key != -1:
+                delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
+            args.fwd_scale.copy_(args.scale)
+        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
         if delayed and not recompute:
             delayed_scaling_update(
                 args.amax_history,
@@ -232,31 +232,6 @@ class Linear(nn.Module):
         # The op's output is 2-D; a 2-D input gets it as is (not a view, as from nn.Linear).
         return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
 
-    def _prepare_delayed_scales(self, args: LinearFwdArgs, recompute: bool) -> Optional[Tensor]:
-        """Make ``args.scale`` hold the scales this forward quantizes with.
-
-        A normal forward first applies pending amax reductions and remembers
-        its scales. Activation checkpointing's recompute (a forward run by
-        backward) must quantize with the scales the original forward used,
-        updated since: they are put in the buffer itself (backward updates
-        the buffer it was given) and the current ones are returned, for the
-        caller to put back after the op. One remembered set per layer: with
-        several forwards before their backwards (pipeline schedules), a
-        recompute uses the latest forward's scales.
-        """
-        if recompute:
-            if self._recompute_scale is None:
-                return None
-            current = args.scale.clone()
-            args.scale.copy_(self._recompute_scale)
-            return current
-        if args.amax_reduction_layer_key != -1:
-            delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
-        # Also under no_grad, which is how reentrant checkpointing runs the
-        # original forward. Eager only: under torch.compile, recomputation is the compiler's.
-        self._recompute_scale = None if torch.compiler.is_compiling() else args.scale.clone()
-        return None
-
     def _fwd_args(
         self,
         inp: Tensor,
@@ -273,7 +248,7 @@ class Linear(nn.Module):
         fp8 = recipe is not None
         fmt = recipe.fp8_format if fp8 else None
         delayed = isinstance(recipe, DelayedScaling)
-        history, scale = self._fp8_state(recipe) if delayed else (None, None)
+        history, scale, fwd_scale = self._fp8_state(recipe) if delayed else (None, None, None)
         # Across ranks, amax reductions run in the background until the next forward.
         layer_key = id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
@@ -302,6 +277,7 @@ class Linear(nn.Module):
             bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
             margin=recipe.margin if fp8 else 0,
             scale=scale,
+            fwd_scale=fwd_scale,
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
             amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,

@@ -50,7 +50,11 @@ class LinearFwdArgs:
     bwd_dtype: torch.dtype
     margin: int
     scale: Optional[Tensor]
-    """Delayed scaling: (3,) float32 scales of [input, weight, grad_output]; None: current scaling."""
+    """Delayed scaling: (3,) float32 scales of [input, weight, grad_output], updated after forward and
+    backward; None: current scaling."""
+    fwd_scale: Optional[Tensor]
+    """Delayed scaling: what forward quantizes with, a copy of ``scale`` taken at its start: activation
+    checkpointing's recompute reads it during backward, when ``scale`` has moved on."""
     amax_history: Optional[Tensor]
     """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
     amax_compute_algo: str

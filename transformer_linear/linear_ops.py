@@ -170,10 +170,10 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
         return (out, *_fwd_side_outputs_like(a))
-    qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.scale, "input"), a.margin)
+    qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "input"), a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
-        qw = _quantize(weight.contiguous(), a.fwd_dtype, _column(a.scale, "weight"), a.margin)
+        qw = _quantize(weight.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "weight"), a.margin)
         w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
         w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else no_fp8, qw.scale_inv)
     else:
@@ -181,7 +181,7 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
-    grad_scale = _column(a.scale, "grad_output")
+    grad_scale = _column(a.fwd_scale, "grad_output")
     return (
         out,
         layout.saved_form(qx.data, qx.data_t),
