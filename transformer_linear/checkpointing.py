@@ -13,8 +13,10 @@ checkpointing::
     y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
                                           context_fn=tl.selective_checkpoint_contexts)
 
-Everything else in the region is still recomputed; what is saved is the
-layer's FP8 copies (a quarter of an fp32 activation's bytes).
+Everything else in the region is still recomputed. What is saved is every
+output of each layer's forward op: its result (in the activation dtype) and
+its FP8 copies of input and weight, so the region saves more than plain
+checkpointing would; the non-linear ops between the layers still recompute.
 """
 
 from __future__ import annotations
