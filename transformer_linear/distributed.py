@@ -219,16 +219,14 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 # ---------------------------------------------------------------------------
 
 
-def is_tensor_parallel(weight: Tensor) -> bool:
-    """Whether ``weight`` is a DTensor (a parallelize_module-sharded parameter)."""
-    return _DTensor is not None and isinstance(weight, _DTensor)
+def is_tensor_parallel(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (e.g. a parallelize_module-sharded parameter)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
 
 
 def _local(inp: Tensor, placement: Any) -> Tensor:
     """The local shard of ``inp`` in ``placement`` (a plain tensor is taken to be that shard already)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(inp, DTensor):
+    if is_tensor_parallel(inp):
         return inp.redistribute(placements=[placement]).to_local()
     return inp
 
@@ -252,16 +250,16 @@ def tensor_parallel_forward(module: nn.Module, inp: Tensor, run: Callable[..., T
         inp: the input (DTensor, or a plain tensor already in the local layout).
         run: ``run(inp, weight, bias) -> out`` on local tensors.
     """
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     weight, bias = module.weight, module.bias
     mesh, placements = weight.device_mesh, tuple(weight.placements)
     if placements == (Shard(0),):
         out = run(_local(inp, Replicate()), weight.to_local(), bias.to_local() if bias is not None else None)
-        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+        return _DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
     if placements == (Shard(1),):
         out = run(_local(inp, Shard(inp.dim() - 1)), weight.to_local(), None)
-        out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
+        out = _DTensor.from_local(out, mesh, [Partial()], run_check=False)
         return out if bias is None else out.redistribute(placements=[Replicate()]) + bias
     raise ValueError(
         f"tl.Linear: tensor parallelism needs the weight sharded Shard(0) (colwise) or Shard(1) (rowwise) "

@@ -122,9 +122,10 @@ def _quantize_op(
     dbias_dtype: Optional[torch.dtype],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "quantize"
-    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
+    _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
     if _cuda_fallback.active(x):
         return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
+    q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
     current = scale is None
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
     scale_arg = _scalar(x) if current else scale
@@ -143,13 +144,16 @@ def _quantize_op(
     return q, q_t, scale_inv, x_amax, dbias
 
 
-def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
-    """Allocate the quantize op's outputs; unrequested ones are empty tensors."""
+def _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype):
     _check_fp8_dtype("quantize", "dtype", dtype)
     if dbias_dtype is not None:
         _check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
     if not (rowwise or columnwise):
         raise ValueError("quantize: at least one of 'rowwise' and 'columnwise' must be True")
+
+
+def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
+    """Allocate the quantize op's outputs; unrequested ones are empty tensors."""
     empty = x.new_empty(0, dtype=dtype)
     q = x.new_empty(x.shape, dtype=dtype) if rowwise else empty
     q_t = x.new_empty(_transposed_shape(x), dtype=dtype) if columnwise else empty.clone()
@@ -163,6 +167,7 @@ def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
 
 @_quantize_op.register_fake
 def _(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
+    _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
     return _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
 
 

@@ -223,6 +223,16 @@ void pack_fp32(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
   }
 }
 
+// Shared head of the micro-kernels: the accumulators start at zero.
+template <int MR, int NV>
+inline void zero_tile(__m512 (&acc)[MR][NV]) {
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+}
+
 // Shared tail of the micro-kernels: c_out = acc (+ c_in).
 template <int MR, int NV>
 inline void finish_tile(__m512 (&acc)[MR][NV], const float* c_in, int64_t ldc_in, float* c_out,
@@ -245,11 +255,7 @@ void micro_bf16(int64_t kc, const void* a_packed, const void* b_packed, const fl
   const int32_t* a = static_cast<const int32_t*>(a_packed);
   const int32_t* b = static_cast<const int32_t*>(b_packed);
   __m512 acc[MR][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  }
+  zero_tile<MR, NV>(acc);
   const int64_t groups = (kc + 1) / 2;
   for (int64_t g = 0; g < groups; ++g, a += MR, b += 16 * NV) {
     __m512bh bv[NV];
@@ -271,11 +277,7 @@ void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, const fl
   const float* a = static_cast<const float*>(a_packed);
   const float* b = static_cast<const float*>(b_packed);
   __m512 acc[MR][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  }
+  zero_tile<MR, NV>(acc);
   for (int64_t k = 0; k < kc; ++k, a += MR, b += 16 * NV) {
     __m512 bv[NV];
 #pragma GCC unroll 4
