@@ -57,7 +57,7 @@ __all__ = [
     "NO_GROUP",
     "ColwiseParallel",
     "RowwiseParallel",
-    "all_reduce_amax_",
+    "all_reduce_amax",
     "check_fsdp_compatible",
     "finish_amax_reductions",
     "fully_shard",
@@ -95,11 +95,14 @@ def _resolve(key: int) -> Optional["dist.ProcessGroup"]:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def all_reduce_amax_(amax: Tensor, key: int) -> None:
-    """All-reduce ``amax`` in place with MAX over the group of ``key`` (no-op without one)."""
+def all_reduce_amax(amax: Tensor, key: int) -> Tensor:
+    """``amax`` all-reduced with MAX over the group of ``key``: a new tensor, or ``amax`` itself without a group."""
     group = _resolve(key)
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if group is None:
+        return amax
+    reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced
 
 
 def reduces_amax(key: int) -> bool:

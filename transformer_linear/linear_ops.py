@@ -62,10 +62,7 @@ def _delayed_scaling_update_op(
     update = (first, fp8_max, margin, amax_compute_algo)
     if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, *update):
         return  # applied by delayed_scaling_flush before the layer next reads its scales
-    if group != distributed.NO_GROUP:
-        amax = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
-        distributed.all_reduce_amax_(amax, group)
-    update_delayed_scaling_(amax_history, scale, amax, *update)
+    update_delayed_scaling_(amax_history, scale, distributed.all_reduce_amax(amax, group), *update)
 
 
 @_delayed_scaling_update_op.register_fake
