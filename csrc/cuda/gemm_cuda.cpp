@@ -5,15 +5,20 @@
 // terms the same memory is D^T (N x M) = B (N x K) @ A^T (K x M), so cuBLAS's
 // "A" is our B with op T and its "B" is our A with op N: the "TN" layout that
 // FP8 needs on sm_89 / sm_90, reached when both our operands are K-contiguous.
+// Our M is cuBLAS's n, which FP8 does not need aligned: any token count takes
+// cuBLASLt; N, K and the leading dimensions must be multiples of 16.
 #include <cublasLt.h>
 
 #include <array>
+#include <atomic>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
 
+#include "cuda_info.h"
 #include "cuda_utils.h"
 #include "launchers.h"
 
@@ -58,7 +63,7 @@ uint32_t alignment_of(const void* p) {
 bool cublaslt_eligible(const GemmParams& p) {
   const bool both_e5m2 = p.a.dtype == DType::kFloat8E5M2 && p.b.dtype == DType::kFloat8E5M2;
   const bool k_major = p.a_col == 1 && p.b_col == 1;
-  const bool dims16 = p.m % 16 == 0 && p.n % 16 == 0 && p.k % 16 == 0 && p.k > 0;
+  const bool dims16 = p.n % 16 == 0 && p.k % 16 == 0 && p.k > 0;
   const bool ld16 = p.a_row % 16 == 0 && p.b_row % 16 == 0;
   const bool aligned16 = aligned(p.a.data, 16) && aligned(p.b.data, 16) && aligned(p.d.data, 16) &&
                          (!p.bias.defined() || aligned(p.bias.data, 16));
@@ -89,9 +94,57 @@ void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
 
 // Heuristic results per problem: the same key always describes the same
 // descriptors, so the first answer is reused (nullopt: cuBLASLt has none).
+// Bounded (least recently used out): under dynamic shapes every token count
+// is a new key, and the cache must not grow with the length of training.
 using AlgoKey = std::array<int64_t, 17>;
-std::mutex algo_mutex;
-std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algo_cache;
+using CachedAlgo = std::optional<cublasLtMatmulAlgo_t>;
+
+class AlgoCache {
+ public:
+  static constexpr size_t kCapacity = 1024;
+
+  /*! \brief The cached answer for `key` (marked most recent), or nothing. */
+  std::optional<CachedAlgo> find(const AlgoKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return std::nullopt;
+    order_.splice(order_.begin(), order_, it->second);
+    return it->second->second;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
+  }
+
+  /*! \brief Records (or replaces) the answer for `key`, dropping the least recent beyond capacity. */
+  void put(const AlgoKey& key, const CachedAlgo& algo) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      it->second->second = algo;
+      order_.splice(order_.begin(), order_, it->second);
+      return;
+    }
+    order_.emplace_front(key, algo);
+    index_.emplace(key, order_.begin());
+    if (order_.size() > kCapacity) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::list<std::pair<AlgoKey, CachedAlgo>> order_;  // most recent first
+  std::map<AlgoKey, std::list<std::pair<AlgoKey, CachedAlgo>>::iterator> index_;
+};
+
+AlgoCache algo_cache;
+
+// How many GEMMs each path ran (tests assert the path; see cuda_info.h).
+std::atomic<uint64_t> cublaslt_runs{0};
+std::atomic<uint64_t> fallback_runs{0};
 
 // Runs the GEMM through cuBLASLt; false when cuBLASLt declines the problem.
 bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
@@ -130,13 +183,9 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                        p.accumulate, fast_accum, static_cast<int64_t>(workspace_bytes), align_a,
                        align_b, align_d, has_bias ? alignment_of(p.bias.data) : 0};
   std::optional<cublasLtMatmulAlgo_t> algo;
-  {
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    auto it = algo_cache.find(key);
-    if (it != algo_cache.end()) {
-      if (!it->second) return false;
-      algo = it->second;
-    }
+  if (const std::optional<CachedAlgo> cached = algo_cache.find(key)) {
+    if (!*cached) return false;
+    algo = *cached;
   }
   if (!algo) {
     cublasLtMatmulPreference_t raw_pref = nullptr;
@@ -163,8 +212,7 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                status != CUBLAS_STATUS_INVALID_VALUE) {
       TL_CHECK_CUBLAS(status);
     }
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    algo_cache.emplace(key, algo);
+    algo_cache.put(key, algo);
     if (!algo) return false;
   }
 
@@ -175,8 +223,7 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                      &beta, p.d.data, d_layout.get(), p.d.data, d_layout.get(), &*algo, workspace,
                      workspace_bytes, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    algo_cache[key] = std::nullopt;
+    algo_cache.put(key, std::nullopt);
     return false;
   }
   TL_CHECK_CUBLAS(status);
@@ -189,8 +236,30 @@ void fp8_gemm(const GemmParams& p) {
   if (p.m == 0 || p.n == 0) return;
   DeviceGuard guard(p.a.device_index);
   const cudaStream_t stream = to_stream(p.stream);
-  if (cublaslt_eligible(p) && run_cublaslt(p, stream)) return;
+  if (cublaslt_eligible(p)) {
+    // cuBLASLt's FP8 bias epilogue takes no fp32 bias: an fp32 output runs the
+    // GEMM bare and adds the bias in a second, output-sized pass.
+    const bool bias_after = p.bias.defined() && p.d.dtype == DType::kFloat32;
+    GemmParams bare = p;
+    if (bias_after) bare.bias = TensorDesc{};
+    if (run_cublaslt(bare, stream)) {
+      if (bias_after) add_bias_rows(p.d.ptr<float>(), p.bias.ptr<float>(), p.m, p.n, stream);
+      cublaslt_runs.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
   fp8_gemm_fallback(p, stream);
+  fallback_runs.fetch_add(1, std::memory_order_relaxed);
+}
+
+GemmPathCounts gemm_path_counts() {
+  return {cublaslt_runs.load(std::memory_order_relaxed), fallback_runs.load(std::memory_order_relaxed),
+          algo_cache.size()};
+}
+
+void reset_gemm_path_counts() {
+  cublaslt_runs.store(0, std::memory_order_relaxed);
+  fallback_runs.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace cuda

@@ -1,6 +1,7 @@
 // The FP8 GEMM for what cuBLASLt's FP8 path does not take: GPUs below sm_89,
-// e5m2 x e5m2, column-major operands, dimensions or leading dimensions that
-// are not multiples of 16, misaligned pointers, K == 0. Correct for every
+// e5m2 x e5m2, column-major operands, N, K or leading dimensions that are not
+// multiples of 16, misaligned pointers, K == 0. Also the bias pass of an
+// fp32-output cuBLASLt GEMM. Correct for every
 // shape, not fast: a 64 x 64 shared-memory tile per block, 4 x 4 outputs per
 // thread, FP8 decoded on load with the shared element math, fp32 FMA
 // accumulation. Same epilogue as the CPU kernel: acc * alpha [+ bias] [+ D].
@@ -86,7 +87,37 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
+// d[r, c] += bias[c] over a row-major fp32 matrix, 4 columns per access when
+// the row length and both pointers allow float4.
+__global__ void __launch_bounds__(kThreads)
+    add_bias_rows_kernel(float* __restrict__ d, const float* __restrict__ bias, int64_t rows,
+                         int64_t cols, bool vec4) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec4) {
+    const int64_t n4 = rows * cols / 4;
+    for (int64_t i = tid; i < n4; i += stride) {
+      float4 v = reinterpret_cast<float4*>(d)[i];
+      const float4 b = reinterpret_cast<const float4*>(bias)[i % (cols / 4)];
+      v.x += b.x;
+      v.y += b.y;
+      v.z += b.z;
+      v.w += b.w;
+      reinterpret_cast<float4*>(d)[i] = v;
+    }
+  } else {
+    for (int64_t i = tid; i < rows * cols; i += stride) d[i] += bias[i % cols];
+  }
+}
+
 }  // namespace
+
+void add_bias_rows(float* d, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  const bool vec4 = cols % 4 == 0 && aligned(d, 16) && aligned(bias, 16);
+  const int64_t work = vec4 ? rows * cols / 4 : rows * cols;
+  add_bias_rows_kernel<<<grid_for(work, kThreads), kThreads, 0, stream>>>(d, bias, rows, cols, vec4);
+  TL_CHECK_CUDA_LAUNCH();
+}
 
 void fp8_gemm_fallback(const GemmParams& p, cudaStream_t stream) {
   const int64_t m_tiles = (p.m + kBM - 1) / kBM;
