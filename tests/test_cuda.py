@@ -171,7 +171,7 @@ def test_cuda_build_info_matches_the_build():
     assert (info is None) == (not _C.built_with_cuda())
     if info is not None:
         assert info["runtime_version"] >= 12000 and info["archs"]
-    assert set(_C.cuda_gemm_path_counts()) == {"cublaslt", "fallback", "cached_algos"}
+    assert set(_C.cuda_gemm_path_counts()) == {"cublaslt", "padded", "fallback", "cached_algos"}
 
 
 @pytest.mark.parametrize(
@@ -252,8 +252,18 @@ def test_cpu_only_build_warns_once_and_works_on_cuda_tensors(monkeypatch):
 # CUDA kernels
 # ---------------------------------------------------------------------------
 
-# cuBLASLt takes any M (1 and 13 included); N = 17, K = 45 / 24 and K = 0 take the tiled kernel.
-GEMM_SHAPES = [(64, 128, 256), (256, 48, 512), (13, 64, 32), (1, 64, 16), (33, 17, 45), (17, 32, 24), (96, 80, 0)]
+# cuBLASLt takes any M (1 and 13 included) and, on zero-padded copies, any K
+# (24, 45, 100 tokens of a ragged wgrad); N = 17 and K = 0 take the tiled kernel.
+GEMM_SHAPES = [
+    (64, 128, 256),
+    (256, 48, 512),
+    (13, 64, 32),
+    (1, 64, 16),
+    (17, 32, 24),
+    (48, 32, 100),
+    (33, 17, 45),
+    (96, 80, 0),
+]
 
 
 def _k_major_ld(t: torch.Tensor):
@@ -264,48 +274,57 @@ def _k_major_ld(t: torch.Tensor):
     return None
 
 
-def cublaslt_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether gemm_cuda.cpp must run cuBLASLt for these operands (its stated FP8 rule)."""
+def expected_gemm_path(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The path gemm_cuda.cpp must take (its stated rule): "cublaslt", "padded" (cuBLASLt on
+    zero-padded operand copies) or "fallback" (the tiled kernel)."""
     lda, ldb = _k_major_ld(a), _k_major_ld(b)
     k, n = a.shape[1], b.shape[0]
-    return (
+    tensor_cores = (
         torch.cuda.get_device_capability() >= (8, 9)
         and not (a.dtype == E5M2 and b.dtype == E5M2)
         and lda is not None
         and ldb is not None
-        and lda % 16 == 0
-        and ldb % 16 == 0
         and k > 0
-        and k % 16 == 0
         and n % 16 == 0
-        and a.data_ptr() % 16 == 0
-        and b.data_ptr() % 16 == 0
     )
+    if not tensor_cores:
+        return "fallback"
+    fit = k % 16 == 0 and lda % 16 == 0 and ldb % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    return "cublaslt" if fit else "padded"
 
 
 @contextlib.contextmanager
 def gemm_path(path: str):
-    """Asserts that every GEMM in the block ran ``path`` ("cublaslt" or "fallback"), at least one."""
+    """Asserts that every GEMM in the block took ``path`` (see expected_gemm_path), at least one."""
     before = _C.cuda_gemm_path_counts()
     yield
     after = _C.cuda_gemm_path_counts()
-    ran = {name: after[name] - before[name] for name in ("cublaslt", "fallback")}
-    assert ran[path] >= 1 and sum(ran.values()) == ran[path], f"expected only the {path} path, ran {ran}"
+    ran = {name: after[name] - before[name] for name in ("cublaslt", "padded", "fallback")}
+    lt = "fallback" if path == "fallback" else "cublaslt"
+    assert ran[lt] >= 1 and ran["cublaslt"] + ran["fallback"] == ran[lt], f"expected only the {path} path, ran {ran}"
+    assert ran["padded"] == (ran["cublaslt"] if path == "padded" else 0), f"expected the {path} path, ran {ran}"
 
 
 def gemm_layouts(m: int, n: int, k: int, fmt_a, fmt_b) -> dict:
-    """The same values as row-major, column-major and padded (leading dimension K + 16) operands."""
+    """The same values as row-major, column-major, strided (leading dimension K + 16, the
+    ``big[:, :k]`` view) and misaligned (address 1 byte past 16) operands."""
     a, b = fp8_operand(m, k, fmt_a, "cuda"), fp8_operand(n, k, fmt_b, "cuda")
 
-    def padded(t):
+    def strided(t):
         big = torch.zeros(t.shape[0], t.shape[1] + 16, dtype=t.dtype, device="cuda")
         big[:, : t.shape[1]] = t
         return big[:, : t.shape[1]]
 
+    def misaligned(t):
+        flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device="cuda")
+        flat[1:] = t.flatten()
+        return flat[1:].view(t.shape)
+
     return {
         "row-major": (a, b),
         "column-major": (a.t().contiguous().t(), b.t().contiguous().t()),
-        "padded": (padded(a), padded(b)),
+        "strided": (strided(a), strided(b)),
+        "misaligned": (misaligned(a), misaligned(b)),
     }
 
 
@@ -395,10 +414,11 @@ class TestCudaKernels:
     def test_training_step_captures_in_a_cuda_graph(self):
         """set_sync_debug_mode cannot see the extension's own runtime: capture is the guard that
         no op syncs or allocates outside the stream (current and delayed scaling, columnwise,
-        dbias, the fp32 bias pass, dequantize, beta=1 accumulate)."""
-        x = torch.randn(128, 256, device="cuda")
+        dbias, the fp32 bias pass, dequantize, beta=1 accumulate over a ragged token count
+        (zero-padded operand copies in stream-ordered scratch))."""
+        x = torch.randn(120, 256, device="cuda")
         w = torch.randn(64, 256, device="cuda")
-        grad = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(120, 64, device="cuda", dtype=torch.bfloat16)
         g_scale = torch.tensor([8.0], device="cuda")
         bias = torch.randn(64, device="cuda", dtype=torch.bfloat16)
         bias32 = torch.randn(64, device="cuda")
@@ -458,15 +478,15 @@ class TestCudaKernels:
     @pytest.mark.parametrize("fmt_a,fmt_b", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
     def test_cublaslt_and_fallback_paths_match_the_reference(self, m, n, k, fmt_a, fmt_b, out_dtype):
-        """Row-major and padded (leading dimension != K) aligned operands must take cuBLASLt, any M
-        and an fp32 output with a bias included; column-major views of the same values, odd N or K,
-        K == 0 and e5m2 x e5m2 take the tiled kernel. Both paths must hold."""
+        """K-major operands must take cuBLASLt for any M, and an fp32 output with a bias too;
+        a K, leading dimension or address off 16 through zero-padded copies. Column-major views of
+        the same values, N off 16, K == 0 and e5m2 x e5m2 take the tiled kernel. All must hold."""
         sa, sb = scales("cuda")
         bias = torch.randn(n, device="cuda", dtype=out_dtype)
         layouts = gemm_layouts(m, n, k, fmt_a, fmt_b)
         a, b = layouts["row-major"]
         for layout, (a_l, b_l) in layouts.items():
-            path = "cublaslt" if cublaslt_takes(a_l, b_l) else "fallback"
+            path = expected_gemm_path(a_l, b_l)
             with gemm_path(path):
                 d = ops.fp8_gemm(a_l, sa, b_l, sb, out_dtype, bias, use_split_accumulator=True)
             check_gemm(d, a, sa, b, sb, out_dtype, bias, what=f"{layout} ({path})")
@@ -480,6 +500,6 @@ class TestCudaKernels:
         """The forward GEMM's fast accumulation, bf16 output: within the budget."""
         a, b = fp8_operand(256, 1024, E4M3, "cuda"), fp8_operand(256, 1024, E4M3, "cuda")
         sa, sb = scales("cuda")
-        with gemm_path("cublaslt" if cublaslt_takes(a, b) else "fallback"):
+        with gemm_path(expected_gemm_path(a, b)):
             d = ops.fp8_gemm(a, sa, b, sb, torch.bfloat16, use_split_accumulator=False)
         check_gemm(d, a, sa, b, sb, torch.bfloat16, fast_accum=True)

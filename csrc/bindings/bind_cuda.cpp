@@ -32,13 +32,14 @@ void register_cuda(py::module_& m) {
       []() {
 #ifdef TL_WITH_CUDA
         const cuda::GemmPathCounts c = cuda::gemm_path_counts();
-        return py::dict("cublaslt"_a = c.cublaslt, "fallback"_a = c.fallback,
+        return py::dict("cublaslt"_a = c.cublaslt, "fallback"_a = c.fallback, "padded"_a = c.padded,
                         "cached_algos"_a = c.cached_algos);
 #else
-        return py::dict("cublaslt"_a = 0, "fallback"_a = 0, "cached_algos"_a = 0);
+        return py::dict("cublaslt"_a = 0, "fallback"_a = 0, "padded"_a = 0, "cached_algos"_a = 0);
 #endif
       },
-      "CUDA GEMMs run by cuBLASLt and by the tiled fallback kernel since the last reset, and the "
+      "CUDA GEMMs run by cuBLASLt (padded: of those, on zero-padded operand copies) and by the tiled "
+      "fallback kernel since the last reset, and the "
       "number of cached cuBLASLt algorithms");
   m.def("reset_cuda_gemm_path_counts", []() {
 #ifdef TL_WITH_CUDA

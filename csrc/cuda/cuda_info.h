@@ -13,6 +13,7 @@ namespace cuda {
 struct GemmPathCounts {
   uint64_t cublaslt = 0;  // cuBLASLt FP8 matmul
   uint64_t fallback = 0;  // the tiled kernel of gemm_fallback_cuda.cu
+  uint64_t padded = 0;    // of the cuBLASLt runs, those on zero-padded operand copies
   uint64_t cached_algos = 0;  // entries in the (bounded) cuBLASLt algorithm cache
 };
 

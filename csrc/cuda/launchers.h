@@ -28,6 +28,10 @@ void cast_transpose(const QuantizeParams& p, const float* scale, float* scale_in
 /*! \brief Tiled fp32-accumulate GEMM for every shape, layout and FP8 mix cuBLASLt does not take. */
 void fp8_gemm_fallback(const GemmParams& p, cudaStream_t stream);
 
+/*! \brief dst (rows, k16) row-major = src (rows, k) with row stride `ld`, zero-filled to k16 (a multiple of 4). */
+void pad_k(const uint8_t* src, int64_t rows, int64_t k, int64_t ld, uint8_t* dst, int64_t k16,
+           cudaStream_t stream);
+
 /*! \brief d[r, c] += bias[c] for a row-major (rows, cols) fp32 d: the bias of an fp32-output cuBLASLt GEMM. */
 void add_bias_rows(float* d, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);
 
