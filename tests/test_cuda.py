@@ -10,6 +10,7 @@ its numerics and its routing decisions are checked here on the CPU too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import pathlib
 import re
@@ -379,6 +380,26 @@ class TestCudaKernels:
         _, scale_inv, x_amax = ops.quantize_current(x, E4M3)
         assert torch.isnan(x_amax)
         assert_bitwise_equal(scale_inv, torch.ones(1, device="cuda"), what="scale 1 for a NaN amax")
+
+    @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+    def test_devices_first_used_from_concurrent_threads(self):
+        """The per-device facts table is filled while another thread reads it (the bindings release the GIL)."""
+
+        def work(index: int) -> None:
+            device = f"cuda:{index}"
+            with torch.cuda.device(index):
+                x = torch.randn(256, 512, device=device)
+                for _ in range(20):
+                    q, scale_inv, _ = ops.quantize_current(x, E4M3)
+                    d = ops.fp8_gemm(q, scale_inv, q, scale_inv, torch.float32)
+                torch.cuda.synchronize(device)
+                q_ref, scale_inv_ref, _ = reference.quantize_current(x, E4M3)
+                assert_bitwise_equal(q, q_ref)
+                check_gemm(d, q_ref, scale_inv_ref, q_ref, scale_inv_ref, torch.float32)
+
+        with concurrent.futures.ThreadPoolExecutor(torch.cuda.device_count()) as pool:
+            for future in [pool.submit(work, i) for i in range(torch.cuda.device_count())]:
+                future.result()
 
     def test_ops_launch_on_the_current_stream(self):
         """The side stream is busy when the input is written: an op on any other stream reads stale data."""
