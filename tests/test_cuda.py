@@ -381,6 +381,28 @@ class TestCudaKernels:
         assert torch.isnan(x_amax)
         assert_bitwise_equal(scale_inv, torch.ones(1, device="cuda"), what="scale 1 for a NaN amax")
 
+    @pytest.mark.parametrize("problem", ["no-image", "old-driver"])
+    def test_unusable_build_routes_to_the_torch_fallback(self, monkeypatch, problem):
+        """A GPU the build has no code for, or a too-old driver: torch runs the ops, with one warning."""
+        major, minor = torch.cuda.get_device_capability()
+        info = dict(_C.cuda_build_info())
+        if problem == "no-image":
+            info["archs"] = f"{10 * major + minor + 1}-real"
+        else:
+            info["driver_version"] = info["runtime_version"] - 1000
+        monkeypatch.setattr(_cuda_fallback, "_BUILD_INFO", info)
+        monkeypatch.setattr(_cuda_fallback, "_problems", {})
+        monkeypatch.setattr(_cuda_fallback, "_warned", False)
+        before = _C.cuda_gemm_path_counts()
+        x = torch.randn(64, 32, device="cuda")
+        with pytest.warns(UserWarning, match="no code for this GPU" if problem == "no-image" else "driver"):
+            q, scale_inv, _ = ops.quantize_current(x, E4M3)
+        d = ops.fp8_gemm(q, scale_inv, q, scale_inv, torch.float32)
+        assert _C.cuda_gemm_path_counts() == before, "the extension ran a GEMM"
+        q_ref, scale_inv_ref, _ = reference.quantize_current(x, E4M3)
+        assert_bitwise_equal(q, q_ref)
+        check_gemm(d, q_ref, scale_inv_ref, q_ref, scale_inv_ref, torch.float32)
+
     @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
     def test_devices_first_used_from_concurrent_threads(self):
         """The per-device facts table is filled while another thread reads it (the bindings release the GIL)."""

@@ -140,8 +140,9 @@ __global__ void __launch_bounds__(kCtThreads)
 
 // Column sums of a (rows, cols) matrix: block b sums columns [32 b, 32 b + 32),
 // 8 row phases of 32 threads each (a warp reads 32 adjacent columns:
-// coalesced), the phases added in a fixed order. Here the matrix is the
-// per-tile partial sums, a 64th of the input's rows.
+// coalesced), the phases added in a fixed order. The matrix is the per-tile
+// partial sums (a 64th of the input's rows), or the input itself when no
+// scratch could be had.
 template <typename In, typename Bias>
 __global__ void __launch_bounds__(kThreads)
     column_sums_kernel(const typename In::storage* __restrict__ x, int64_t rows, int64_t cols,
@@ -178,7 +179,8 @@ void cast_transpose(const QuantizeParams& p, const float* scale, float* scale_in
   uint8_t* q = p.output.defined() ? p.output.ptr<uint8_t>() : nullptr;
   uint8_t* qt = p.output_t.defined() ? p.output_t.ptr<uint8_t>() : nullptr;
   // Stream-ordered scratch for the per-tile column sums (graph-capturable);
-  // 4 bytes per 64 input elements.
+  // 4 bytes per 64 input elements. Without it (a device without memory pools,
+  // or no memory) the column sums take a second read of the input instead.
   struct Scratch {
     float* ptr = nullptr;
     cudaStream_t stream;
@@ -186,9 +188,11 @@ void cast_transpose(const QuantizeParams& p, const float* scale, float* scale_in
       if (ptr != nullptr) cudaFreeAsync(ptr, stream);
     }
   } scratch{nullptr, stream};
-  if (p.dbias.defined()) {
-    TL_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&scratch.ptr),
-                                  static_cast<size_t>(row_tiles * p.cols) * sizeof(float), stream));
+  if (p.dbias.defined() &&
+      cudaMallocAsync(reinterpret_cast<void**>(&scratch.ptr),
+                      static_cast<size_t>(row_tiles * p.cols) * sizeof(float), stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so the launch checks do not see it
+    scratch.ptr = nullptr;
   }
   float* partial = scratch.ptr;
   dispatch_high_precision(p.input.dtype, "quantize: argument 'input'", [&](auto in_tag) {
@@ -204,14 +208,18 @@ void cast_transpose(const QuantizeParams& p, const float* scale, float* scale_in
           scale_inv, amax);
       TL_CHECK_CUDA_LAUNCH();
     });
-  });
-  if (partial == nullptr) return;
-  dispatch_high_precision(p.dbias.dtype, "quantize: argument 'dbias'", [&](auto bias_tag) {
-    using Bias = decltype(bias_tag);
-    const unsigned blocks = static_cast<unsigned>((p.cols + 31) / 32);
-    column_sums_kernel<Float32, Bias><<<blocks, kThreads, 0, stream>>>(
-        partial, row_tiles, p.cols, p.dbias.ptr<typename Bias::storage>());
-    TL_CHECK_CUDA_LAUNCH();
+    if (!p.dbias.defined()) return;
+    dispatch_high_precision(p.dbias.dtype, "quantize: argument 'dbias'", [&](auto bias_tag) {
+      using Bias = decltype(bias_tag);
+      auto* dbias = p.dbias.ptr<typename Bias::storage>();
+      const unsigned blocks = static_cast<unsigned>((p.cols + 31) / 32);
+      if (partial != nullptr) {
+        column_sums_kernel<Float32, Bias><<<blocks, kThreads, 0, stream>>>(partial, row_tiles, p.cols, dbias);
+      } else {
+        column_sums_kernel<In, Bias><<<blocks, kThreads, 0, stream>>>(p.input.ptr<T>(), p.rows, p.cols, dbias);
+      }
+      TL_CHECK_CUDA_LAUNCH();
+    });
   });
 }
 
