@@ -76,7 +76,8 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
     check_device(op, "output_t", output_t, input.device, input.device_index);
     check_dtype(op, "output_t", output_t, kFp8);
     check_contiguous(op, "output_t", output_t);
-    TL_CHECK(input.ndim >= 1, op, ": a transposed output needs an input of rank >= 1");
+    TL_CHECK(input.ndim >= 1, op,
+             ": argument 'input' must have rank >= 1 for a transposed output, got a 0-dim tensor");
     check_shape(op, "output_t", output_t, {p.cols, p.rows});
     TL_CHECK_TYPE(!output.defined() || output.dtype == output_t.dtype, op,
                   ": 'output' and 'output_t' must have the same dtype, got ",
@@ -90,7 +91,8 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
     check_device(op, "dbias", dbias, input.device, input.device_index);
     check_dtype(op, "dbias", dbias, kHighPrecision);
     check_contiguous(op, "dbias", dbias);
-    TL_CHECK(input.ndim >= 1, op, ": a bias gradient needs an input of rank >= 1");
+    TL_CHECK(input.ndim >= 1, op,
+             ": argument 'input' must have rank >= 1 for a bias gradient, got a 0-dim tensor");
     check_shape(op, "dbias", dbias, {p.cols});
   }
   // Current scaling writes the scale it computes into 'scale' (scratch).
