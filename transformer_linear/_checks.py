@@ -79,7 +79,7 @@ def check_scale_values(op: str, scales: Mapping[str, Optional[torch.Tensor]], re
         ValueError: naming the argument and its value.
     """
     for name, t in scales.items():
-        if t is None or t.device.type != "cpu" or t.dtype != torch.float32 or t.numel() != 1:
+        if t is None or not t.is_cpu or t.dtype != torch.float32 or t.numel() != 1:
             continue
         value = t.item()
         ok = math.isfinite(value) and value > 0
