@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_linear import distributed
+from transformer_linear._checks import check_linear_devices
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
 from transformer_linear.linear_ops import (
@@ -201,6 +202,7 @@ class Linear(nn.Module):
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return F.linear(inp, weight, bias)
+        check_linear_devices(inp, weight, bias, getattr(self.weight, "main_grad", None))
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)

@@ -8,7 +8,9 @@ written rather than deep inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Union
 
@@ -41,6 +43,31 @@ def _check_format(cls: str, fp8_format: object) -> None:
         raise TypeError(f"{cls}: 'fp8_format' must be a recipe.Format, got {fp8_format!r}")
 
 
+def _check_ints(recipe: object) -> None:
+    """Store every ``int`` field of a recipe dataclass as a Python int.
+
+    Integral types (``np.int64``, a 0-dim integer tensor: anything with
+    ``__index__``) are accepted and converted, so the recipe hashes, compares
+    and guards under ``torch.compile`` like one built from ints; bools are
+    rejected where an integer is meant.
+
+    Raises:
+        TypeError: naming the field, for a bool or a non-integral value.
+    """
+    cls = type(recipe).__name__
+    for field in dataclasses.fields(recipe):
+        if field.type not in (int, "int"):
+            continue
+        value = getattr(recipe, field.name)
+        try:
+            index = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            index = None
+        if index is None:
+            raise TypeError(f"{cls}: '{field.name}' must be an integer, got {value!r}")
+        object.__setattr__(recipe, field.name, index)
+
+
 def _check_margin(cls: str, margin: object) -> None:
     if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
         raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
@@ -69,10 +96,11 @@ class DelayedScaling:
     amax_compute_algo: str = "max"
 
     def __post_init__(self) -> None:
+        _check_ints(self)
         _check_margin("DelayedScaling", self.margin)
         _check_format("DelayedScaling", self.fp8_format)
         n = self.amax_history_len
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if n < 1:
             raise ValueError(f"DelayedScaling: 'amax_history_len' must be a positive integer, got {n!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
@@ -93,6 +121,7 @@ class CurrentScaling:
     margin: int = 0
 
     def __post_init__(self) -> None:
+        _check_ints(self)
         _check_format("CurrentScaling", self.fp8_format)
         _check_margin("CurrentScaling", self.margin)
 
