@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from transformer_linear.linear import Linear
 from transformer_linear.recipe import Recipe
 
 __all__ = ["ConversionPlan", "conversion_plan", "convert_to_fp8", "from_linear"]
@@ -62,8 +63,6 @@ def from_conv1d(cls: type, conv: nn.Module, **kwargs: Any) -> nn.Module:
 
 def _skip_reason(module: nn.Module, fqn: str, module_filter_fn: Optional[FilterFn]) -> Optional[str]:
     """None when ``module`` is converted; else why not ('' for modules that are not Linear-like at all)."""
-    from transformer_linear.linear import Linear
-
     if isinstance(module, Linear):
         return ""
     linear_like = type(module) is nn.Linear or is_conv1d(module)
@@ -99,8 +98,6 @@ def _check_model(fn: str, model: object) -> None:
 
 def conversion_plan(model: nn.Module, module_filter_fn: Optional[FilterFn] = None) -> ConversionPlan:
     """List the layers :func:`convert_to_fp8` would convert and those it skips (and why)."""
-    from transformer_linear.linear import Linear
-
     _check_model("conversion_plan", model)
     plan = ConversionPlan()
     for fqn, module in model.named_modules():
@@ -136,8 +133,6 @@ def convert_to_fp8(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
     """
-    from transformer_linear.linear import Linear
-
     _check_model("convert_to_fp8", model)
 
     def convert(module: nn.Module) -> nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import typing
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -11,9 +12,12 @@ from torch import nn
 
 from transformer_linear import reference
 from transformer_linear.autocast import autocast
-from transformer_linear.convert import conversion_plan
+from transformer_linear.convert import conversion_plan, convert_to_fp8
+from transformer_linear.linear import Linear
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
 from transformer_linear.numerics.stats import max_relative_error, range_stats, sqnr
+from transformer_linear.recipe import CurrentScaling, DelayedScaling, Format, Recipe
+from transformer_linear.scaling import FP8_STATE_COLUMNS
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -52,49 +56,49 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-def _named_recipes() -> dict[str, Any]:
-    from transformer_linear.recipe import CurrentScaling, DelayedScaling, Format
-
-    return {
-        "delayed": DelayedScaling(),
-        "current": CurrentScaling(),
-        "delayed-e4m3": DelayedScaling(fp8_format=Format.E4M3),
-        "current-e4m3": CurrentScaling(fp8_format=Format.E4M3),
-    }
+# Recipe names accepted by compare, train_compare and ``--recipes``: one row per name.
+RECIPE_NAMES: dict[str, Callable[[], Recipe]] = {
+    "delayed": lambda: DelayedScaling(),
+    "current": lambda: CurrentScaling(),
+    "delayed-e4m3": lambda: DelayedScaling(fp8_format=Format.E4M3),
+    "current-e4m3": lambda: CurrentScaling(fp8_format=Format.E4M3),
+}
 
 
 def recipe_label(recipe: Any) -> str:
     """A short name for tables: ``DelayedScaling(HYBRID)``."""
-    return f"{type(recipe).__name__}({recipe.fp8_format.value})"
+    fmt = getattr(recipe, "fp8_format", None)
+    return f"{type(recipe).__name__}({fmt.value})" if fmt is not None else type(recipe).__name__
+
+
+def resolve_recipe(r: Any) -> Recipe:
+    """A recipe object, or the recipe a name in :data:`RECIPE_NAMES` stands for (case-insensitive).
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: something that is neither a name nor a recipe.
+    """
+    if isinstance(r, str):
+        factory = RECIPE_NAMES.get(r.strip().lower())
+        if factory is None:
+            raise ValueError(f"unknown recipe {r!r}; expected one of {', '.join(RECIPE_NAMES)}")
+        return factory()
+    if not isinstance(r, typing.get_args(Recipe)):
+        raise TypeError(f"recipes: expected recipe names or transformer_linear.recipe objects, got {r!r}")
+    return r
 
 
 def resolve_recipes(recipes: Optional[Iterable[Any]]) -> list[tuple[str, Any]]:
-    """Turn recipe objects or names into (label, recipe) pairs.
-
-    Names: ``delayed``, ``current`` (HYBRID formats), ``delayed-e4m3``,
-    ``current-e4m3``.
+    """Turn recipe objects or names (:data:`RECIPE_NAMES`) into (label, recipe) pairs; default delayed and current.
 
     Raises:
         ValueError: an unknown name, or no recipe at all.
         TypeError: something that is neither a name nor a recipe.
     """
-    from transformer_linear.recipe import CurrentScaling, DelayedScaling
-
-    named = _named_recipes()
-    if recipes is None:
-        recipes = ("delayed", "current")
-    resolved = []
-    for r in recipes:
-        if isinstance(r, str):
-            if r not in named:
-                raise ValueError(f"unknown recipe {r!r}; expected one of {', '.join(named)}")
-            r = named[r]
-        if not isinstance(r, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"recipes: expected recipe names or transformer_linear.recipe objects, got {r!r}")
-        resolved.append((recipe_label(r), r))
+    resolved = [resolve_recipe(r) for r in (("delayed", "current") if recipes is None else recipes)]
     if not resolved:
         raise ValueError("recipes: at least one recipe is required")
-    return resolved
+    return [(recipe_label(r), r) for r in resolved]
 
 
 def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optional[FilterFn] = None) -> nn.Module:
@@ -108,9 +112,6 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
     Run the copy under ``tl.autocast(enabled=False)`` so an enclosing
     autocast does not reach the high-precision layers.
     """
-    from transformer_linear import convert_to_fp8
-    from transformer_linear.linear import Linear
-
     copied = convert_to_fp8(copy.deepcopy(model))
     for fqn, module in copied.named_modules():
         if isinstance(module, Linear):
@@ -194,9 +195,6 @@ def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], rec
     Current scaling keeps no state: each tensor's scale comes from its own
     amax, computed in :func:`_range_stats_for`.
     """
-    from transformer_linear.recipe import DelayedScaling
-    from transformer_linear.scaling import FP8_STATE_COLUMNS
-
     if not isinstance(recipe, DelayedScaling):
         return {}
     used = {}
@@ -317,8 +315,8 @@ def compare(
 def train_run(
     model: nn.Module,
     recipe: Optional[Any],
-    batches: Sequence[tuple],
-    loss_fn: LossFn,
+    batches: Sequence[Any],
+    loss_fn: Optional[LossFn] = None,
     lr: float = 3e-3,
     module_filter_fn: Optional[FilterFn] = None,
     stats_every: int = 25,
@@ -326,10 +324,14 @@ def train_run(
 ) -> tuple[list[float], list[dict[str, Any]], nn.Module]:
     """Train a copy of ``model`` under ``recipe`` (None: high precision) with AdamW on ``batches``.
 
+    ``batches`` holds each step's inputs (a tensor or tuple); ``loss_fn``
+    defaults as in :func:`compare`.
+
     Returns:
         (loss per step, per-layer range statistics every ``stats_every``
         steps, the trained copy).
     """
+    loss_fn = loss_fn or _default_loss
     run_model = with_recipe(model, recipe, module_filter_fn)
     modules = dict(run_model.named_modules())
     names = [n for n in _linear_names(run_model) if modules[n].recipe is not None]
@@ -341,7 +343,7 @@ def train_run(
         for step, inputs in enumerate(batches):
             record = recipe is not None and (step % stats_every == 0 or step == steps - 1)
             used = _scales_before_step(modules, names, recipe) if record else {}
-            loss, records = _step(run_model, inputs, loss_fn, names if record else [])
+            loss, records = _step(run_model, _as_tuple(inputs), loss_fn, names if record else [])
             if record:
                 history.append(
                     {"step": step, "layers": {n: _range_stats_for(recipe, records[n], used.get(n, {})) for n in names}}
@@ -360,7 +362,7 @@ def _progress_tick(progress: Callable[[str, int, int, float], None], label: str,
 def train_compare(
     model: nn.Module,
     make_batch: Callable[[int], Any],
-    loss_fn: LossFn,
+    loss_fn: Optional[LossFn] = None,
     steps: int = 200,
     recipes: Optional[Iterable[Any]] = None,
     lr: float = 3e-3,
@@ -376,7 +378,7 @@ def train_compare(
     Args:
         model: the initial model (left unchanged; each run trains a copy).
         make_batch: step -> example inputs (a tensor or tuple).
-        loss_fn: ``loss_fn(output, *inputs) -> scalar``.
+        loss_fn: ``loss_fn(output, *inputs) -> scalar``; default as in :func:`compare`.
         steps: optimizer steps per run.
         recipes: as in :func:`compare`.
         lr: AdamW learning rate.

@@ -131,11 +131,12 @@ class TrainReport:
 
     def summary(self) -> str:
         ref = self.reference
-        lines = [f"{'run':<26} {'final loss':>10} {'gap vs ' + ref:>16}"]
+        width = max(26, *(len(n) + 1 for n in self.loss_curves))
+        lines = [f"{'run':<{width}} {'final loss':>10} {'gap vs ' + ref:>16}"]
         gaps = self.loss_gap()
         for name in self.loss_curves:
             gap = "" if name == ref else f"{100 * gaps[name]:+.2f}%"
-            lines.append(f"{name:<26} {self.final_loss(name):>10.4f} {gap:>16}")
+            lines.append(f"{name:<{width}} {self.final_loss(name):>10.4f} {gap:>16}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
