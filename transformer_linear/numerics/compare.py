@@ -166,8 +166,12 @@ class _Capture:
             h.remove()
 
 
-def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str]) -> tuple[float, dict]:
-    """One forward + backward with capture; returns (loss, per-layer records incl. weight grads)."""
+def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str], seed: int = 0) -> tuple[float, dict]:
+    """One forward + backward with capture; returns (loss, per-layer records incl. weight grads).
+
+    The random state is seeded with ``seed`` for the step (and restored
+    after it), so dropout draws the same masks in every run compared.
+    """
     model.zero_grad(set_to_none=True)
     # The first layer's input gradient is only defined when the input needs one.
     inputs = tuple(
@@ -175,8 +179,10 @@ def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str]
     )
     capture = _Capture(model, names)
     try:
-        loss = _call_loss(loss_fn, model(*inputs), inputs)
-        loss.backward()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            loss = _call_loss(loss_fn, model(*inputs), inputs)
+            loss.backward()
     finally:
         capture.close()
     modules = dict(model.named_modules())
@@ -343,7 +349,7 @@ def train_run(
         for step, inputs in enumerate(batches):
             record = recipe is not None and (step % stats_every == 0 or step == steps - 1)
             used = _scales_before_step(modules, names, recipe) if record else {}
-            loss, records = _step(run_model, _as_tuple(inputs), loss_fn, names if record else [])
+            loss, records = _step(run_model, _as_tuple(inputs), loss_fn, names if record else [], seed=step)
             if record:
                 history.append(
                     {"step": step, "layers": {n: _range_stats_for(recipe, records[n], used.get(n, {})) for n in names}}

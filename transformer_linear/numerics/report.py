@@ -63,15 +63,16 @@ class CompareReport:
 
     def table(self) -> str:
         """A fixed-width table: one row per (recipe, layer)."""
+        lw = max([22] + [len(s.name) for s in self.layers])
         header = (
-            f"{'recipe':<22} {'layer':<22} {'out dB':>7} {'dX dB':>7} {'dW dB':>7} "
+            f"{'recipe':<22} {'layer':<{lw}} {'out dB':>7} {'dX dB':>7} {'dW dB':>7} "
             f"{'out maxrel':>10} {'x amax':>9} {'w amax':>9} {'dy amax':>9} {'x uflow%':>8} {'dy uflow%':>9} {'sat%':>6}"
         )
         rows = [header, "-" * len(header)]
         for s in self.layers:
             sat = max(s.input.get("saturation", 0.0), s.weight.get("saturation", 0.0), s.grad_output.get("saturation", 0.0))
             rows.append(
-                f"{s.recipe:<22} {s.name:<22} {_fmt(s.output_sqnr):>7} {_fmt(s.dgrad_sqnr):>7} {_fmt(s.wgrad_sqnr):>7} "
+                f"{s.recipe:<22} {s.name:<{lw}} {_fmt(s.output_sqnr):>7} {_fmt(s.dgrad_sqnr):>7} {_fmt(s.wgrad_sqnr):>7} "
                 f"{_fmt(s.output_max_rel, 4):>10} {s.input.get('amax', 0):>9.3g} {s.weight.get('amax', 0):>9.3g} "
                 f"{s.grad_output.get('amax', 0):>9.3g} {100 * s.input.get('underflow', 0):>8.3f} "
                 f"{100 * s.grad_output.get('underflow', 0):>9.3f} {100 * sat:>6.2f}"

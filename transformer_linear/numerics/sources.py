@@ -207,6 +207,16 @@ def _hf_loss(output: Any, input_ids: torch.Tensor) -> torch.Tensor:
     return lm_loss(output.logits, input_ids)
 
 
+def _tokenizer(transformers: Any, name_or_path: str) -> Optional[Callable[[str], list[int]]]:
+    """The model's tokenizer's ``encode``, or None when none loads (or it is empty, as one built from a bare config)."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        works = len(tokenizer.encode("Hello, world")) > 0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return tokenizer.encode if works else None
+
+
 def hf_workload(
     name_or_path: str,
     random_init: bool,
@@ -245,16 +255,13 @@ def hf_workload(
     if data is None:
         make_batch = synthetic_batches((batch_size, seq_len), "long", vocab, seed)
     else:
-        tokenize = None
-        if not data.endswith((".pt", ".npy")):
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
-                tokenize = tokenizer.encode
-                source = f"{data} (tokenizer of {name_or_path})"
-            except (OSError, ValueError, KeyError, TypeError):
-                source = f"{data} (no tokenizer found: UTF-8 bytes as ids)"
-        else:
+        tokenize = _tokenizer(transformers, name_or_path) if not data.endswith((".pt", ".npy")) else None
+        if data.endswith((".pt", ".npy")):
             source = data
+        elif tokenize is None:
+            source = f"{data} (no tokenizer found: UTF-8 bytes as ids)"
+        else:
+            source = f"{data} (tokenizer of {name_or_path})"
         make_batch = token_batches(load_token_ids(data, vocab, tokenize), batch_size, seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     init = "random init" if random_init else "pretrained"
