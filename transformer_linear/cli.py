@@ -6,7 +6,7 @@ FP8, measures the loss gap with those layers kept in high precision, and
 writes a markdown + JSON report and PNG plots. The model is the built-in
 GPT (default), an importable factory (``--model pkg.module:factory``) or a
 Hugging Face causal LM (``--hf PATH``). Exit status: 0 when every recipe's
-loss gap is within ``--max-gap``, 1 when one is not, 2 for bad input.
+loss gap (either sign) is within ``--max-gap``, 1 when one is not, 2 for bad input.
 
 ``transformer-linear monitor-report LOG_DIR`` plots what
 ``tl.numerics.monitor`` recorded during training.
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--recipes", default="delayed,current", help=f"comma-separated: {', '.join(RECIPE_NAMES)}")
     p.add_argument("--layers", metavar="REGEX", help="report only layers whose name matches (re.search)")
-    p.add_argument("--max-gap", type=float, default=1.0, help="exit 1 when a recipe's loss gap exceeds this percent (1)")
+    p.add_argument("--max-gap", type=float, default=1.0, help="exit 1 when a recipe's |loss gap| exceeds this percent (1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -162,7 +162,7 @@ def _markdown(args, workload, plan, train, final, risky, thresholds, gaps) -> st
         train.summary(),
         "```",
         "",
-        f"Worst gap: {100 * max(gaps.values()):+.2f}% (limit {args.max_gap:g}%).",
+        f"Worst gap: {100 * max(gaps.values(), key=abs):+.2f}% (limit {args.max_gap:g}% either way).",
         "",
         "## Risky layers",
         "",
@@ -254,9 +254,9 @@ def run_compare(args: argparse.Namespace) -> int:
         for name, why in risky.items():
             print(f"  {name}: {'; '.join(why)}")
         print("suggested filter (the '+filter' runs above):\n" + filter_source(risky))
-    worst = max(plain_gaps.values())
-    verdict = "within" if worst <= args.max_gap / 100 else "exceeds"
-    print(f"\nworst loss gap {100 * worst:+.2f}% {verdict} --max-gap {args.max_gap:g}%")
+    worst = max(plain_gaps.values(), key=abs)
+    verdict = "within" if abs(worst) <= args.max_gap / 100 else "exceeds"
+    print(f"\nworst loss gap {100 * worst:+.2f}% {verdict} --max-gap {args.max_gap:g}% (either way)")
     print("wrote " + ", ".join(str(f) for f in files))
     return 0 if verdict == "within" else 1
 

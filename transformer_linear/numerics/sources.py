@@ -124,7 +124,11 @@ def user_workload(
     ``(model, make_batch, loss_fn)``; without ``make_batch``,
     ``input_shape`` (and ``input_dtype``, ``vocab``) describe synthetic inputs.
     """
-    result = _import_factory(spec)()
+    factory = _import_factory(spec)
+    try:
+        result = factory()
+    except Exception as e:  # the user's code: report it on one line (--traceback shows it all)
+        raise ValueError(f"--model: {spec}() raised {type(e).__name__}: {e}") from e
     parts = result if isinstance(result, tuple) else (result,)
     if not 1 <= len(parts) <= 3 or not isinstance(parts[0], nn.Module):
         raise ValueError(
