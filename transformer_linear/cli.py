@@ -180,9 +180,7 @@ def _markdown(args, workload, plan, train, final, risky, thresholds, gaps) -> st
         "against the high-precision run; amax of input (x), weight (w) and grad_output (dy); percent of",
         "elements flushed to zero (uflow) or clamped at the format's max (sat).",
         "",
-        "```",
-        final.table(),
-        "```",
+        final.markdown(),
     ]
     return "\n".join(lines) + "\n"
 

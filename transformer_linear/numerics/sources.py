@@ -267,8 +267,7 @@ def hf_workload(
         else:
             source = f"{data} (tokenizer of {name_or_path})"
         make_batch = token_batches(load_token_ids(data, vocab, tokenize), batch_size, seq_len)
-    n_params = sum(p.numel() for p in model.parameters())
     init = "random init" if random_init else "pretrained"
-    desc = f"{type(model).__name__} from {name_or_path} ({init}, {n_params:,} params); data: {source}"
+    desc = f"{type(model).__name__} from {name_or_path} ({init}); data: {source}"
     return Workload(model, make_batch, _hf_loss, desc)
 
