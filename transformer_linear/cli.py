@@ -218,7 +218,6 @@ def run_compare(args: argparse.Namespace) -> int:
     thresholds = RiskThresholds()
     final = _narrow(train.final, pattern)
     risky = risky_layers(final, thresholds)
-    gaps = train.loss_gap()
     if risky:
         batches = [workload.make_batch(i) for i in range(args.steps)]
         keep = keep_high_precision(risky)

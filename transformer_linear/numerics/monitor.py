@@ -235,10 +235,10 @@ def load_records(log_dir: str | Path) -> list[dict[str, Any]]:
     """The records a monitor wrote to ``log_dir/metrics.jsonl``."""
     path = Path(log_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise ValueError(f"monitor-report: {path} not found (is {log_dir} a monitor log_dir?)")
+        raise ValueError(f"{path} not found (is {log_dir} a monitor log_dir?)")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not records:
-        raise ValueError(f"monitor-report: {path} holds no records")
+        raise ValueError(f"{path} holds no records")
     return [{k: (float(v) if k in METRICS else v) for k, v in r.items()} for r in records]
 
 
