@@ -215,3 +215,29 @@ def test_autocast_state_is_guarded_under_compile():
     assert_bitwise_equal(fp8_compiled, fp8_eager, "inside autocast")
     assert_bitwise_equal(compiled(x), plain, "after autocast")
     assert not torch.equal(plain, fp8_eager)
+
+
+@pytest.mark.parametrize("keep_mutations", [True, False])
+def test_custom_aot_autograd_backend_needs_kept_input_mutations(keep_mutations):
+    """Delayed scaling updates the same buffers in forward (input, weight) and
+    backward (grad_output). A backend built on aot_autograd must keep input
+    mutations in the graphs, as aot_eager and inductor do; without it AOT
+    autograd cannot place the forward's buffer updates (README "The FP8 Linear")."""
+    def compiler(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=keep_mutations)
+    torch._dynamo.reset()
+    layer = tl.Linear(16, 8, recipe=RECIPES["delayed"])
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(4, 16)
+    if not keep_mutations:
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="was invalid, but is output"):
+            compiled(x).sum().backward()
+        return
+    for _ in range(2):
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+    assert_bitwise_equal(layer.fp8_amax_history, eager.fp8_amax_history, "history")
+    assert_bitwise_equal(layer.fp8_scale, eager.fp8_scale, "scale")

@@ -79,14 +79,16 @@ class TestDropIn:
         ref, layer = _pair()
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach(), "weight")
         assert_bitwise_equal(layer.bias.detach(), ref.bias.detach(), "bias")
-        assert list(layer.state_dict()) == list(ref.state_dict())
+        # nn.Linear's keys, then the delayed-scaling state every layer owns.
+        assert list(layer.state_dict()) == [*ref.state_dict(), "fp8_amax_history", "fp8_scale"]
 
     @pytest.mark.parametrize("bias", [True, False])
-    def test_state_dict_loads_both_ways_strict(self, bias):
+    def test_state_dict_loads_both_ways(self, bias):
         ref = nn.Linear(8, 4, bias=bias)
         layer = tl.Linear(8, 4, bias=bias)
         layer.load_state_dict(ref.state_dict(), strict=True)
-        nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=True)
+        result = nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=False)
+        assert result.unexpected_keys == ["fp8_amax_history", "fp8_scale"] and not result.missing_keys
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach())
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -136,9 +138,8 @@ class TestFP8State:
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
         _fwd_bwd(layer, torch.randn(5, 16))
         layer.load_state_dict(nn.Linear(16, 8).state_dict(), strict=True)
-        assert "fp8_scale" not in layer.state_dict()
-        _fwd_bwd(layer, torch.randn(5, 16))
-        assert layer.fp8_amax_history.shape == (3, 3)
+        assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(3, 3), "fresh history")
+        assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "fresh scales")
 
     def test_to_deepcopy_pickle_keep_fp32_state(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))

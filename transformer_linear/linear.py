@@ -5,16 +5,21 @@ Same parameters, default initialization and ``state_dict`` keys as
 ``F.linear``: outputs and gradients are bitwise ``nn.Linear``'s. With one, the
 forward and backward go through the custom ops of linear_ops.py.
 
-Delayed scaling keeps its state in two buffers created on first use,
-``fp8_amax_history`` (history_len, 3) and ``fp8_scale`` (3,), columns
-[input, weight, grad_output]; they are saved in ``state_dict`` as plain
-tensors, and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
+Delayed scaling keeps its state in two float32 buffers that every layer owns
+from construction, ``fp8_amax_history`` (rows, 3) and ``fp8_scale`` (3,),
+columns [input, weight, grad_output]: nothing is created on first use, so a
+cold ``torch.compile`` or ``torch.export`` sees them as real buffers and
+records their updates. ``rows`` is the layer's own recipe's
+``amax_history_len``, else ``DelayedScaling``'s default (1024); a recipe with
+a shorter history uses the leading rows. They are saved in ``state_dict``,
+and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
 ``strict=True`` and starts the state fresh.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Optional
 
 import torch
@@ -38,6 +43,7 @@ __all__ = ["Linear"]
 
 _FP8_STATE = ("fp8_amax_history", "fp8_scale")
 _FWD_SCALE = "fp8_fwd_scale"
+_DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
 
 
@@ -119,27 +125,52 @@ class Linear(nn.Module):
     # delayed-scaling state
     # ------------------------------------------------------------------
 
-    def reset_fp8_state(self) -> None:
-        """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
+    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
+        """Start the delayed-scaling state fresh (empty history, scales 1), on the weight's device.
+
+        Args:
+            amax_history_len: rows of the new history; default: the layer's
+                own recipe's ``amax_history_len``, else ``DelayedScaling``'s
+                default. A ``tl.autocast`` recipe with a longer history than
+                the layer holds needs this before ``torch.compile`` /
+                ``torch.export`` (eagerly the history grows by itself).
+        """
+        if amax_history_len is None:
+            own = self.recipe
+            amax_history_len = own.amax_history_len if isinstance(own, DelayedScaling) else _DEFAULT_HISTORY_LEN
+        rows = operator.index(amax_history_len)
+        if rows < 1:
+            raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
         distributed.discard_amax_reductions(id(self))
-        for name in (*_FP8_STATE, _FWD_SCALE):
-            self._buffers.pop(name, None)
-        if isinstance(self.recipe, DelayedScaling):
-            self._fp8_state(self.recipe)
+        device = self.weight.device
+        self.register_buffer("fp8_amax_history", torch.zeros(rows, 3, dtype=torch.float32, device=device))
+        self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+        # Not state: rewritten from fp8_scale at the start of every forward.
+        self.register_buffer(_FWD_SCALE, torch.ones(3, dtype=torch.float32, device=device), persistent=False)
 
     def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor, Tensor]:
-        """The (amax_history, scale, fwd_scale) buffers, created fresh on first use or on a new history length."""
-        history = getattr(self, "fp8_amax_history", None)
-        if history is None or history.shape[0] != recipe.amax_history_len:
-            distributed.discard_amax_reductions(id(self))
-            device = self.weight.device
-            history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
-            self.register_buffer("fp8_amax_history", history)
-            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
-        if getattr(self, _FWD_SCALE, None) is None:
-            # Not state: rewritten from fp8_scale at the start of every forward.
-            self.register_buffer(_FWD_SCALE, torch.ones_like(self.fp8_scale), persistent=False)
-        return self.fp8_amax_history, self.fp8_scale, getattr(self, _FWD_SCALE)
+        """The (amax_history, scale, fwd_scale) the recipe uses: the history's leading ``amax_history_len`` rows."""
+        rows, wanted = self.fp8_amax_history.shape[0], recipe.amax_history_len
+        if wanted > rows:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"tl.Linear: the recipe's amax_history_len={wanted} exceeds the {rows} rows of this layer's "
+                    f"delayed-scaling history, which cannot grow inside torch.compile / torch.export; give the "
+                    f"layer that recipe (tl.Linear(..., recipe=...), tl.convert_to_fp8(model, recipe=...)), call "
+                    f"layer.reset_fp8_state(amax_history_len={wanted}), or run one eager step first"
+                )
+            self._grow_history(wanted)
+        history = self.fp8_amax_history
+        if wanted < rows:
+            history = history[:wanted]
+        return history, self.fp8_scale, getattr(self, _FWD_SCALE)
+
+    def _grow_history(self, rows: int) -> None:
+        """Eagerly: a longer history keeping the recorded rows on top (pending reductions still apply)."""
+        old = self.fp8_amax_history
+        history = old.new_zeros(rows, old.shape[1])
+        history[: old.shape[0]].copy_(old)
+        self.register_buffer("fp8_amax_history", history)
 
     def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
         # Pending reductions are keyed by id(self): a later layer given the
@@ -149,21 +180,22 @@ class Linear(nn.Module):
 
     def finish_amax_reductions(self) -> None:
         """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
-        history = getattr(self, "fp8_amax_history", None)
-        if history is not None:
-            delayed_scaling_flush(history, self.fp8_scale, id(self))
+        delayed_scaling_flush(self.fp8_amax_history, self.fp8_scale, id(self))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
-        # Match the buffers to what is being loaded: present keys are loaded
-        # (whatever their history length), absent ones reset the state.
-        for name in _FP8_STATE:
-            key = prefix + name
-            if key in state_dict:
-                self.register_buffer(name, torch.empty_like(state_dict[key], device=self.weight.device))
-            elif name in self._buffers:
-                del self._buffers[name]
+        # A history of any length loads (the buffer takes its shape); a state
+        # without the FP8 keys (an nn.Linear's) starts the state fresh.
+        history = state_dict.get(prefix + "fp8_amax_history")
+        if history is not None:
+            self._buffers["fp8_amax_history"] = torch.empty_like(history, device=self.weight.device)
+        absent = [prefix + name for name in _FP8_STATE if prefix + name not in state_dict]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if absent:
+            for key in absent:
+                if key in missing_keys:
+                    missing_keys.remove(key)
+            self.reset_fp8_state(self.fp8_amax_history.shape[0] if history is not None else None)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
@@ -211,7 +243,7 @@ class Linear(nn.Module):
         recompute = delayed and _run_by_backward()
         if delayed and not recompute:
             if args.amax_reduction_layer_key != -1:
-                delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
+                delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
             args.fwd_scale.copy_(args.scale)
         out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
         if delayed and not recompute:

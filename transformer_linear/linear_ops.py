@@ -60,7 +60,9 @@ def _delayed_scaling_update_op(
     layer_key: int = -1,
 ) -> None:
     update = (first, fp8_max, margin, amax_compute_algo)
-    if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, *update):
+    # The flush gets the whole buffer: it applies the update to the rows this one used.
+    rows = amax_history.shape[0]
+    if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, rows, *update):
         return  # applied by delayed_scaling_flush before the layer next reads its scales
     update_delayed_scaling_(amax_history, scale, distributed.all_reduce_amax(amax, group), *update)
 
@@ -92,8 +94,8 @@ def delayed_scaling_update(
 
 @torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
 def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    for update in distributed.pop_amax_reductions(layer_key):
-        update_delayed_scaling_(amax_history, scale, *update)
+    for amax, rows, *update in distributed.pop_amax_reductions(layer_key):
+        update_delayed_scaling_(amax_history[:rows], scale, amax, *update)
 
 
 @_delayed_scaling_flush_op.register_fake
@@ -102,7 +104,11 @@ def _(amax_history, scale, layer_key):
 
 
 def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    """Wait for the layer's launched amax reductions and apply their updates, in launch order, in place."""
+    """Wait for the layer's launched amax reductions and apply their updates, in launch order, in place.
+
+    ``amax_history`` is the layer's whole buffer; each update applies to the
+    leading rows its recipe used.
+    """
     _delayed_scaling_flush_op(amax_history, scale, layer_key)
 
 
