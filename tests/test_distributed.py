@@ -379,6 +379,41 @@ class TestFSDP2:
 
 
 # ---------------------------------------------------------------------------
+# the plain mean loss: delayed scaling's first step does not depend on magnitude
+# ---------------------------------------------------------------------------
+
+# Each rank's mean loss gives grad_output rows twice the whole-batch mean's.
+# With just-in-time first-step scales (and the amax reduction) every FP8
+# operand is the single process's times a power of two, so what is left is
+# fp32 summation order. TE's first step (scale 1) ended 1.6% away here.
+MEAN_LOSS_TOL = 1e-4
+
+
+def _mean_loss_rank(rank, world, engine):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fp8_recipe = RECIPES["delayed"]
+    batches = _batches(STEPS)
+    model = DDP(_mlp(fp8_recipe)) if engine == "ddp" else _fully_shard_mlp(fp8_recipe)
+    ref = tl.distributed.set_amax_reduction_group(_mlp(fp8_recipe), None)
+    for m, shard in ((model, True), (ref, False)):
+        opt = _sgd(m)
+        for batch in batches:
+            x, target = _shard(batch, rank, world) if shard else batch
+            opt.zero_grad()
+            ((m(x) - target) ** 2).mean().backward()
+            opt.step()
+    for (pname, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        err = relative_error(_full(p).detach(), p_ref.detach())
+        assert err <= MEAN_LOSS_TOL, f"{engine} {pname}: relative error {err:.3e} vs single process"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_plain_mean_loss_matches_single_process(engine):
+    run_ranks(_mean_loss_rank, engine, timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------------------
 # tensor parallelism
 # ---------------------------------------------------------------------------
 

@@ -99,6 +99,12 @@ class TestOpcheck:
         args = (torch.rand(4, 3), torch.ones(3), torch.tensor([2.0, 3.0]), 0, 448.0, 1, "max")
         _opcheck(torch.ops.transformer_linear.delayed_scaling_update.default, args)
 
+    @pytest.mark.parametrize("scale", [2.0, -1.0])
+    def test_quantize_grad_output(self, scale):
+        # A negative scale asks for a just-in-time one (the first step).
+        args = (torch.randn(6, 8), torch.tensor([scale]), torch.float8_e5m2, 0, torch.float32, -1)
+        _opcheck(torch.ops.transformer_linear.quantize_grad_output.default, args)
+
     def test_delayed_scaling_flush(self):
         # Without a process group nothing is pending: the op leaves the state as it is.
         _opcheck(torch.ops.transformer_linear.delayed_scaling_flush.default, (torch.rand(4, 3), torch.ones(3), 123))
@@ -174,17 +180,18 @@ def _node_counts(gm):
 # delayed-scaling update), the backward one grad_output quantize (bias grad fused),
 # dgrad and wgrad; no transposes, copies or detaches around them. The views fold
 # the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
-# forward also copies the scales into fwd_scale (the copy_s write buffers back).
+# forward records the scales it used in fwd_scale (the copy_s write buffers back),
+# and backward's quantize may compute a just-in-time scale on the first step.
 EXPECTED_GRAPHS = {
     "current": {
         "forward": {"linear_fwd": 1, "getitem": 5, "view": 1},
         "backward": {"view": 1, "quantize": 1, "getitem": 3, "linear_dgrad": 1, "linear_wgrad": 1},
     },
     "delayed": {
-        "forward": {"copy": 1, "linear_fwd": 1, "getitem": 9, "auto_functionalized_v2": 1, "copy_": 3, "view": 1},
+        "forward": {"linear_fwd": 1, "getitem": 10, "copy": 1, "auto_functionalized_v2": 1, "view": 1, "copy_": 3},
         "backward": {
             "view": 1,
-            "quantize": 1,
+            "quantize_grad_output": 1,
             "getitem": 6,
             "auto_functionalized_v2": 1,
             "linear_dgrad": 1,

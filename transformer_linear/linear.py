@@ -241,12 +241,14 @@ class Linear(nn.Module):
         # it quantizes with fwd_scale as the original forward left it and
         # records no amax a second time.
         recompute = delayed and _run_by_backward()
+        fwd_scale = args.fwd_scale
         if delayed and not recompute:
             if args.amax_reduction_layer_key != -1:
                 delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
-            args.fwd_scale.copy_(args.scale)
-        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
+            args.fwd_scale = args.scale  # a forward quantizes with the current scales
+        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _, used_scales = linear_fwd(args)
         if delayed and not recompute:
+            fwd_scale.copy_(used_scales)  # just-in-time ones included
             delayed_scaling_update(
                 args.amax_history,
                 args.scale,
@@ -314,6 +316,7 @@ class Linear(nn.Module):
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
             amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
             amax_reduction_layer_key=layer_key,
+            just_in_time=delayed and recipe.first_step_just_in_time,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

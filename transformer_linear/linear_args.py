@@ -53,8 +53,9 @@ class LinearFwdArgs:
     """Delayed scaling: (3,) float32 scales of [input, weight, grad_output], updated after forward and
     backward; None: current scaling."""
     fwd_scale: Optional[Tensor]
-    """Delayed scaling: what forward quantizes with, a copy of ``scale`` taken at its start: activation
-    checkpointing's recompute reads it during backward, when ``scale`` has moved on."""
+    """Delayed scaling: what forward quantizes with: ``scale`` itself in a forward; in activation
+    checkpointing's recompute (during backward, when ``scale`` has moved on) the copy of the scales the
+    original forward used, which the module records from linear_fwd's last output."""
     amax_history: Optional[Tensor]
     """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
     amax_compute_algo: str
@@ -62,6 +63,9 @@ class LinearFwdArgs:
     """Delayed scaling: distributed.py key of the group amaxes are all-reduced over (-1: none)."""
     amax_reduction_layer_key: int
     """Delayed scaling across ranks: the layer's key for reductions applied at its next forward (-1: at once)."""
+    just_in_time: bool
+    """Delayed scaling: a tensor whose history column holds no amax yet is quantized with a scale from its own
+    amax (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""

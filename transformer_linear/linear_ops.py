@@ -24,7 +24,7 @@ from torch import Tensor
 
 from transformer_linear import distributed, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
-from transformer_linear.reference import fp8_max
+from transformer_linear.reference import compute_scale, fp8_max
 from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "linear_dgrad",
     "linear_fwd",
     "linear_wgrad",
+    "quantize_grad_output",
 ]
 
 
@@ -117,8 +118,9 @@ def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -
 # ---------------------------------------------------------------------------
 
 # out, inp (saved form), inp_scale_inv, weight_fp8 (row-major), weight_fp8_t
-# (columnwise or empty), weight_scale_inv, amax [input, weight], grad_output scale.
-_FwdOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# (columnwise or empty), weight_scale_inv, amax [input, weight], grad_output
+# scale (negated: just in time), the scales forward used [input, weight, grad_output].
+_FwdOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _rows(inp: Tensor) -> int:
@@ -149,12 +151,50 @@ def _fwd_side_outputs_like(a: LinearFwdArgs) -> tuple[Tensor, ...]:
         inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
         inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
         inp.new_empty((1,) if a.scale is not None else (0,), dtype=f32),
+        inp.new_empty((3,) if a.scale is not None else (0,), dtype=f32),
     )
 
 
 def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: int, **kw) -> ops.QuantizeOutput:
     """quantize_fused with the columnwise copy where layout.py asks for it."""
     return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=layout.needs_columnwise(x.device), **kw)
+
+
+def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Tensor, group: int) -> Tensor:
+    """Delayed scaling's first step: the scale of ``x``'s own amax, all-reduced over ``group`` first.
+
+    Bitwise the scale the history update computes from that amax afterwards.
+    Runs inside an op (eagerly, also under torch.compile): it reads the state.
+    """
+    amax = distributed.all_reduce_amax(ops.amax(x).reshape(1), group)
+    return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
+
+
+def _history_empty(history: Tensor) -> list[bool]:
+    """Per column: the history holds no amax yet."""
+    return history.eq(0).all(0).tolist()
+
+
+@torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
+def _quantize_grad_output_op(
+    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if bool(scale.lt(0).item()):
+        # linear_fwd saw no grad_output amax in the history yet: just in time.
+        scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
+    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+@_quantize_grad_output_op.register_fake
+def _(g, scale, dtype, margin, dbias_dtype, group):
+    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+def quantize_grad_output(
+    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
+) -> ops.QuantizeOutput:
+    """Delayed scaling's grad_output quantize; a negative ``scale`` (from linear_fwd) asks for a just-in-time one."""
+    return ops.QuantizeOutput(*_quantize_grad_output_op(g, scale, dtype, margin, dbias_dtype, group))
 
 
 @args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
@@ -173,10 +213,22 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
         return (out, *_fwd_side_outputs_like(a))
-    qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "input"), a.margin)
+    x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
+    x2d = x2d.contiguous()
+    if a.just_in_time and a.amax_history is not None:
+        x_empty, w_empty, g_empty = _history_empty(a.amax_history)
+        group = a.amax_reduction_group
+        if x_empty:
+            x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)
+        if w_empty and a.weight_fp8 is None:
+            w_scale = _just_in_time_scale(weight, a.fwd_dtype, a.margin, w_scale, group)
+    grad_scale_out = grad_scale
+    if a.just_in_time and a.amax_history is not None and g_empty:
+        grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
+    qx = _quantize(x2d, a.fwd_dtype, x_scale, a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
-        qw = _quantize(weight.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "weight"), a.margin)
+        qw = _quantize(weight.contiguous(), a.fwd_dtype, w_scale, a.margin)
         w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
         w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else no_fp8, qw.scale_inv)
     else:
@@ -184,7 +236,7 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
-    grad_scale = _column(a.fwd_scale, "grad_output")
+    delayed = a.fwd_scale is not None
     return (
         out,
         layout.saved_form(qx.data, qx.data_t),
@@ -193,7 +245,9 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         torch.stack([qx.amax, w_amax.reshape(())]),
         # The grad_output scale as of this forward: a second backward through a
         # retained graph must quantize exactly like the first.
-        grad_scale.clone() if grad_scale is not None else inp.new_empty(0, dtype=f32),
+        grad_scale_out.clone() if delayed else inp.new_empty(0, dtype=f32),
+        # What the caller records as fwd_scale, so a recompute quantizes the same.
+        torch.cat([x_scale, w_scale, grad_scale]) if delayed else inp.new_empty(0, dtype=f32),
     )
 
 
@@ -279,7 +333,7 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
 
 def _setup_context(ctx, inputs, output) -> None:
     a = linear_fwd.unflatten(inputs)
-    _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale = output
+    _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale, _ = output
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
     ctx.mark_non_differentiable(*output[1:])
     if not a.fp8:
@@ -300,6 +354,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
     ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
     ctx.amax_group, ctx.amax_layer_key = a.amax_reduction_group, a.amax_reduction_layer_key
+    ctx.just_in_time = a.just_in_time
     ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
     ctx.weight_dtype = a.weight.dtype
     ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
@@ -317,7 +372,10 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
     dbias_dtype = ctx.bias_dtype if bias_rg else None
     if ctx.fp8:
-        qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
+        if ctx.scale is not None and ctx.just_in_time:
+            qg = quantize_grad_output(g2d, grad_scale, ctx.bwd_dtype, ctx.margin, dbias_dtype, ctx.amax_group)
+        else:
+            qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
         if ctx.scale is not None:
             column = FP8_STATE_COLUMNS["grad_output"]
             delayed_scaling_update(
