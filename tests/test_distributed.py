@@ -353,6 +353,18 @@ def _checkpoint_rank(rank, world, path):
         assert_bitwise_equal(_full(t_resumed), _full(t), f"resumed {name}")
 
 
+def _fsdp_view_warning_rank(rank, world, name):
+    """A model whose last layer is a tl.Linear on 3-D input: FSDP2 warns about no view output."""
+    import warnings
+
+    model = _fully_shard_mlp(RECIPES[name])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 3, 16)).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert not any("returned a view tensor" in m for m in messages), messages
+
+
 class TestFSDP2:
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_matches_single_process(self, name):
@@ -373,6 +385,10 @@ class TestFSDP2:
     @pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
     def test_unsupported_wgrad_options_raise_at_wrap_time(self, option):
         run_ranks(_fsdp_rejects_rank, option, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed"])
+    def test_3d_output_is_not_a_view(self, name):
+        run_ranks(_fsdp_view_warning_rank, name, timeout=TIMEOUT)
 
     def test_checkpoint_resume_gives_identical_next_step(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), timeout=TIMEOUT)

@@ -161,8 +161,16 @@ class TestAutogradFeatures:
         for first, second in zip(*grads):
             assert_bitwise_equal(second, first)
 
+    @pytest.mark.parametrize("name", list(RECIPES))
+    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24), (2, 1, 3, 24)])
+    def test_output_is_not_a_view(self, name, shape):
+        """FSDP2 warns about a module returning a view; autograd restricts in-place ops on one."""
+        layer = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        y = layer(torch.randn(*shape, requires_grad=True))
+        assert y._base is None and not y._is_view() and y.shape == (*shape[:-1], 10)
+
     @pytest.mark.parametrize("name", [None, *RECIPES])
-    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
+    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24), (2, 1, 3, 24)])
     def test_output_modified_in_place(self, name, shape):
         """``y += residual`` works on the output, as on nn.Linear's, and gives the out-of-place gradients."""
         layer = tl.Linear(24, 10, recipe=RECIPES.get(name))

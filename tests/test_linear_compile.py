@@ -178,17 +178,17 @@ def _node_counts(gm):
 
 # Pinned node counts of one Linear's AOT graphs: the forward is one op (plus the
 # delayed-scaling update), the backward one grad_output quantize (bias grad fused),
-# dgrad and wgrad; no transposes, copies or detaches around them. The views fold
-# the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
+# dgrad and wgrad; no transposes, copies or detaches around them. The (unsafe)
+# views fold the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
 # forward records the scales it used in fwd_scale (the copy_s write buffers back),
 # and backward's quantize may compute a just-in-time scale on the first step.
 EXPECTED_GRAPHS = {
     "current": {
-        "forward": {"linear_fwd": 1, "getitem": 5, "view": 1},
+        "forward": {"linear_fwd": 1, "getitem": 5, "_unsafe_view": 1},
         "backward": {"view": 1, "quantize": 1, "getitem": 3, "linear_dgrad": 1, "linear_wgrad": 1},
     },
     "delayed": {
-        "forward": {"linear_fwd": 1, "getitem": 10, "copy": 1, "auto_functionalized_v2": 1, "view": 1, "copy_": 3},
+        "forward": {"linear_fwd": 1, "getitem": 10, "copy": 1, "auto_functionalized_v2": 1, "_unsafe_view": 1, "copy_": 3},
         "backward": {
             "view": 1,
             "quantize_grad_output": 1,

@@ -37,7 +37,7 @@ from transformer_linear.linear_ops import (
     linear_fwd,
 )
 from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
-from transformer_linear.scaling import FP8_STATE_COLUMNS
+from transformer_linear.scaling import FP8_STATE_COLUMNS, checked_fp8_state
 
 __all__ = ["Linear"]
 
@@ -143,10 +143,12 @@ class Linear(nn.Module):
             raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
         distributed.discard_amax_reductions(id(self))
         device = self.weight.device
-        self.register_buffer("fp8_amax_history", torch.zeros(rows, 3, dtype=torch.float32, device=device))
-        self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
-        # Not state: rewritten from fp8_scale at the start of every forward.
-        self.register_buffer(_FWD_SCALE, torch.ones(3, dtype=torch.float32, device=device), persistent=False)
+        # Normal tensors even under inference_mode: training updates them in place later.
+        with torch.inference_mode(False):
+            self.register_buffer("fp8_amax_history", torch.zeros(rows, 3, dtype=torch.float32, device=device))
+            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+            # Not state: what the last forward quantized with (activation checkpointing's recompute reads it).
+            self.register_buffer(_FWD_SCALE, torch.ones(3, dtype=torch.float32, device=device), persistent=False)
 
     def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor, Tensor]:
         """The (amax_history, scale, fwd_scale) the recipe uses: the history's leading ``amax_history_len`` rows."""
@@ -168,8 +170,9 @@ class Linear(nn.Module):
     def _grow_history(self, rows: int) -> None:
         """Eagerly: a longer history keeping the recorded rows on top (pending reductions still apply)."""
         old = self.fp8_amax_history
-        history = old.new_zeros(rows, old.shape[1])
-        history[: old.shape[0]].copy_(old)
+        with torch.inference_mode(False):  # a normal tensor, as in reset_fp8_state
+            history = old.new_zeros(rows, old.shape[1])
+            history[: old.shape[0]].copy_(old)
         self.register_buffer("fp8_amax_history", history)
 
     def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
@@ -184,18 +187,23 @@ class Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
-        # A history of any length loads (the buffer takes its shape); a state
-        # without the FP8 keys (an nn.Linear's) starts the state fresh.
-        history = state_dict.get(prefix + "fp8_amax_history")
-        if history is not None:
-            self._buffers["fp8_amax_history"] = torch.empty_like(history, device=self.weight.device)
-        absent = [prefix + name for name in _FP8_STATE if prefix + name not in state_dict]
+        keys = {name: prefix + name for name in _FP8_STATE}
+        history, scale = checked_fp8_state(*(state_dict.get(key) for key in keys.values()), prefix=prefix)
+        # load_state_dict passes its own copy of the dict: the checked float32
+        # tensors replace what was given.
+        for key, t in zip(keys.values(), (history, scale)):
+            if t is not None:
+                state_dict[key] = t
+        if history is not None:  # a history of any length loads: the buffer takes its shape
+            with torch.inference_mode(False):
+                self._buffers["fp8_amax_history"] = torch.empty_like(history, device=self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if absent:
-            for key in absent:
+        if history is None and scale is None:
+            # A state without the FP8 keys (an nn.Linear's) starts the state fresh.
+            for key in keys.values():
                 if key in missing_keys:
                     missing_keys.remove(key)
-            self.reset_fp8_state(self.fp8_amax_history.shape[0] if history is not None else None)
+            self.reset_fp8_state()
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
@@ -263,8 +271,12 @@ class Linear(nn.Module):
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
             t = w_fp8_t if w_fp8_t.numel() else None
             self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
-        # The op's output is 2-D; a 2-D input gets it as is (not a view, as from nn.Linear).
-        return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+        # The op's output is 2-D. Other inputs get it in their leading dims through
+        # _unsafe_view, as nn.Linear does: not a view to autograd, so in-place
+        # ops on it work and FSDP2 sees no view returned.
+        if inp.dim() == 2:
+            return out
+        return torch.ops.aten._unsafe_view.default(out, [*inp.shape[:-1], out.shape[-1]])
 
     def _fwd_args(
         self,
