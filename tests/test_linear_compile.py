@@ -248,3 +248,23 @@ def test_custom_aot_autograd_backend_needs_kept_input_mutations(keep_mutations):
         eager(x).sum().backward()
     assert_bitwise_equal(layer.fp8_amax_history, eager.fp8_amax_history, "history")
     assert_bitwise_equal(layer.fp8_scale, eager.fp8_scale, "scale")
+
+
+def test_autocast_history_longer_than_the_layers():
+    """A recipe-less layer holds 1024 rows; a longer autocast history cannot grow inside a trace."""
+    torch._dynamo.reset()
+    long = recipe.DelayedScaling(amax_history_len=2048)
+    layer = tl.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with tl.autocast(recipe=long):
+        with pytest.raises(Exception, match=r"reset_fp8_state\(amax_history_len=2048\)"):
+            torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+        layer.reset_fp8_state(amax_history_len=2048)  # the fix the error names
+        eager = copy.deepcopy(layer)
+        for _ in range(2):
+            assert_bitwise_equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), eager(x))
+    assert layer.fp8_amax_history.shape == (2048, 3)
+    grown = tl.Linear(16, 8)
+    with tl.autocast(recipe=long):
+        grown(x)  # eagerly, the history grows
+    assert grown.fp8_amax_history.shape == (2048, 3)
