@@ -254,13 +254,13 @@ class Linear(nn.Module):
             if args.amax_reduction_layer_key != -1:
                 delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
             args.fwd_scale = args.scale  # a forward quantizes with the current scales
-        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _, used_scales = linear_fwd(args)
+        o = linear_fwd(args)
         if delayed and not recompute:
-            fwd_scale.copy_(used_scales)  # just-in-time ones included
+            fwd_scale.copy_(o.fwd_scales)  # just-in-time ones included
             delayed_scaling_update(
                 args.amax_history,
                 args.scale,
-                amax,
+                o.amax,
                 _FWD_COLUMN,
                 args.fwd_dtype,
                 recipe.margin,
@@ -269,14 +269,14 @@ class Linear(nn.Module):
                 args.amax_reduction_layer_key,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
-            t = w_fp8_t if w_fp8_t.numel() else None
-            self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
+            t = o.weight_fp8_t if o.weight_fp8_t.numel() else None
+            self._weight_cache = (o.weight_fp8.detach(), t, o.weight_scale_inv.detach(), o.amax[1].detach())
         # The op's output is 2-D. Other inputs get it in their leading dims through
         # _unsafe_view, as nn.Linear does: not a view to autograd, so in-place
         # ops on it work and FSDP2 sees no view returned.
         if inp.dim() == 2:
-            return out
-        return torch.ops.aten._unsafe_view.default(out, [*inp.shape[:-1], out.shape[-1]])
+            return o.out
+        return torch.ops.aten._unsafe_view.default(o.out, [*inp.shape[:-1], o.out.shape[-1]])
 
     def _fwd_args(
         self,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from transformer_linear import distributed, layout, ops
-from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
+from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
 from transformer_linear.reference import compute_scale, fp8_max
 from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
 
@@ -117,10 +117,8 @@ def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -
 # forward
 # ---------------------------------------------------------------------------
 
-# out, inp (saved form), inp_scale_inv, weight_fp8 (row-major), weight_fp8_t
-# (columnwise or empty), weight_scale_inv, amax [input, weight], grad_output
-# scale (negated: just in time), the scales forward used [input, weight, grad_output].
-_FwdOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# linear_fwd's schema return type: LinearFwdOutputs as a plain tuple.
+_FwdOutputs = tuple[(Tensor,) * len(LinearFwdOutputs._fields)]
 
 
 def _rows(inp: Tensor) -> int:
@@ -197,8 +195,8 @@ def quantize_grad_output(
     return ops.QuantizeOutput(*_quantize_grad_output_op(g, scale, dtype, margin, dbias_dtype, group))
 
 
-@args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
-def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
+@args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs, result=LinearFwdOutputs)
+def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False).
 
     ``y`` is returned 2-D, (rows of x, out_features); the caller restores x's
@@ -212,7 +210,7 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return (out, *_fwd_side_outputs_like(a))
+        return LinearFwdOutputs(out, *_fwd_side_outputs_like(a))
     x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
     x2d = x2d.contiguous()
     if a.just_in_time and a.amax_history is not None:
@@ -237,17 +235,14 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
     delayed = a.fwd_scale is not None
-    return (
+    return LinearFwdOutputs(
         out,
         layout.saved_form(qx.data, qx.data_t),
         qx.scale_inv,
         *w_outputs,
-        torch.stack([qx.amax, w_amax.reshape(())]),
-        # The grad_output scale as of this forward: a second backward through a
-        # retained graph must quantize exactly like the first.
-        grad_scale_out.clone() if delayed else inp.new_empty(0, dtype=f32),
-        # What the caller records as fwd_scale, so a recompute quantizes the same.
-        torch.cat([x_scale, w_scale, grad_scale]) if delayed else inp.new_empty(0, dtype=f32),
+        amax=torch.stack([qx.amax, w_amax.reshape(())]),
+        grad_output_scale=grad_scale_out.clone() if delayed else inp.new_empty(0, dtype=f32),
+        fwd_scales=torch.cat([x_scale, w_scale, grad_scale]) if delayed else inp.new_empty(0, dtype=f32),
     )
 
 
@@ -333,66 +328,55 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
 
 def _setup_context(ctx, inputs, output) -> None:
     a = linear_fwd.unflatten(inputs)
-    _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale, _ = output
+    o = LinearFwdOutputs(*output)
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.mark_non_differentiable(*o[1:])
+    x_saved, x_scale_inv, w_scale_inv = o.inp_saved, o.inp_scale_inv, o.weight_scale_inv
     if not a.fp8:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
     elif a.weight_fp8 is not None:
         # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
         w_saved, w_scale_inv = layout.saved_form(a.weight_fp8, a.weight_fp8_t), a.weight_scale_inv
     else:
-        w_saved = layout.saved_form(w_fp8, w_fp8_t)
-    delayed = a.fp8 and a.scale is not None
+        w_saved = layout.saved_form(o.weight_fp8, o.weight_fp8_t)
+    bwd = LinearBwdContext.from_fwd_args(a)
     ctx.save_for_backward(
         x_saved if a.weight_requires_grad else None,
         x_scale_inv,
         w_saved if a.input_requires_grad else None,
         w_scale_inv,
-        grad_scale if delayed else None,
+        o.grad_output_scale if bwd.scale is not None else None,
     )
-    ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
-    ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
-    ctx.amax_group, ctx.amax_layer_key = a.amax_reduction_group, a.amax_reduction_layer_key
-    ctx.just_in_time = a.just_in_time
-    ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
-    ctx.weight_dtype = a.weight.dtype
-    ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
-    ctx.wgrad_queue = a.wgrad_queue
-    # Mutable state, written by backward: kept as references, not saved tensors
-    # (the forward's own scale update would trip the saved-tensor version check).
-    ctx.amax_history = a.amax_history if delayed else None
-    ctx.scale = a.scale if delayed else None
-    ctx.main_grad = a.main_grad
+    ctx.bwd = bwd
 
 
 def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     x_saved, x_scale_inv, w_saved, w_scale_inv, grad_scale = ctx.saved_tensors
-    input_rg, weight_rg, bias_rg = ctx.flags
+    c: LinearBwdContext = ctx.bwd
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
-    dbias_dtype = ctx.bias_dtype if bias_rg else None
-    if ctx.fp8:
-        if ctx.scale is not None and ctx.just_in_time:
-            qg = quantize_grad_output(g2d, grad_scale, ctx.bwd_dtype, ctx.margin, dbias_dtype, ctx.amax_group)
+    dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
+    if c.fp8:
+        if c.scale is not None and c.just_in_time:
+            qg = quantize_grad_output(g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype, c.amax_reduction_group)
         else:
-            qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
-        if ctx.scale is not None:
+            qg = _quantize(g2d, c.bwd_dtype, grad_scale, c.margin, dbias_dtype=dbias_dtype)
+        if c.scale is not None:
             column = FP8_STATE_COLUMNS["grad_output"]
             delayed_scaling_update(
-                ctx.amax_history,
-                ctx.scale,
+                c.amax_history,
+                c.scale,
                 qg.amax,
                 column,
-                ctx.bwd_dtype,
-                ctx.margin,
-                ctx.algo,
-                ctx.amax_group,
-                ctx.amax_layer_key,
+                c.bwd_dtype,
+                c.margin,
+                c.amax_compute_algo,
+                c.amax_reduction_group,
+                c.amax_reduction_layer_key,
             )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
-        dbias = g2d.sum(0).to(dbias_dtype) if bias_rg else None
+        dbias = g2d.sum(0).to(dbias_dtype) if c.bias_requires_grad else None
         if x_saved is not None:
             x_saved = x_saved.reshape(-1, x_saved.shape[-1])
     b = LinearBwdArgs(
@@ -403,21 +387,21 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         inp_scale_inv=x_scale_inv,
         weight=w_saved,
         weight_scale_inv=w_scale_inv,
-        input_shape=ctx.input_shape,
-        dgrad_dtype=ctx.input_dtype,
-        wgrad_dtype=ctx.weight_dtype,
+        input_shape=c.input_shape,
+        dgrad_dtype=c.input_dtype,
+        wgrad_dtype=c.weight_dtype,
     )
-    dgrad = linear_dgrad(b) if input_rg else None
+    dgrad = linear_dgrad(b) if c.input_requires_grad else None
     wgrad = None
-    if ctx.wgrad_queue >= 0:
-        if weight_rg or bias_rg:
+    if c.wgrad_queue >= 0:
+        if c.weight_requires_grad or c.bias_requires_grad:
             # The queue keeps what wgrad reads, not the weight dgrad needed.
-            queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if weight_rg else None
-            WGRAD_QUEUES.setdefault(ctx.wgrad_queue, []).append((queued, dbias))
+            queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if c.weight_requires_grad else None
+            WGRAD_QUEUES.setdefault(c.wgrad_queue, []).append((queued, dbias))
         dbias = None
-    elif weight_rg:
-        wgrad = compute_wgrad(b, ctx.main_grad)
-    return (dgrad, wgrad, dbias if bias_rg else None) + (None,) * (len(linear_fwd.fields) - 3)
+    elif c.weight_requires_grad:
+        wgrad = compute_wgrad(b, c.main_grad)
+    return (dgrad, wgrad, dbias if c.bias_requires_grad else None) + (None,) * (len(linear_fwd.fields) - 3)
 
 
 linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)
