@@ -144,7 +144,7 @@ def _fp8_state(model):
 
 
 def _amax_reduction_rank(rank, world, reduce):
-    from transformer_linear.distributed import _PENDING
+    from transformer_linear.amax_reduction import _PENDING
 
     layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
     if not reduce:
@@ -180,7 +180,7 @@ class TestAmaxReduction:
     @pytest.mark.parametrize("drop", ["reset_fp8_state", "load_state_dict", "del"])
     def test_pending_reductions_go_with_the_state_they_update(self, drop):
         """Reset, load_state_dict and the layer's end drop its pending reductions (keyed by id(layer))."""
-        from transformer_linear.distributed import _PENDING
+        from transformer_linear.amax_reduction import _PENDING
 
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling())
         key = id(layer)

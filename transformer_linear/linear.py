@@ -26,18 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_linear import distributed
+from transformer_linear import amax_reduction, tensor_parallel
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
-from transformer_linear.linear_ops import (
-    WGRAD_QUEUES,
-    compute_wgrad,
+from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, linear_fwd
+from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
+from transformer_linear.scaling import (
+    FP8_STATE_COLUMNS,
+    checked_fp8_state,
     delayed_scaling_flush,
     delayed_scaling_update,
-    linear_fwd,
 )
-from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
-from transformer_linear.scaling import FP8_STATE_COLUMNS, checked_fp8_state
 
 __all__ = ["Linear"]
 
@@ -93,10 +92,10 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        # Delayed scaling's amax all-reduce group, as a distributed.py key
+        # Delayed scaling's amax all-reduce group, as a amax_reduction.py key
         # (an int, so torch.compile guards on it cheaply): set it with
-        # tl.distributed.set_amax_reduction_group.
-        self.amax_reduction_group = distributed.DEFAULT_GROUP
+        # tl.amax_reduction.set_amax_reduction_group.
+        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
@@ -141,7 +140,7 @@ class Linear(nn.Module):
         rows = operator.index(amax_history_len)
         if rows < 1:
             raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
-        distributed.discard_amax_reductions(id(self))
+        amax_reduction.discard_amax_reductions(id(self))
         device = self.weight.device
         # Normal tensors even under inference_mode: training updates them in place later.
         with torch.inference_mode(False):
@@ -175,7 +174,7 @@ class Linear(nn.Module):
             history[: old.shape[0]].copy_(old)
         self.register_buffer("fp8_amax_history", history)
 
-    def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
+    def __del__(self, _discard=amax_reduction.discard_amax_reductions) -> None:
         # Pending reductions are keyed by id(self): a later layer given the
         # same id must not inherit them. (_discard is bound early: module
         # globals may be gone when this runs at interpreter exit.)
@@ -186,7 +185,7 @@ class Linear(nn.Module):
         delayed_scaling_flush(self.fp8_amax_history, self.fp8_scale, id(self))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
+        amax_reduction.discard_amax_reductions(id(self))  # updates of the state being replaced
         keys = {name: prefix + name for name in _FP8_STATE}
         history, scale = checked_fp8_state(*(state_dict.get(key) for key in keys.values()), prefix=prefix)
         # load_state_dict passes its own copy of the dict: the checked float32
@@ -231,9 +230,9 @@ class Linear(nn.Module):
             raise ValueError(
                 f"Linear: argument 'inp' must have shape (..., {self.in_features}), got {list(inp.shape)}"
             )
-        if distributed.is_tensor_parallel(self.weight):
+        if tensor_parallel.is_tensor_parallel(self.weight):
             # parallelize_module made the parameters DTensors: run on the local shards.
-            return distributed.tensor_parallel_forward(self, inp, functools.partial(self._forward, is_first_microbatch))
+            return tensor_parallel.tensor_parallel_forward(self, inp, functools.partial(self._forward, is_first_microbatch))
         return self._forward(is_first_microbatch, inp, self.weight, self.bias)
 
     def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -296,7 +295,7 @@ class Linear(nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         history, scale, fwd_scale = self._fp8_state(recipe) if delayed else (None, None, None)
         # Across ranks, amax reductions run in the background until the next forward.
-        layer_key = id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1
+        layer_key = id(self) if delayed and amax_reduction.reduces_amax(self.amax_reduction_group) else -1
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
@@ -326,7 +325,7 @@ class Linear(nn.Module):
             fwd_scale=fwd_scale,
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
-            amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
+            amax_reduction_group=self.amax_reduction_group if delayed else amax_reduction.NO_GROUP,
             amax_reduction_layer_key=layer_key,
             just_in_time=delayed and recipe.first_step_just_in_time,
             # options

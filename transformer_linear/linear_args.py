@@ -60,7 +60,7 @@ class LinearFwdArgs:
     """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
     amax_compute_algo: str
     amax_reduction_group: int
-    """Delayed scaling: distributed.py key of the group amaxes are all-reduced over (-1: none)."""
+    """Delayed scaling: amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
     amax_reduction_layer_key: int
     """Delayed scaling across ranks: the layer's key for reductions applied at its next forward (-1: at once)."""
     just_in_time: bool

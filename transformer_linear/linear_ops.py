@@ -1,6 +1,6 @@
 """The Linear as custom ops: ``linear_fwd``, ``linear_dgrad``, ``linear_wgrad``
-(autograd via ``register_autograd``) and the mutating ``delayed_scaling_update``
-and ``delayed_scaling_flush``.
+(autograd via ``register_autograd``); the mutating ``delayed_scaling_update``
+and ``delayed_scaling_flush`` are in scaling.py.
 
 Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
 the FP8 copies so autograd saves those, not the high-precision tensors.
@@ -8,9 +8,10 @@ Backward quantizes grad_output once (bias gradient fused into that pass),
 then calls dgrad and wgrad as two ops that share no inputs but the gradient,
 so a graph pass can split the input- and weight-gradient halves.
 
-``register_autograd`` refuses ops that mutate, so delayed-scaling updates are
-a separate op, called by the module after forward and by backward for
-grad_output: the same operations run in eager and under ``torch.compile``.
+``register_autograd`` refuses ops that mutate, so the delayed-scaling update
+is an op of its own (scaling.py), called by the module after forward and by
+backward for grad_output: the same operations run in eager and under
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -22,16 +23,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from transformer_linear import distributed, layout, ops
+from transformer_linear import amax_reduction, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
 from transformer_linear.reference import compute_scale, fp8_max
-from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
+from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update
 
 __all__ = [
     "WGRAD_QUEUES",
     "compute_wgrad",
-    "delayed_scaling_flush",
-    "delayed_scaling_update",
     "linear_dgrad",
     "linear_fwd",
     "linear_wgrad",
@@ -41,76 +40,6 @@ __all__ = [
 
 # delay_wgrad_compute: per module key, what backward_dw() still has to compute.
 WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
-
-
-# ---------------------------------------------------------------------------
-# delayed-scaling state update (mutating)
-# ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_update_op(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    fp8_max: float,
-    margin: int,
-    amax_compute_algo: str,
-    group: int = distributed.NO_GROUP,
-    layer_key: int = -1,
-) -> None:
-    update = (first, fp8_max, margin, amax_compute_algo)
-    # The flush gets the whole buffer: it applies the update to the rows this one used.
-    rows = amax_history.shape[0]
-    if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, rows, *update):
-        return  # applied by delayed_scaling_flush before the layer next reads its scales
-    update_delayed_scaling_(amax_history, scale, distributed.all_reduce_amax(amax, group), *update)
-
-
-@_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=distributed.NO_GROUP, layer_key=-1):
-    return None
-
-
-def delayed_scaling_update(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    dtype: torch.dtype,
-    margin: int,
-    algo: str,
-    group: int = distributed.NO_GROUP,
-    layer_key: int = -1,
-) -> None:
-    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
-
-    ``group`` (a distributed.py key) all-reduces ``amax`` with MAX across ranks
-    first: blocking when ``layer_key`` is -1, else launched asynchronously and
-    applied by :func:`delayed_scaling_flush` with the same ``layer_key``.
-    """
-    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group, layer_key)
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    for amax, rows, *update in distributed.pop_amax_reductions(layer_key):
-        update_delayed_scaling_(amax_history[:rows], scale, amax, *update)
-
-
-@_delayed_scaling_flush_op.register_fake
-def _(amax_history, scale, layer_key):
-    return None
-
-
-def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    """Wait for the layer's launched amax reductions and apply their updates, in launch order, in place.
-
-    ``amax_history`` is the layer's whole buffer; each update applies to the
-    leading rows its recipe used.
-    """
-    _delayed_scaling_flush_op(amax_history, scale, layer_key)
 
 
 # ---------------------------------------------------------------------------
@@ -164,7 +93,7 @@ def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Te
     Bitwise the scale the history update computes from that amax afterwards.
     Runs inside an op (eagerly, also under torch.compile): it reads the state.
     """
-    amax = distributed.all_reduce_amax(ops.amax(x).reshape(1), group)
+    amax = amax_reduction.all_reduce_amax(ops.amax(x).reshape(1), group)
     return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
 
 
