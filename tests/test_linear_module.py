@@ -155,6 +155,21 @@ class TestFP8State:
         assert y.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("r", [None, recipe.DelayedScaling(amax_history_len=4)])
+def test_meta_init_then_to_empty_starts_the_state_fresh(r):
+    """FSDP2's meta-device initialisation: the state every layer owns holds no data on meta."""
+    with torch.device("meta"):
+        layer = tl.Linear(16, 8, recipe=r)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    rows = 4 if r is not None else 1024
+    assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(rows, 3), "history")
+    assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "scale")
+    with tl.autocast(recipe=recipe.DelayedScaling(amax_history_len=4)):
+        y, _ = _fwd_bwd(layer, torch.randn(5, 16))
+    assert torch.isfinite(y).all()
+
+
 class TestLoadFP8State:
     """load_state_dict checks the FP8 state: float32, documented shapes, usable scales."""
 

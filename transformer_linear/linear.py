@@ -208,8 +208,14 @@ class Linear(nn.Module):
         # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
         state = {name: self._buffers.pop(name) for name in (*_FP8_STATE, _FWD_SCALE) if name in self._buffers}
         super()._apply(fn, recurse)
+        device = self.weight.device
         for name, t in state.items():
-            self._buffers[name] = t.to(device=self.weight.device)
+            if t.is_meta and device.type != "meta":
+                # to_empty() after meta-device init: a meta state holds no data, start it fresh.
+                fresh = torch.zeros if name == "fp8_amax_history" else torch.ones
+                self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
+            else:
+                self._buffers[name] = t.to(device=device)
         self._weight_cache = None
         return self
 
