@@ -88,12 +88,20 @@ class DelayedScaling:
         fp8_format: the formats of forward tensors and gradients.
         amax_history_len: number of past amaxes kept per tensor.
         amax_compute_algo: ``"max"`` (over the history) or ``"most_recent"``.
+        first_step_just_in_time: a tensor whose history holds no amax yet
+            (the first step) is quantized with a scale from its own amax,
+            all-reduced over the amax-reduction group first, so the first
+            step does not depend on the data's magnitude (gradients of a
+            loss scaled by 2^k are 2^k times those of the unscaled loss).
+            False restores TransformerEngine's behaviour: the first step
+            quantizes with the initial scale 1 (for bitwise comparisons with TE).
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    first_step_just_in_time: bool = True
 
     def __post_init__(self) -> None:
         _check_ints(self)
@@ -105,6 +113,10 @@ class DelayedScaling:
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"DelayedScaling: 'amax_compute_algo' must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+        if not isinstance(self.first_step_just_in_time, bool):
+            raise TypeError(
+                f"DelayedScaling: 'first_step_just_in_time' must be a bool, got {self.first_step_just_in_time!r}"
             )
 
 
