@@ -103,3 +103,22 @@ def test_cli_end_to_end(tmp_path, capsys):
 def test_cli_rejects_an_unknown_recipe(tmp_path, capsys):
     assert cli.main(["compare", "--size", "tiny", "--steps", "2", "--recipes", "bogus", "--out", str(tmp_path)]) == 2
     assert "error: --recipes: unknown recipe bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("just_in_time", [True, False])
+def test_delayed_first_step_stats_use_the_scales_the_step_quantizes_with(just_in_time):
+    # A fresh delayed-scaling state quantizes its first step with just-in-time
+    # scales from each tensor's own amax (current scaling's), unless turned off.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(8, 16) * 300  # amax far from the state's initial scale 1
+    delayed = recipe.DelayedScaling(first_step_just_in_time=just_in_time)
+    report = compare(model, (x,), recipes=(delayed, recipe.CurrentScaling()), calibration_steps=0)
+    by_recipe = {}
+    for row in report.layers:
+        by_recipe.setdefault(row.recipe.split("(")[0], {})[row.name] = row
+    assert len(by_recipe["DelayedScaling"]) == 2
+    for name, row in by_recipe["DelayedScaling"].items():
+        current = by_recipe["CurrentScaling"][name]
+        same = row.input["scale"] == current.input["scale"]
+        assert same == just_in_time, (name, row.input["scale"], current.input["scale"])

@@ -198,16 +198,23 @@ def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str]
 def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], recipe: Any) -> dict[str, dict]:
     """The scales a delayed-scaling step is about to use (its state before the step).
 
-    Current scaling keeps no state: each tensor's scale comes from its own
-    amax, computed in :func:`_range_stats_for`.
+    Current scaling keeps no state, and neither does a delayed-scaling tensor
+    whose history holds no amax yet under ``first_step_just_in_time``: each
+    such tensor's scale comes from its own amax, computed in
+    :func:`_range_stats_for`, so it is left out here.
     """
     if not isinstance(recipe, DelayedScaling):
         return {}
     used = {}
     for name in names:
-        state = getattr(modules[name], "fp8_scale", None)
-        # A layer that has not run yet starts from scale 1.
-        used[name] = {k: (state[c].clone() if state is not None else 1.0) for k, c in FP8_STATE_COLUMNS.items()}
+        layer = modules[name]
+        history = layer.fp8_amax_history[: recipe.amax_history_len]
+        empty = history.eq(0).all(0).tolist()
+        used[name] = {
+            k: layer.fp8_scale[c].clone()
+            for k, c in FP8_STATE_COLUMNS.items()
+            if not (recipe.first_step_just_in_time and empty[c])
+        }
     return used
 
 
