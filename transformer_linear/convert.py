@@ -11,23 +11,9 @@ from torch import nn
 from transformer_linear.linear import Linear
 from transformer_linear.recipe import Recipe
 
-__all__ = ["ConversionPlan", "conversion_plan", "convert_to_fp8", "from_linear"]
+__all__ = ["ConversionPlan", "conversion_plan", "convert_to_fp8"]
 
 FilterFn = Callable[[nn.Module, str], bool]
-
-
-def from_linear(cls: type, linear: nn.Linear, **kwargs: Any) -> nn.Module:
-    """Build ``cls`` (tl.Linear) around ``linear``'s own Parameter objects."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"from_linear: 'linear' must be a torch.nn.Linear, got {type(linear).__name__}")
-    with torch.device("meta"):
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
-    # Sharing the Parameters keeps optimizer state and ties pointing at them valid.
-    new.weight = linear.weight
-    new.bias = linear.bias
-    new.train(linear.training)
-    new.reset_fp8_state()
-    return new
 
 
 def is_conv1d(module: nn.Module) -> bool:

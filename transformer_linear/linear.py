@@ -369,9 +369,16 @@ class Linear(nn.Module):
             linear: the ``nn.Linear`` to convert.
             **kwargs: keyword options of :class:`Linear` (recipe, delay_wgrad_compute, ...).
         """
-        from transformer_linear.convert import from_linear
-
-        return from_linear(cls, linear, **kwargs)
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear: 'linear' must be a torch.nn.Linear, got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
+        # Sharing the Parameters keeps optimizer state and ties pointing at them valid.
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new.reset_fp8_state()
+        return new
 
 
 def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
