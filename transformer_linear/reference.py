@@ -337,32 +337,57 @@ def quantize_blockwise_ref(
     return q, scale_inv
 
 
-def block_shape_of(scale_inv: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
-    """The (bm, bk) block an operand of shape (rows, cols) has under ``scale_inv``'s shape.
+def scaling_types(scale_inv: torch.Tensor, rows: int, cols: int) -> dict[str, tuple[int, int]]:
+    """The scaled_mm ScalingTypes a scale_inv can stand for on a (rows, cols) operand, with their blocks.
 
-    torch's scaled_mm conventions: 1 element -> (rows, cols) (TensorWise);
-    (rows, 1) -> (1, cols) (RowWise); (rows, ceil(cols/128)) -> (1, 128);
-    (ceil(rows/128), ceil(cols/128)) -> (128, 128); E8M0 (rows, ceil(cols/32)) -> (1, 32).
-    Shapes two rules share give the same blocks. Raises ValueError otherwise.
+    torch's conventions (float32 unless noted):
+
+    ================  ==============================  ===============
+    ScalingType       scale_inv shape                 block
+    ================  ==============================  ===============
+    TensorWise        1 element                       (rows, cols)
+    RowWise           (rows, 1)                       (1, cols)
+    BlockWise1x128    (rows, ceil(cols/128))          (1, 128)
+    BlockWise128x128  (ceil(rows/128), ceil(cols/128))  (128, 128)
+    BlockWise1x32     (rows, ceil(cols/32)), e8m0     (1, 32)
+    ================  ==============================  ===============
+
+    Several entries can match one shape (rows = 1, cols <= 128); they then
+    give the same blocks of that operand. Returns {} when none matches.
     """
     shape = tuple(scale_inv.shape)
     r128, c128, c32 = -(-rows // 128), -(-cols // 128), -(-cols // 32)
     if scale_inv.dtype == E8M0_DTYPE:
-        if shape == (rows, c32):
-            return (1, 32)
-    elif scale_inv.numel() == 1 and scale_inv.dim() <= 2:
-        return (max(rows, 1), max(cols, 1))
-    elif shape == (rows, 1):
-        return (1, max(cols, 1))
-    elif shape == (rows, c128):
-        return (1, 128)
-    elif shape == (r128, c128):
-        return (128, 128)
-    raise ValueError(
-        f"scale_inv of shape {list(shape)} and dtype {scale_inv.dtype} matches no block scaling of a "
-        f"({rows}, {cols}) operand: expected 1 element, ({rows}, 1), ({rows}, {c128}) or ({r128}, {c128}) "
-        f"float32, or ({rows}, {c32}) float8_e8m0fnu"
-    )
+        return {"BlockWise1x32": (1, 32)} if shape == (rows, c32) else {}
+    if scale_inv.dtype != torch.float32:
+        return {}
+    found = {}
+    if scale_inv.numel() == 1 and scale_inv.dim() <= 2:
+        found["TensorWise"] = (max(rows, 1), max(cols, 1))
+    if shape == (rows, 1):
+        found["RowWise"] = (1, max(cols, 1))
+    if shape == (rows, c128):
+        found["BlockWise1x128"] = (1, 128)
+    if shape == (r128, c128):
+        found["BlockWise128x128"] = (128, 128)
+    return found
+
+
+def block_shape_of(scale_inv: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
+    """The (bm, bk) block of a (rows, cols) operand under ``scale_inv`` (see scaling_types).
+
+    Raises:
+        ValueError: the shape and dtype match no ScalingType.
+    """
+    found = scaling_types(scale_inv, rows, cols)
+    if not found:
+        r128, c128, c32 = -(-rows // 128), -(-cols // 128), -(-cols // 32)
+        raise ValueError(
+            f"scale_inv of shape {list(scale_inv.shape)} and dtype {scale_inv.dtype} matches no scaling of a "
+            f"({rows}, {cols}) operand: expected 1 element, ({rows}, 1), ({rows}, {c128}) or ({r128}, {c128}) "
+            f"float32, or ({rows}, {c32}) float8_e8m0fnu"
+        )
+    return next(iter(found.values()))
 
 
 def expand_scale_inv(scale_inv: torch.Tensor, block_shape: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
