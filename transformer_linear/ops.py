@@ -46,6 +46,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_gemm_accumulate_",
     "fp8_gemm_scalings",
+    "resolve_gemm_scalings",
     "quantize",
     "quantize_current",
     "quantize_fused",
@@ -382,7 +383,7 @@ def fp8_gemm(
     :func:`fp8_gemm_scalings`; each K-block's fp32 partial sum is then
     multiplied by its two block scales before it is added (always promoted).
     """
-    a_type, a_block, b_type, b_block = _gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if (a_type, b_type) == ("TensorWise", "TensorWise"):
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
@@ -438,8 +439,15 @@ def fp8_gemm_scalings() -> tuple[tuple[str, str], ...]:
     return _GEMM_SCALING_PAIRS
 
 
-def _gemm_scalings(a, a_scale_inv, b, b_scale_inv):
-    """(a type, a block, b type, b block) of an fp8_gemm call, or a ValueError naming what was given."""
+def resolve_gemm_scalings(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor
+) -> tuple[str, tuple[int, int], str, tuple[int, int]]:
+    """(a's ScalingType, a's block, b's ScalingType, b's block) of an fp8_gemm call.
+
+    Raises:
+        TypeError: an argument is not a tensor or not on a's device.
+        ValueError: the pair is not in fp8_gemm_scalings (the message names both).
+    """
     op = "fp8_gemm"
     for name, t in (("a", a), ("a_scale_inv", a_scale_inv), ("b", b), ("b_scale_inv", b_scale_inv)):
         _check_tensor(op, name, t, like=None if name == "a" else a)
