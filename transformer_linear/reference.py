@@ -260,9 +260,10 @@ def e8m0_exponent(amax: torch.Tensor, fp8_max: float, rounding: str = "ceil") ->
         v = torch.div(amax, torch.full_like(amax, fp8_max))
         bits = v.view(torch.int32)
         biased = bits >> 23  # v is positive: no sign bit
-        inexact = (bits & 0x7FFFFF) != 0
-        # Subnormal quotients (biased == 0) are below 2^-126: e = -127 covers them.
-        e = biased - _E8M0_BIAS + (inexact & (biased > 0)).int()
+        mantissa = bits & 0x7FFFFF
+        # Round up when inexact; a subnormal quotient (biased 0) needs -126 above 2^-127.
+        up = torch.where(biased > 0, mantissa != 0, mantissa > 0x400000)
+        e = biased - _E8M0_BIAS + up.int()
     else:
         emax = int(math.floor(math.log2(fp8_max)))
         e = torch.frexp(amax).exponent - 1 - emax

@@ -71,7 +71,10 @@ def block_scales(amax, bad, fp8_max, EMAX: tl.constexpr, SCALE_KIND: tl.constexp
         if SCALE_KIND == 2:
             v = tl.math.div_rn(amax, tl.zeros_like(amax) + fp8_max).to(tl.int32, bitcast=True)
             biased = v >> 23
-            e = biased - 127 + (((v & 0x7FFFFF) != 0) & (biased > 0)).to(tl.int32)
+            mantissa = v & 0x7FFFFF
+            # Round up when inexact; a subnormal quotient needs -126 above 2^-127.
+            up = tl.where(biased > 0, mantissa != 0, mantissa > 0x400000)
+            e = biased - 127 + up.to(tl.int32)
         else:
             biased = amax.to(tl.int32, bitcast=True) >> 23
             e = tl.where(biased == 0, -127, biased - 127 - EMAX)

@@ -44,8 +44,9 @@ TL_HD int e8m0_exponent(float amax, float fp8_max, int emax, bool floor_rule) {
   if (!floor_rule) {
     const uint32_t v = bits_of(amax / fp8_max);
     const int biased = static_cast<int>(v >> 23);
-    // A subnormal quotient (biased 0) is below 2^-126: -127 covers it.
-    e = biased - kE8M0Bias + ((v & 0x7fffffu) != 0 && biased > 0 ? 1 : 0);
+    const uint32_t mantissa = v & 0x7fffffu;
+    // Round up when inexact; a subnormal quotient (biased 0) needs -126 above 2^-127.
+    e = biased - kE8M0Bias + ((biased > 0 ? mantissa != 0 : mantissa > 0x400000u) ? 1 : 0);
   } else {
     const uint32_t v = bits_of(amax);
     int biased = static_cast<int>(v >> 23);
