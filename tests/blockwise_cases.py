@@ -64,3 +64,34 @@ def check_quantize(fn, x: torch.Tensor, fmt: torch.dtype, scaling: str, columnwi
         q_t, s_t = reference.quantize_blockwise_ref(x.t(), fmt, block_t, scale_dtype, power_2, rounding)
         assert_bitwise_equal(out.data_t, q_t, f"{what} data_t", any_nan=True)
         assert_bitwise_equal(out.scale_inv_t, s_t, f"{what} scale_inv_t")
+
+
+# (a scaling, b scaling) of each GEMM the recipes run, as (block_shape, scale_dtype) pairs.
+GEMM_SCALINGS = {
+    "1x128_x_128x128": (((1, 128), torch.float32), ((128, 128), torch.float32)),
+    "128x128_x_1x128": (((128, 128), torch.float32), ((1, 128), torch.float32)),
+    "1x128_x_1x128": (((1, 128), torch.float32), ((1, 128), torch.float32)),
+    "1x32_x_1x32_e8m0": (((1, 32), E8M0), ((1, 32), E8M0)),
+    "rowwise": (((1, None), torch.float32), ((1, None), torch.float32)),
+}
+
+
+def block_operands(m: int, n: int, k: int, a_fmt, b_fmt, scaling: str, power_2: bool = True, spread: int = 8):
+    """Quantized (a, a_scale_inv, b, b_scale_inv) with the given scaling, from the reference quantizer.
+
+    Rows of a and columns of b get magnitudes over 2^-spread..2^spread so block scales really differ."""
+    (a_block, a_sd), (b_block, b_sd) = GEMM_SCALINGS[scaling]
+    a_hp = torch.randn(m, k) * torch.exp2(torch.randint(-spread, spread + 1, (m, 1)).float())
+    b_hp = torch.randn(n, k) * torch.exp2(torch.randint(-spread, spread + 1, (1, k)).float())
+    a, sa = reference.quantize_blockwise_ref(a_hp, a_fmt, block_shape_for(a_block, k), a_sd, power_2)
+    b, sb = reference.quantize_blockwise_ref(b_hp, b_fmt, block_shape_for(b_block, k), b_sd, power_2)
+    return a, sa, b, sb
+
+
+def dequantized_mm_fp32(a, sa, b, sb, out_dtype, bias=None):
+    """Plain PyTorch at the kernels' precision: fp32 torch.mm of the dequantized operands (the error baseline)."""
+    (m, k), n = a.shape, b.shape[0]
+    a_deq = (a.double() * reference.expand_scale_inv(sa, reference.block_shape_of(sa, m, k), m, k)).float()
+    b_deq = (b.double() * reference.expand_scale_inv(sb, reference.block_shape_of(sb, n, k), n, k)).float()
+    out = a_deq @ b_deq.t()
+    return (out if bias is None else out + bias.float()).to(out_dtype)

@@ -41,7 +41,8 @@ def test_every_op_is_covered():
     registered = {name for name in dir(OPS) if isinstance(getattr(OPS, name), torch._ops.OpOverloadPacket)}
     # in test_linear_compile.py:
     linear_ops = {"linear_fwd", "linear_dgrad", "linear_wgrad", "delayed_scaling_update", "delayed_scaling_flush"}
-    assert registered == {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops
+    block_ops = {"quantize_blockwise", "fp8_gemm_blockwise"}  # in test_blockwise_*.py
+    assert registered == {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -117,8 +117,12 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote) {
   constexpr double kMinParallelFlops = 1 << 22;
   const bool serial = 2.0 * m * n * k < kMinParallelFlops;
   const int threads = serial ? 1 : get_num_threads();
-  // K chunks hold whole K-blocks; a K-block wider than the kernel's KC is one chunk.
-  const int64_t kc = g >= ks.kc ? g : ks.kc / g * g;
+  // Partial sums are promoted every `step` k: each K-block, or every KC when one
+  // block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
+  const int64_t step = g >= k ? std::min<int64_t>(k, ks.kc) : g;
+  TL_CHECK(step <= ks.kc, "fp8_gemm: a K-block of ", g, " wider than the kernel's ", ks.kc,
+           " that does not cover K is not supported");
+  const int64_t kc = ks.kc / step * step;
   const bool multi_pass = k > kc;
   int64_t nc = std::min(ks.nc, n_pad);
   if (multi_pass) {  // bound the fp32 totals (M x NC) to 64 MiB
@@ -174,10 +178,10 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote) {
               for (int r = 0; r < mr; ++r) {
                 for (int c = 0; c < nr; ++c) acc[r * nr + c] = first ? 0.0f : total[r * nc + c];
               }
-              for (int64_t s0 = 0; s0 < kb; s0 += g) {
+              for (int64_t s0 = 0; s0 < kb; s0 += step) {
                 // Packed panels store k in order: a sub-panel at k offset s0 starts
-                // s0 * rows elements in (g is a multiple of the kernel's k_align).
-                ks.micro(std::min(g, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                // s0 * rows elements in (step is a multiple of the kernel's k_align).
+                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
                          b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
                 const int64_t s = (pc + s0) / g;
                 promote(part, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
@@ -208,8 +212,8 @@ void fp8_gemm_blockwise(const GemmBlockParams& p) {
   const Isa isa = current_isa();
   gemm::KernelSet ks = gemm_block::kernels_for(isa);
   const int64_t g = std::min(p.a_block.cols, p.b_block.cols);
-  // Sub-panels start at multiples of g: g must keep whole k-groups of the packing.
-  if (g < p.k && g % ks.k_align != 0) ks = gemm::generic_kernels();
+  // Sub-panels start at multiples of g (or of KC): g must keep whole k-groups of the packing.
+  if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
   const gemm_block::PromoteFn promote =
       isa == Isa::kGeneric ? gemm_block::promote_generic : gemm_block::promote_avx512();
   dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'", [&](auto out_tag) {
