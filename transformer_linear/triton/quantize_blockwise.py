@@ -105,9 +105,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _tiles(bm: int, bk: int) -> tuple[int, int]:
-    """(TILE_M, TILE_K): small under the interpreter, one block edge (capped) on a GPU."""
-    if INTERPRETED:
-        return (8 if bm == 1 else min(16, _next_pow2(bm))), min(32, _next_pow2(bk))
+    """(TILE_M, TILE_K): 32 one-row blocks or 32-row slices of a taller block, by up to 128 columns."""
     return (32 if bm == 1 else min(32, _next_pow2(bm))), min(128, _next_pow2(bk))
 
 
