@@ -255,8 +255,14 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
               const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
               // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
               float* total = totals ? totals + i * nc + j : acc;
-              const int64_t ld_total = totals ? nc : nr;
-              for (int64_t s0 = 0; s0 < kb; s0 += step) {
+              int64_t ld_total = totals ? nc : nr;
+              if (folded) {  // unit scales: the micro-kernel adds into the total itself
+                // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
+                ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
+                         last ? nr : ld_total);
+                if (last) total = acc, ld_total = nr;
+              }
+              for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
                 // Packed panels store k in order: a sub-panel at k offset s0 starts
                 // s0 * rows elements in (step is a multiple of the kernel's k_align).
                 ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
