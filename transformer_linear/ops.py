@@ -45,6 +45,9 @@ __all__ = [
     "dequantize",
     "fp8_gemm",
     "fp8_gemm_accumulate_",
+    "check_quantize_blockwise_args",
+    "blockwise_outputs",
+    "columnwise_block_shape",
     "fp8_gemm_scalings",
     "resolve_gemm_scalings",
     "quantize",
@@ -520,7 +523,10 @@ def _triton_kernels():
     return kernels
 
 
-def _check_block_args(x, dtype, block_shape, scale_dtype, e8m0_rounding) -> tuple[int, int]:
+def check_quantize_blockwise_args(
+    x: torch.Tensor, dtype: torch.dtype, block_shape: object, scale_dtype: torch.dtype, e8m0_rounding: str
+) -> tuple[int, int]:
+    """Validate quantize_blockwise's arguments (shared by the Triton kernels); returns (bm, bk)."""
     op = "quantize_blockwise"
     _check_tensor(op, "x", x)
     _check_hp_dtype(op, "x", x.dtype)
@@ -548,7 +554,10 @@ def columnwise_block_shape(block_shape: tuple[int, int], rows: int, cols: int) -
     return (bm, max(rows, 1)) if bk >= cols else (bm, bk)
 
 
-def _blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise):
+def blockwise_outputs(
+    x: torch.Tensor, dtype: torch.dtype, block_shape, scale_dtype: torch.dtype, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate (q, scale_inv, q_t, scale_inv_t) of a blockwise quantize; unrequested ones are empty."""
     m, k = x.shape
     bt = columnwise_block_shape(block_shape, m, k)
     empty = x.new_empty(0, dtype=dtype)
@@ -581,7 +590,7 @@ def _quantize_blockwise_op(
             x, dtype, tuple(block_shape), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
             e8m0_rounding=rounding,
         )
-    q, s, q_t, s_t = _blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
+    q, s, q_t, s_t = blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
     bt = columnwise_block_shape(tuple(block_shape), *x.shape)
     op = "quantize_blockwise"
     _C.quantize_blockwise(
@@ -603,7 +612,7 @@ def _quantize_blockwise_op(
 
 @_quantize_blockwise_op.register_fake
 def _(x, dtype, block_shape, scale_dtype, power_2_scale, rowwise, columnwise, e8m0_floor):
-    return _blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
+    return blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
 
 
 class BlockQuantizeOutput(NamedTuple):
@@ -645,7 +654,7 @@ def quantize_blockwise_fused(
         columnwise: produce data_t / scale_inv_t.
         e8m0_rounding: "ceil" (TE, cuBLAS; default) or "floor" (OCP MX spec).
     """
-    bm, bk = _check_block_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
+    bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     if not (rowwise or columnwise):
         raise ValueError("quantize_blockwise: at least one of 'rowwise' and 'columnwise' must be True")
     out = _quantize_blockwise_op(

@@ -46,7 +46,12 @@ class TileQuantizer {
 
   void run(const Tile& t) const {
     if (p_.output.defined()) rowwise(t);
-    if (p_.output_t.defined()) columnwise(t);
+    if (!p_.output_t.defined()) return;
+    if ((t.r1 - t.r0) * (t.c1 - t.c0) <= kMaxBuffered) {
+      columnwise_buffered(t);
+    } else {
+      columnwise(t);
+    }
   }
 
  private:
@@ -86,6 +91,57 @@ class TileQuantizer {
         for (int64_t r = rb; r < re; ++r) segment_cast(q, scale, r * p_.k + cb, r * p_.k + ce);
       }
     }
+  }
+
+  // Tiles up to this many elements are transposed into a float buffer first, so the
+  // columnwise blocks become contiguous runs for the vector amax and cast.
+  static constexpr int64_t kMaxBuffered = 128 * 128;
+
+  void columnwise_buffered(const Tile& t) const {
+    const BlockLayout& l = p_.block_t;
+    const int64_t h = t.r1 - t.r0, w = t.c1 - t.c0;
+    thread_local std::vector<float> buffer;
+    buffer.resize(kMaxBuffered);
+    float* xt = buffer.data();  // xt[c * h + r] = x[t.r0 + r, t.c0 + c]
+    constexpr int64_t kSub = 16;  // transpose in 16 x 16 sub-tiles that stay in L1
+    for (int64_t r0 = 0; r0 < h; r0 += kSub) {
+      for (int64_t c0 = 0; c0 < w; c0 += kSub) {
+        const int64_t r1 = std::min(h, r0 + kSub), c1 = std::min(w, c0 + kSub);
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* row = x_ + (t.r0 + r) * p_.k + t.c0;
+          for (int64_t c = c0; c < c1; ++c) xt[c * h + r] = In::load(row[c]);
+        }
+      }
+    }
+    uint8_t* qt = p_.output_t.ptr<uint8_t>();
+    for (int64_t cb = 0; cb < w; cb += l.rows) {
+      const int64_t ce = std::min(w, cb + l.rows);
+      for (int64_t rb = 0; rb < h; rb += l.cols) {
+        const int64_t re = std::min(h, rb + l.cols);
+        float amax = 0.0f;
+        for (int64_t c = cb; c < ce; ++c) amax = fp8::amax_update(amax, float_amax(xt + c * h, rb, re));
+        const int64_t index = ((t.c0 + cb) / l.rows) * l.grid_cols + (t.r0 + rb) / l.cols;
+        const float scale = block_scale_out(amax, Out::kMax, kEmax, l, p_.scale_inv_t.data, index,
+                                            p_.power_2_scale, p_.e8m0_floor);
+        for (int64_t c = cb; c < ce; ++c) float_cast(xt + c * h, qt + (t.c0 + c) * p_.m + t.r0, scale, rb, re);
+      }
+    }
+  }
+
+  // amax / cast of float runs xs[begin, end) (into q[begin, end)).
+  float float_amax(const float* xs, int64_t begin, int64_t end) const {
+    if (vec_) return avx512::amax(DType::kFloat32, xs, begin, end);
+    float a = 0.0f;
+    for (int64_t i = begin; i < end; ++i) a = fp8::amax_update(a, xs[i]);
+    return a;
+  }
+
+  void float_cast(const float* xs, uint8_t* q, float scale, int64_t begin, int64_t end) const {
+    if (vec_) {
+      avx512::cast(DType::kFloat32, Out::dtype, xs, q, scale, begin, end, false, false);
+      return;
+    }
+    for (int64_t i = begin; i < end; ++i) q[i] = Out::quantize(xs[i], scale);
   }
 
   // Blocks of `output_t` inside the tile: in input coordinates, l.cols rows x l.rows columns.

@@ -7,10 +7,6 @@ triton is first imported), which is how the tests run them without a GPU.
 """
 
 from transformer_linear.triton.fp8_gemm import fp8_gemm
-from transformer_linear.triton.quantize_blockwise import (
-    BlockQuantizeOutput,
-    quantize_blockwise,
-    quantize_blockwise_fused,
-)
+from transformer_linear.triton.quantize_blockwise import quantize_blockwise, quantize_blockwise_fused
 
-__all__ = ["BlockQuantizeOutput", "fp8_gemm", "quantize_blockwise", "quantize_blockwise_fused"]
+__all__ = ["fp8_gemm", "quantize_blockwise", "quantize_blockwise_fused"]

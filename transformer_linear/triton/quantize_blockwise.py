@@ -10,13 +10,17 @@ columnwise copy is the same kernel run over x's transposed view.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, FP8_DTYPES, SCALE_DTYPES, fp8_max
+from transformer_linear.ops import (
+    BlockQuantizeOutput,
+    blockwise_outputs,
+    check_quantize_blockwise_args,
+    columnwise_block_shape,
+)
+from transformer_linear.reference import E8M0_DTYPE, fp8_max
 from transformer_linear.triton._fp8_bits import block_scales, e4m3_bits, e5m2_bits, saturate
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,19 +132,6 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block, dtype, sca
     )
 
 
-class BlockQuantizeOutput(NamedTuple):
-    """As ops.BlockQuantizeOutput: (data, scale_inv, data_t, scale_inv_t); unrequested ones empty."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-    data_t: torch.Tensor
-    scale_inv_t: torch.Tensor
-
-
-def _grid(rows: int, cols: int, block) -> tuple[int, int]:
-    return (-(-rows // block[0]), -(-cols // block[1]))
-
-
 def quantize_blockwise_fused(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -153,33 +144,17 @@ def quantize_blockwise_fused(
     e8m0_rounding: str = "ceil",
 ) -> BlockQuantizeOutput:
     """Same contract as ops.quantize_blockwise_fused; x may be a CUDA or (interpreter) CPU tensor."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_blockwise: argument 'x' must be 2-D (M, K), got shape {list(x.shape)}")
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"quantize_blockwise: argument 'dtype' must be an FP8 dtype, got {dtype}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise TypeError(f"quantize_blockwise: argument 'scale_dtype' must be float32 or float8_e8m0fnu, got {scale_dtype}")
-    if e8m0_rounding not in E8M0_ROUNDINGS:
-        raise ValueError(f"quantize_blockwise: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
+    block = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     x = x.contiguous()
-    m, k = x.shape
-    block = (int(block_shape[0]), int(block_shape[1]))
-    block_t = (block[0], max(m, 1)) if block[1] >= k else block
     if scale_dtype == E8M0_DTYPE:
         kind = 3 if e8m0_rounding == "floor" else 2
     else:
         kind = 1 if power_2_scale else 0
-    empty = x.new_empty(0, dtype=dtype)
-    empty_s = x.new_empty((0, 0), dtype=scale_dtype)
-    q, s, q_t, s_t = empty, empty_s, empty.clone(), empty_s.clone()
+    q, s, q_t, s_t = blockwise_outputs(x, dtype, block, scale_dtype, rowwise, columnwise)
     if rowwise:
-        q = x.new_empty((m, k), dtype=dtype)
-        s = x.new_empty(_grid(m, k, block), dtype=scale_dtype)
         _launch(x, q, s, block, dtype, kind)
     if columnwise:
-        q_t = x.new_empty((k, m), dtype=dtype)
-        s_t = x.new_empty(_grid(k, m, block_t), dtype=scale_dtype)
-        _launch(x.t(), q_t, s_t, block_t, dtype, kind)
+        _launch(x.t(), q_t, s_t, columnwise_block_shape(block, *x.shape), dtype, kind)
     return BlockQuantizeOutput(q, s, q_t, s_t)
 
 
