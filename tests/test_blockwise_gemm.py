@@ -86,13 +86,18 @@ def test_matches_torch_scaled_mm(scaling, a_fmt):
         (torch.ones(8, 1), torch.ones(1, 2), "unsupported scaling combination"),  # RowWise x 128x128
         (torch.ones(8, 8).to(E8M0), torch.ones(16, 2), "unsupported scaling combination"),  # MX x 1x128
         (torch.ones(8, 3), torch.ones(16, 2), "matches no scaling|unsupported"),  # wrong shape
-        (torch.ones(8, 2, dtype=torch.float16), torch.ones(16, 2), "unsupported"),  # wrong dtype
     ],
 )
 def test_inconsistent_scalings_are_errors(a_scale, b_scale, match):
     a, b = torch.zeros(8, 256, dtype=E4M3), torch.zeros(16, 256, dtype=E4M3)
     with pytest.raises(ValueError, match=match):
         ops.fp8_gemm(a, a_scale, b, b_scale, torch.float32)
+
+
+def test_scale_dtype_is_a_type_error():
+    a, b = torch.zeros(8, 256, dtype=E4M3), torch.zeros(16, 256, dtype=E4M3)
+    with pytest.raises(TypeError, match="'a_scale_inv' must be torch.float32 or torch.float8_e8m0fnu"):
+        ops.fp8_gemm(a, torch.ones(8, 2, dtype=torch.float16), b, torch.ones(16, 2), torch.float32)
 
 
 def test_scaling_table():

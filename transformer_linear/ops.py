@@ -455,6 +455,9 @@ def resolve_gemm_scalings(
     for name, t in (("a", a), ("a_scale_inv", a_scale_inv), ("b", b), ("b_scale_inv", b_scale_inv)):
         _check_tensor(op, name, t, like=None if name == "a" else a)
     _gemm_out_shape(a, b)
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype not in SCALE_DTYPES:
+            raise TypeError(f"{op}: argument '{name}' must be torch.float32 or torch.float8_e8m0fnu, got {t.dtype}")
     a_types = scaling_types(a_scale_inv, a.shape[0], a.shape[1])
     b_types = scaling_types(b_scale_inv, b.shape[0], b.shape[1])
     for a_type, b_type in _GEMM_SCALING_PAIRS:
@@ -464,8 +467,8 @@ def resolve_gemm_scalings(
         return f"{list(t.shape)} {t.dtype} ({' or '.join(found) if found else 'no scaling'})"
 
     raise ValueError(
-        f"{op}: unsupported scaling combination: a_scale_inv {describe(a_scale_inv, a_types)} for 'a' of shape "
-        f"{list(a.shape)}, b_scale_inv {describe(b_scale_inv, b_types)} for 'b' of shape {list(b.shape)}; "
+        f"{op}: unsupported scaling combination: 'a_scale_inv' {describe(a_scale_inv, a_types)} for 'a' of shape "
+        f"{list(a.shape)}, 'b_scale_inv' {describe(b_scale_inv, b_types)} for 'b' of shape {list(b.shape)}; "
         f"supported (a, b): {', '.join(f'({x}, {y})' for x, y in _GEMM_SCALING_PAIRS)} "
         "(see ops.fp8_gemm_scalings)"
     )
