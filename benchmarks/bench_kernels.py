@@ -226,12 +226,96 @@ def print_gemm_row(r: dict) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Block scaling: blockwise quantize and the block-scaled GEMM
+# ---------------------------------------------------------------------------
+
+# (name, block_shape, scale dtype, power_2_scale) of each recipe's operands.
+BLOCK_QUANTIZE_CASES = [
+    ("1x128", (1, 128), torch.float32, True),
+    ("128x128", (128, 128), torch.float32, True),
+    ("1x32 e8m0", (1, 32), torch.float8_e8m0fnu, False),
+    ("rowwise", (1, ROW_LENGTH), torch.float32, True),
+]
+# (name, a block, b block, scale dtype): Float8BlockScaling's fprop, wgrad, MXFP8, rowwise.
+BLOCK_GEMM_CASES = [
+    ("1x128 x 128x128", (1, 128), (128, 128), torch.float32),
+    ("1x128 x 1x128", (1, 128), (1, 128), torch.float32),
+    ("1x32 x 1x32 e8m0", (1, 32), (1, 32), torch.float8_e8m0fnu),
+    ("rowwise", None, None, torch.float32),
+]
+
+
+def bench_block(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: int, warmup: int) -> dict:
+    """Blockwise quantize GB/s vs memcpy; block-scaled GEMM vs the tensorwise FP8 GEMM and fp32 torch.mm."""
+    quantize_rows, gemm_rows = [], []
+    print(f"{'block quantize':<24}{'dtype':<10}{'numel':>10}{'layouts':>9}{'GB/s':>8}{'memcpy':>8}{'of memcpy':>11}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            x = torch.randn(n // ROW_LENGTH, ROW_LENGTH).to(dtype)
+            copy_dst = torch.empty_like(x)
+            for name, block, scale_dtype, p2 in BLOCK_QUANTIZE_CASES:
+                for columnwise in (False, True):
+                    t = measure(
+                        {
+                            "ours": lambda: ops.quantize_blockwise_fused(
+                                x, E4M3, block, scale_dtype, p2, columnwise=columnwise
+                            ),
+                            "memcpy": lambda: copy_dst.copy_(x),
+                        },
+                        repeats,
+                        warmup,
+                    )
+                    nbytes = n * x.element_size() + n * (2 if columnwise else 1)
+                    row = {
+                        "op": name, "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                        "layouts": "row+col" if columnwise else "row",
+                        "ours_gbs": nbytes / t["ours"][0] / 1e9,
+                        "memcpy_gbs": 2 * n * x.element_size() / t["memcpy"][0] / 1e9,
+                    }
+                    row["of_memcpy"] = row["ours_gbs"] / row["memcpy_gbs"]
+                    quantize_rows.append(row)
+                    print(
+                        f"{name:<24}{row['dtype']:<10}{n:>10}{row['layouts']:>9}{row['ours_gbs']:>8.1f}"
+                        f"{row['memcpy_gbs']:>8.1f}{row['of_memcpy']:>10.0%}",
+                        flush=True,
+                    )
+    print(f"\n{'block GEMM':<20}{'M x N x K':<18}{'GFLOP/s':>9}{'tensorwise':>12}{'mm fp32':>9}{'of tensorwise':>15}")
+    for m, n, k in shapes:
+        a_hp, b_hp = torch.randn(m, k), torch.randn(n, k)
+        a_t, sa_t, _ = ops.quantize_current(a_hp, E4M3)
+        b_t, sb_t, _ = ops.quantize_current(b_hp, E4M3)
+        flop = 2.0 * m * n * k
+        for name, a_block, b_block, scale_dtype in BLOCK_GEMM_CASES:
+            a, sa = ops.quantize_blockwise(a_hp, E4M3, a_block or (1, k), scale_dtype, True)
+            b, sb = ops.quantize_blockwise(b_hp, E4M3, b_block or (1, k), scale_dtype, True)
+            t = measure(
+                {
+                    "ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.bfloat16),
+                    "tensorwise": lambda: ops.fp8_gemm(a_t, sa_t, b_t, sb_t, torch.bfloat16),
+                    "mm": lambda: torch.mm(a_hp, b_hp.t()),
+                },
+                repeats,
+                warmup,
+            )
+            row = {"case": name, "m": m, "n": n, "k": k}
+            row.update({f"{key}_gflops": flop / v[0] / 1e9 for key, v in t.items()})
+            row["of_tensorwise"] = row["ours_gflops"] / row["tensorwise_gflops"]
+            gemm_rows.append(row)
+            print(
+                f"{name:<20}{f'{m}x{n}x{k}':<18}{row['ours_gflops']:>9.1f}{row['tensorwise_gflops']:>12.1f}"
+                f"{row['mm_gflops']:>9.1f}{row['of_tensorwise']:>14.0%}",
+                flush=True,
+            )
+    return {"quantize": quantize_rows, "gemm": gemm_rows}
+
+
+# ---------------------------------------------------------------------------
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only (CI smoke test)")
-    parser.add_argument("--only", choices=["quantize", "gemm"], help="run one part")
+    parser.add_argument("--only", choices=["quantize", "gemm", "block"], help="run one part")
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/kernels_<tag>.json)")
     parser.add_argument("--tag", default=None, help="name for the default JSON path (default: host name)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
@@ -266,6 +350,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print("\n" + GEMM_HEADER)
         shapes = QUICK_GEMM if args.quick else [(s, s, s) for s in GEMM_SQUARE] + GEMM_LLM
         result["gemm"] = bench_gemm(shapes, repeats, args.warmup, args.slow_call_s)
+    if args.only in (None, "block"):
+        shapes = QUICK_GEMM if args.quick else [(1024, 1024, 1024), (2048, 2048, 2048)]
+        result["block"] = bench_block(QUICK_QUANTIZE_SIZES if args.quick else [16 * MIB], shapes, repeats, args.warmup)
 
     tag = args.tag or (result["host"] + ("_quick" if args.quick else ""))
     path = args.json or Path(__file__).resolve().parent / "results" / f"kernels_{tag}.json"

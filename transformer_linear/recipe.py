@@ -16,7 +16,16 @@ from typing import Union
 
 import torch
 
-__all__ = ["CurrentScaling", "DelayedScaling", "Format", "Recipe"]
+__all__ = [
+    "CurrentScaling",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Float8RowwiseScaling",
+    "Format",
+    "MXFP8BlockScaling",
+    "Recipe",
+]
 
 
 class Format(str, enum.Enum):
@@ -139,3 +148,115 @@ class CurrentScaling:
 
 
 Recipe = Union[DelayedScaling, CurrentScaling]
+
+
+# ---------------------------------------------------------------------------
+# Block-scaled recipes (one scale per block of a tensor). The kernels and ops
+# exist (ops.quantize_blockwise, ops.fp8_gemm with block scales, the Triton
+# kernels); tl.Linear and tl.autocast do not accept these recipes yet.
+# ---------------------------------------------------------------------------
+
+Float8CurrentScaling = CurrentScaling
+"""TransformerEngine's name for :class:`CurrentScaling`."""
+
+_BLOCK_SCALING_DIMS = {1: (1, 128), 2: (128, 128)}
+
+
+def _check_bool(cls: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{cls}: '{name}' must be a bool, got {value!r}")
+
+
+def _check_block_dim(cls: str, name: str, value: object, allowed: tuple[int, ...]) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"{cls}: '{name}' must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """DeepSeek-V3 / DeepGEMM block scaling (TE ``Float8BlockScaling``).
+
+    Activations and gradients get one scale per 1x128 tile, weights one per
+    128x128 block; each scale is ``fp8_max / amax`` of its block (rounded down
+    to a power of two with ``power_2_scale``). Not yet accepted by
+    ``tl.Linear`` / ``tl.autocast``.
+
+    Attributes:
+        fp8_format: the formats of forward tensors and gradients.
+        x_block_scaling_dim: 1 for 1x128 tiles, 2 for 128x128 blocks (input).
+        w_block_scaling_dim: the same for the weight.
+        grad_block_scaling_dim: the same for grad_output.
+        power_2_scale: round every block scale down to a power of two.
+    """
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    power_2_scale: bool = True
+
+    def __post_init__(self) -> None:
+        cls = "Float8BlockScaling"
+        _check_format(cls, self.fp8_format)
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            _check_block_dim(cls, name, getattr(self, name), (1, 2))
+        if self.x_block_scaling_dim == 2 and self.grad_block_scaling_dim == 2:
+            # Each GEMM needs one 1x128 operand (DeepGEMM's and cuBLAS's block GEMMs).
+            raise ValueError(f"{cls}: 'x_block_scaling_dim' and 'grad_block_scaling_dim' cannot both be 2")
+        _check_bool(cls, "power_2_scale", self.power_2_scale)
+
+    @property
+    def x_block_shape(self) -> tuple[int, int]:
+        """Block shape of the input's scales."""
+        return _BLOCK_SCALING_DIMS[self.x_block_scaling_dim]
+
+    @property
+    def w_block_shape(self) -> tuple[int, int]:
+        """Block shape of the weight's scales."""
+        return _BLOCK_SCALING_DIMS[self.w_block_scaling_dim]
+
+    @property
+    def grad_block_shape(self) -> tuple[int, int]:
+        """Block shape of grad_output's scales."""
+        return _BLOCK_SCALING_DIMS[self.grad_block_scaling_dim]
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 1x32 block.
+
+    The scale_inv of a block is ``2^ceil(log2(amax / fp8_max))``
+    (reference.e8m0_exponent). Not yet accepted by ``tl.Linear`` / ``tl.autocast``.
+
+    Attributes:
+        fp8_format: the formats of forward tensors and gradients.
+    """
+
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self) -> None:
+        _check_format("MXFP8BlockScaling", self.fp8_format)
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """Block shape of every operand's scales."""
+        return (1, 32)
+
+
+@dataclass(frozen=True)
+class Float8RowwiseScaling:
+    """torchao's "rowwise" scaling: one scale per row of each GEMM operand.
+
+    Not yet accepted by ``tl.Linear`` / ``tl.autocast``.
+
+    Attributes:
+        fp8_format: the formats of forward tensors and gradients.
+        power_2_scale: round every row scale down to a power of two.
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_2_scale: bool = True
+
+    def __post_init__(self) -> None:
+        _check_format("Float8RowwiseScaling", self.fp8_format)
+        _check_bool("Float8RowwiseScaling", "power_2_scale", self.power_2_scale)

@@ -204,3 +204,221 @@ def linear_wgrad(
     g_t = grad_output.reshape(-1, grad_output.shape[-1]).t()
     x2d = inp.reshape(-1, inp.shape[-1])
     return _quantized_matmul(g_t, grad_dtype, grad_scale, x2d, inp_dtype, inp_scale, margin, out_dtype or inp.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Block scaling (Float8BlockScaling, MXFP8, rowwise): one scale per block
+# ---------------------------------------------------------------------------
+
+E8M0_DTYPE = torch.float8_e8m0fnu
+SCALE_DTYPES = (torch.float32, E8M0_DTYPE)
+E8M0_ROUNDINGS = ("ceil", "floor")
+_E8M0_BIAS = 127
+_SIGN_EXP_MASK = -(1 << 23)  # 0xff800000 as an int32: sign and exponent of a float32
+
+
+def block_amax(x: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """max |x| over each (bm, bk) block of a 2-D ``x``, float32 of shape (ceil(M/bm), ceil(K/bk)).
+
+    Partial edge blocks use the amax of what they hold; NaN anywhere in a
+    block gives NaN for that block.
+    """
+    bm, bk = block_shape
+    m, k = x.shape
+    mb, kb = -(-m // bm), -(-k // bk)
+    xf = torch.nn.functional.pad(x.detach().float().abs(), (0, kb * bk - k, 0, mb * bm - m))
+    return xf.reshape(mb, bm, kb, bk).amax(dim=(1, 3))
+
+
+def round_down_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2(scale)) for positive normal float32 scales: the mantissa bits cleared."""
+    return (scale.float().view(torch.int32) & _SIGN_EXP_MASK).view(torch.float32)
+
+
+def block_scale(amax: torch.Tensor, fp8_max: float, power_2_scale: bool = False) -> torch.Tensor:
+    """float32 block scales: compute_scale(amax, fp8_max, 0, fallback=1), optionally rounded down to 2^n.
+
+    amax = 0 or non-finite gives 1; the scale is always finite, positive and normal.
+    """
+    scale = compute_scale(amax, fp8_max, 0, 1.0)
+    return round_down_power_of_2(scale) if power_2_scale else scale
+
+
+def e8m0_exponent(amax: torch.Tensor, fp8_max: float, rounding: str = "ceil") -> torch.Tensor:
+    """Unbiased int32 exponent e of the E8M0 scale_inv 2^e of each block, in [-127, 127].
+
+    ``"ceil"`` (what TE and cuBLAS use): e = ceil(log2(amax / fp8_max)) with the
+    quotient rounded to float32, so amax * 2^-e never exceeds fp8_max (up to that
+    rounding) and nothing saturates. ``"floor"`` (the OCP MX rule):
+    e = floor(log2(amax)) - floor(log2(fp8_max)); the block's largest values may
+    saturate. amax = 0 or non-finite gives e = 0 (scale 1), like block_scale.
+    """
+    if rounding not in E8M0_ROUNDINGS:
+        raise ValueError(f"e8m0 rounding must be 'ceil' or 'floor', got {rounding!r}")
+    amax = amax.float()
+    valid = (amax > 0) & torch.isfinite(amax)
+    if rounding == "ceil":
+        v = torch.div(amax, torch.full_like(amax, fp8_max))
+        bits = v.view(torch.int32)
+        biased = bits >> 23  # v is positive: no sign bit
+        mantissa = bits & 0x7FFFFF
+        # Round up when inexact; a subnormal quotient (biased 0) needs -126 above 2^-127.
+        up = torch.where(biased > 0, mantissa != 0, mantissa > 0x400000)
+        e = biased - _E8M0_BIAS + up.int()
+    else:
+        emax = int(math.floor(math.log2(fp8_max)))
+        e = torch.frexp(amax).exponent - 1 - emax
+    e = torch.clamp(e, -_E8M0_BIAS, _E8M0_BIAS)
+    return torch.where(valid, e, torch.zeros_like(e)).int()
+
+
+def e8m0_from_exponent(e: torch.Tensor) -> torch.Tensor:
+    """torch.float8_e8m0fnu tensor holding 2^e (biased exponent e + 127)."""
+    return (e + _E8M0_BIAS).to(torch.uint8).view(E8M0_DTYPE)
+
+
+def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
+    """float32 value 2^(bits - 127) of E8M0 scales (0xff, NaN, never occurs in package scales)."""
+    e = s.view(torch.uint8).int() - _E8M0_BIAS
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+
+
+def _check_block_args(x: torch.Tensor, dtype, block_shape, scale_dtype) -> tuple[int, int]:
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blockwise: argument 'x' must be 2-D (M, K), got shape {list(x.shape)}")
+    fp8_max(dtype)
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(
+            f"quantize_blockwise: argument 'scale_dtype' must be torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}"
+        )
+    if (
+        not isinstance(block_shape, (tuple, list))
+        or len(block_shape) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_shape)
+    ):
+        raise ValueError(f"quantize_blockwise: argument 'block_shape' must be two positive ints, got {block_shape!r}")
+    return int(block_shape[0]), int(block_shape[1])
+
+
+def quantize_blockwise_ref(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block_shape: tuple[int, int],
+    scale_dtype: torch.dtype = torch.float32,
+    power_2_scale: bool = False,
+    e8m0_rounding: str = "ceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D ``x`` with one scale per (bm, bk) block; returns (q, scale_inv).
+
+    Per block: amax (block_amax) -> scale (block_scale, or 2^-e with e from
+    e8m0_exponent when scale_dtype is E8M0) -> q = saturate(rne(x * scale))
+    exactly as :func:`quantize`. scale_inv has shape (ceil(M/bm), ceil(K/bk)):
+    float32 1/scale, or E8M0 2^e. NaN stays NaN, +-inf saturates to +-max.
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        block_shape: (bm, bk), e.g. (1, 128), (128, 128), (1, 32), (1, K).
+        scale_dtype: torch.float32 or torch.float8_e8m0fnu.
+        power_2_scale: round float32 scales down to powers of two (E8M0 always is).
+        e8m0_rounding: "ceil" or "floor", see e8m0_exponent.
+    """
+    bm, bk = _check_block_args(x, dtype, block_shape, scale_dtype)
+    m, k = x.shape
+    limit = fp8_max(dtype)
+    block_amaxes = block_amax(x, (bm, bk))
+    if scale_dtype == E8M0_DTYPE:
+        e = e8m0_exponent(block_amaxes, limit, e8m0_rounding)
+        scale = torch.ldexp(torch.ones_like(block_amaxes), -e)
+        scale_inv = e8m0_from_exponent(e)
+    else:
+        scale = block_scale(block_amaxes, limit, power_2_scale)
+        scale_inv = torch.reciprocal(scale)
+    full = scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
+    q = torch.clamp(x.float() * full, -limit, limit).to(dtype)
+    return q, scale_inv
+
+
+def scaling_types(scale_inv: torch.Tensor, rows: int, cols: int) -> dict[str, tuple[int, int]]:
+    """The scaled_mm ScalingTypes a scale_inv can stand for on a (rows, cols) operand, with their blocks.
+
+    torch's conventions (float32 unless noted):
+
+    ================  ==============================  ===============
+    ScalingType       scale_inv shape                 block
+    ================  ==============================  ===============
+    TensorWise        1 element                       (rows, cols)
+    RowWise           (rows, 1)                       (1, cols)
+    BlockWise1x128    (rows, ceil(cols/128))          (1, 128)
+    BlockWise128x128  (ceil(rows/128), ceil(cols/128))  (128, 128)
+    BlockWise1x32     (rows, ceil(cols/32)), e8m0     (1, 32)
+    ================  ==============================  ===============
+
+    Several entries can match one shape (rows = 1, cols <= 128); they then
+    give the same blocks of that operand. Returns {} when none matches.
+    """
+    shape = tuple(scale_inv.shape)
+    r128, c128, c32 = -(-rows // 128), -(-cols // 128), -(-cols // 32)
+    if scale_inv.dtype == E8M0_DTYPE:
+        return {"BlockWise1x32": (1, 32)} if shape == (rows, c32) else {}
+    if scale_inv.dtype != torch.float32:
+        return {}
+    found = {}
+    if scale_inv.numel() == 1 and scale_inv.dim() <= 2:
+        found["TensorWise"] = (max(rows, 1), max(cols, 1))
+    if shape == (rows, 1):
+        found["RowWise"] = (1, max(cols, 1))
+    if shape == (rows, c128):
+        found["BlockWise1x128"] = (1, 128)
+    if shape == (r128, c128):
+        found["BlockWise128x128"] = (128, 128)
+    return found
+
+
+def block_shape_of(scale_inv: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
+    """The (bm, bk) block of a (rows, cols) operand under ``scale_inv`` (see scaling_types).
+
+    Raises:
+        ValueError: the shape and dtype match no ScalingType.
+    """
+    found = scaling_types(scale_inv, rows, cols)
+    if not found:
+        r128, c128, c32 = -(-rows // 128), -(-cols // 128), -(-cols // 32)
+        raise ValueError(
+            f"scale_inv of shape {list(scale_inv.shape)} and dtype {scale_inv.dtype} matches no scaling of a "
+            f"({rows}, {cols}) operand: expected 1 element, ({rows}, 1), ({rows}, {c128}) or ({r128}, {c128}) "
+            f"float32, or ({rows}, {c32}) float8_e8m0fnu"
+        )
+    return next(iter(found.values()))
+
+
+def expand_scale_inv(scale_inv: torch.Tensor, block_shape: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """Elementwise float64 (rows, cols) scale_inv of an operand with the given blocks."""
+    s = e8m0_to_float(scale_inv) if scale_inv.dtype == E8M0_DTYPE else scale_inv.float()
+    s = s.double().reshape(-(-rows // block_shape[0]), -(-cols // block_shape[1]))
+    return s.repeat_interleave(block_shape[0], 0)[:rows].repeat_interleave(block_shape[1], 1)[:, :cols]
+
+
+def fp8_gemm_blockwise(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Block-scaled GEMM: sum over K-blocks of (a_blk @ b_blk.T) * a_scale * b_scale [+ bias], in float64.
+
+    The kernels accumulate each K-block's partial sum in float32 and multiply it
+    by its two block scales before adding it to the float32 total (DeepGEMM's
+    promotion), so any K works; in exact arithmetic that is the product of the
+    dequantized operands, which is what this computes (float64). Each operand's
+    blocks follow from its scale_inv's shape and dtype (block_shape_of).
+    """
+    (m, k), n = a.shape, b.shape[0]
+    a_deq = a.double() * expand_scale_inv(a_scale_inv, block_shape_of(a_scale_inv, m, k), m, k)
+    b_deq = b.double() * expand_scale_inv(b_scale_inv, block_shape_of(b_scale_inv, n, k), n, k)
+    out = a_deq @ b_deq.t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(out_dtype)

@@ -1,0 +1,332 @@
+// CPU block-scaled FP8 GEMM (1x128 x 128x128, 1x128 x 1x128, 1x32 E8M0, rowwise).
+//
+// Reuses the packing and register-tiled micro-kernels of the tensorwise GEMM
+// (gemm_cpu.h): FP8 is decoded while packing and products are exact, so the
+// micro-kernel's fp32 sum over one K-block of g values is the block's partial
+// sum. After each K-block the partial tile is promoted into the fp32 total
+// with the two block scales (acc += part * (sa[i] * sb[j]), DeepGEMM's
+// promotion); the K-block g is the smaller of the operands' block widths.
+// Loop nest as in gemm_cpu.cpp: NC blocks of B rows, KC chunks of k (a
+// multiple of g), the B chunk packed by all threads, A blocks per thread.
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "../common/backend_block.h"
+#include "cpu_features.h"
+#include "gemm_block_cpu.h"
+#include "gemm_cpu.h"
+#include "parallel.h"
+#include "transformer_linear/block_math.h"
+#include "transformer_linear/check.h"
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+namespace gemm_block {
+namespace {
+
+using gemm::KernelSet;
+using gemm::Operand;
+
+// Exponents one folded panel needs: (KC / smallest K-block) x rows <= (512 / 32) x 64.
+constexpr int kMaxFoldExps = 16 * 64;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+void promote_generic(const float* part, int ld_part, const float* sa, const float* sb, int rows,
+                     int cols, bool first, float* acc, int64_t ld_acc) {
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < cols; ++j) {
+      const float v = part[i * ld_part + j] * (sa[i] * sb[j]);
+      acc[i * ld_acc + j] = first ? v : acc[i * ld_acc + j] + v;
+    }
+  }
+}
+
+// Exponents of power-of-two scales, [k-block][row] with rows_padded per block, or empty
+// when a scale is not a power of two whose products with every nonzero finite FP8 value
+// are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)).
+std::vector<int32_t> scale_exponents(const TensorDesc& scale, const BlockLayout& l, int64_t rows,
+                                     int64_t rows_padded, DType fp8) {
+  const int lo = fp8 == DType::kFloat8E4M3 ? -117 : -110;
+  const int hi = fp8 == DType::kFloat8E4M3 ? 118 : 111;
+  std::vector<int32_t> out(l.grid_cols * rows_padded, 0);
+  for (int64_t c = 0; c < l.grid_cols; ++c) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t index = (i / l.rows) * l.grid_cols + c;
+      int e;
+      if (l.e8m0) {
+        e = static_cast<int>(scale.ptr<uint8_t>()[index]) - fp8::kE8M0Bias;
+      } else {
+        const uint32_t bits = fp8::bits_of(scale.ptr<float>()[index]);
+        const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
+        if ((bits & 0x7fffffu) != 0 || biased == 0 || biased >= 255) return {};
+        e = static_cast<int>(biased) - fp8::kE8M0Bias;
+      }
+      if (e < lo || e > hi) return {};
+      out[c * rows_padded + i] = e;
+    }
+  }
+  return out;
+}
+
+// Exponents of the panel rows [row0, row0 + r) for the K-blocks of a chunk starting at pc.
+void panel_exponents(const std::vector<int32_t>& exps, int64_t rows_padded, int64_t row0, int r,
+                     int64_t pc, int64_t kb, int64_t block_k, int32_t* out) {
+  const int64_t first = pc / block_k, blocks = ceil_div(pc + kb, block_k) - first;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int i = 0; i < r; ++i) out[b * r + i] = exps[(first + b) * rows_padded + row0 + i];
+  }
+}
+
+KernelSet kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return gemm::amx_usable() ? gemm::amx_kernels() : gemm::avx512_bf16_kernels();
+    case Isa::kAvx512:
+      return gemm::avx512_kernels();
+    default:
+      return gemm::generic_kernels();
+  }
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
+
+Buffer aligned_buffer(size_t bytes) {
+  Buffer b(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
+  TL_CHECK(b != nullptr, "fp8_gemm: out of memory allocating ", bytes, " bytes");
+  return b;
+}
+
+// Scales of every K-block of width g, laid out [k-block][row] and zero past `rows`
+// (padded rows of packed panels hold zeros; 0 * 0 keeps them 0).
+std::vector<float> expand_scales(const TensorDesc& scale, const BlockLayout& l, int64_t rows,
+                                 int64_t rows_padded, int64_t g, int64_t k_blocks) {
+  std::vector<float> out(k_blocks * rows_padded, 0.0f);
+  for (int64_t s = 0; s < k_blocks; ++s) {
+    const int64_t c = (s * g) / l.cols;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t index = (i / l.rows) * l.grid_cols + c;
+      out[s * rows_padded + i] = l.e8m0 ? fp8::float_from_e8m0_bits(scale.ptr<uint8_t>()[index])
+                                        : scale.ptr<float>()[index];
+    }
+  }
+  return out;
+}
+
+std::vector<float> unit_scales(int64_t rows, int64_t rows_padded) {
+  std::vector<float> out(rows_padded, 0.0f);
+  std::fill(out.begin(), out.begin() + rows, 1.0f);
+  return out;
+}
+
+Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
+  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
+                 op.dtype};
+}
+
+template <typename Out>
+void store_tile(const float* acc, int64_t ld, int64_t rows, int64_t cols,
+                const typename Out::storage* bias, bool accumulate, typename Out::storage* d,
+                int64_t ldd) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = acc[i * ld + j];
+      if (bias) v = v + Out::load(bias[j]);
+      if (accumulate) v = Out::load(d[i * ldd + j]) + v;
+      d[i * ldd + j] = Out::store(v);
+    }
+  }
+}
+
+template <typename Out>
+void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldFn fold) {
+  using T = typename Out::storage;
+  T* d = p.d.ptr<T>();
+  const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
+  const int64_t m = p.m, n = p.n, k = p.k;
+  if (k == 0) {  // empty product: D = bias [+ D]
+    const std::vector<float> zeros(n, 0.0f);
+    for (int64_t i = 0; i < m; ++i) store_tile<Out>(zeros.data(), 0, 1, n, bias, p.accumulate, d + i * n, n);
+    return;
+  }
+  const int64_t m_pad = round_up(m, ks.mr), n_pad = round_up(n, ks.nr);
+  // Power-of-two scales fold exactly into the decoded operands while packing (the
+  // packed panels are then a plain GEMM's); kpack = k_align holds for every kernel
+  // set but AMX's (which has `prepare`).
+  const int kpack = ks.k_align;
+  const auto foldable = [&](const BlockLayout& l) {
+    return fold && !ks.prepare && (l.cols >= k || (ks.kc % l.cols == 0 && l.cols % kpack == 0));
+  };
+  std::vector<int32_t> ea, eb;
+  if (foldable(p.a_block) && foldable(p.b_block)) {
+    ea = scale_exponents(p.a_scale_inv, p.a_block, m, m_pad, p.a.dtype);
+    if (!ea.empty()) eb = scale_exponents(p.b_scale_inv, p.b_block, n, n_pad, p.b.dtype);
+  }
+  const bool folded = !eb.empty();
+  const int64_t g = folded ? k : std::max<int64_t>(1, std::min(p.a_block.cols, p.b_block.cols));
+  const int64_t k_blocks = ceil_div(k, g);
+  const std::vector<float> sa = folded ? unit_scales(m, m_pad) : expand_scales(p.a_scale_inv, p.a_block, m, m_pad, g, k_blocks);
+  const std::vector<float> sb = folded ? unit_scales(n, n_pad) : expand_scales(p.b_scale_inv, p.b_block, n, n_pad, g, k_blocks);
+  const int64_t a_bk = std::min(p.a_block.cols, k), b_bk = std::min(p.b_block.cols, k);
+
+  constexpr double kMinParallelFlops = 1 << 22;
+  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
+  const int threads = serial ? 1 : get_num_threads();
+  // Partial sums are promoted every `step` k: each K-block, or every KC when one
+  // block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
+  const int64_t step = g >= k ? std::min<int64_t>(k, ks.kc) : g;
+  TL_CHECK(step <= ks.kc, "fp8_gemm: a K-block of ", g, " wider than the kernel's ", ks.kc,
+           " that does not cover K is not supported");
+  const int64_t kc = ks.kc / step * step;
+  const bool multi_pass = k > kc;
+  int64_t nc = std::min(ks.nc, n_pad);
+  if (multi_pass) {  // bound the fp32 totals (M x NC) to 64 MiB
+    const int64_t budget_cols = (int64_t{16} << 20) / m_pad;
+    nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
+  }
+  const int64_t kc_max = std::min(kc, k);
+  Buffer b_buffer = aligned_buffer(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr));
+  Buffer totals_buffer = multi_pass ? aligned_buffer(m_pad * nc * sizeof(float)) : nullptr;
+  uint8_t* b_packed = b_buffer.get();
+  float* totals = reinterpret_cast<float*>(totals_buffer.get());
+  const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
+  const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
+  const int mr = ks.mr, nr = ks.nr;
+
+  for (int64_t jc = 0; jc < n; jc += nc) {
+    const int64_t nb = std::min(nc, n - jc);
+    const int64_t b_panels = ceil_div(nb, nr);
+    for (int64_t pc = 0; pc < k; pc += kc) {
+      const int64_t kb = std::min(kc, k - pc);
+      const bool first = pc == 0, last = pc + kb == k;
+      const size_t b_panel_bytes = ks.panel_bytes(kb, nr);
+      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t j = jc + q * nr;
+          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr,
+                    b_packed + q * b_panel_bytes);
+          if (folded) {
+            int32_t exps[kMaxFoldExps];
+            panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
+            fold(b_packed + q * b_panel_bytes, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
+          }
+        }
+      });
+      // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
+      const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
+      const int64_t mc = round_up(ceil_div(m, blocks), mr);
+      const int64_t m_blocks = ceil_div(m, mc);
+      const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+      const size_t a_panel_bytes = ks.panel_bytes(kb, mr);
+      parallel_for(m_blocks * n_splits, serial ? m_blocks * n_splits : 1, [&](int64_t w0, int64_t w1) {
+        // Grown once per thread, reused by every call (like the tensorwise GEMM's).
+        thread_local Buffer a_buffer;
+        thread_local size_t a_capacity = 0;
+        const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
+        if (a_bytes > a_capacity) {
+          a_buffer = aligned_buffer(a_bytes);
+          a_capacity = a_bytes;
+        }
+        alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+        alignas(64) float acc[64 * 64];
+        for (int64_t w = w0; w < w1; ++w) {
+          const int64_t ic = (w / n_splits) * mc;
+          const int64_t split = w % n_splits;
+          const int64_t mb = std::min(mc, m - ic);
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
+          for (int64_t ir = 0; folded && ir < mb; ir += mr) {
+            int32_t exps[kMaxFoldExps];
+            panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
+            fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
+          }
+          if (ks.prepare) ks.prepare();
+          for (int64_t q = split * b_panels / n_splits; q < (split + 1) * b_panels / n_splits; ++q) {
+            const int64_t j = q * nr;  // within the NC block
+            const uint8_t* b_panel = b_packed + q * b_panel_bytes;
+            for (int64_t ir = 0; ir < mb; ir += mr) {
+              const int64_t i = ic + ir;
+              const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+              // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
+              float* total = totals ? totals + i * nc + j : acc;
+              int64_t ld_total = totals ? nc : nr;
+              if (folded) {  // unit scales: the micro-kernel adds into the total itself
+                // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
+                ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
+                         last ? nr : ld_total);
+                if (last) total = acc, ld_total = nr;
+              }
+              for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
+                // Packed panels store k in order: a sub-panel at k offset s0 starts
+                // s0 * rows elements in (step is a multiple of the kernel's k_align).
+                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+                const int64_t s = (pc + s0) / g;
+                promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
+                        first && s0 == 0, total, ld_total);
+              }
+              if (last) {
+                store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
+                                std::min<int64_t>(nr, nb - j), bias ? bias + jc + j : nullptr,
+                                p.accumulate, d + i * n + jc + j, n);
+              }
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+}  // namespace
+
+void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32_t* row_exp,
+                  int64_t block_k) {
+  const int64_t groups = ceil_div(kc, kpack);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int row = 0; row < r; ++row) {
+      for (int t = 0; t < kpack; ++t) {
+        const int64_t idx = (g * r + row) * kpack + t;
+        const int32_t e = row_exp[((g * kpack + t) / block_k) * r + row];
+        if (elem_bytes == 2) {
+          uint16_t& v = static_cast<uint16_t*>(panel)[idx];
+          const uint16_t mag = v & 0x7fffu;
+          if (mag != 0 && mag < 0x7f80u) v = static_cast<uint16_t>(v + e * 128);
+        } else {
+          uint32_t& v = static_cast<uint32_t*>(panel)[idx];
+          const uint32_t mag = v & 0x7fffffffu;
+          if (mag != 0 && mag < 0x7f800000u) v = static_cast<uint32_t>(static_cast<int64_t>(v) + e * (int64_t{1} << 23));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gemm_block
+
+void fp8_gemm_blockwise(const GemmBlockParams& p) {
+  if (p.m == 0 || p.n == 0) return;
+  const Isa isa = current_isa();
+  gemm::KernelSet ks = gemm_block::kernels_for(isa);
+  const int64_t g = std::min(p.a_block.cols, p.b_block.cols);
+  // Sub-panels start at multiples of g (or of KC): g must keep whole k-groups of the packing.
+  if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
+  const bool generic = isa == Isa::kGeneric;
+  const gemm_block::PromoteFn promote = generic ? gemm_block::promote_generic : gemm_block::promote_avx512();
+  gemm_block::FoldFn fold = generic ? gemm_block::fold_generic : gemm_block::fold_avx512();
+  // Panels of more exponents than kMaxFoldExps (tiny blocks) take the promotion path.
+  const int64_t min_bk = std::max<int64_t>(1, std::min({p.a_block.cols, p.b_block.cols, p.k}));
+  if (((ks.kc + min_bk - 1) / min_bk + 1) * std::max(ks.mr, ks.nr) > gemm_block::kMaxFoldExps) fold = nullptr;
+  dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'", [&](auto out_tag) {
+    gemm_block::run<decltype(out_tag)>(p, ks, promote, fold);
+  });
+}
+
+}  // namespace cpu
+}  // namespace tl

@@ -1,0 +1,132 @@
+"""Block-scaled FP8 GEMM (CPU kernel) against the float64 reference, torch's _scaled_mm, and its error cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockwise_cases import E4M3, E5M2, E8M0, FP8_FORMATS, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
+from tolerances import assert_close_to_reference
+from transformer_linear import _C, ops, reference
+
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=["auto", "generic"])
+def cpu_isa(request):
+    """The fastest CPU path and the portable one (packing, micro-kernel and promotion differ)."""
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
+
+
+def check_gemm(a, sa, b, sb, out_dtype, bias=None, what=""):
+    d = ops.fp8_gemm(a, sa, b, sb, out_dtype, bias)
+    expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
+    baseline = dequantized_mm_fp32(a, sa, b, sb, out_dtype, bias)
+    assert_close_to_reference(d, expected, baseline, what=what)
+
+
+@pytest.mark.parametrize("scaling", list(GEMM_SCALINGS))
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 9, 300), (130, 70, 257), (33, 50, 1300), (64, 200, 128)])
+def test_shapes(cpu_isa, scaling, m, n, k):
+    """Odd shapes: K not a multiple of the block, K past one cache chunk, edge tiles."""
+    a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling)
+    check_gemm(a, sa, b, sb, torch.float32, what=f"{cpu_isa} {scaling} {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("scaling", list(GEMM_SCALINGS))
+@pytest.mark.parametrize("a_fmt, b_fmt", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_formats_and_output_dtypes(scaling, a_fmt, b_fmt, out_dtype):
+    # Magnitudes that keep float16 outputs finite.
+    a, sa, b, sb = block_operands(45, 38, 200, a_fmt, b_fmt, scaling, power_2=False, spread=3)
+    bias = torch.randn(38).to(out_dtype)
+    check_gemm(a, sa, b, sb, out_dtype, bias, what=f"{scaling} {a_fmt} x {b_fmt} -> {out_dtype}")
+
+
+@pytest.mark.parametrize("scaling", ["1x128_x_128x128", "1x32_x_1x32_e8m0"])
+def test_column_major_operands(scaling):
+    """wgrad/dgrad pass transposed views; the kernel reads them in place."""
+    a, sa, b, sb = block_operands(50, 60, 300, E4M3, E5M2, scaling)
+    check_gemm(a.t().contiguous().t(), sa, b.t().contiguous().t(), sb, torch.bfloat16, what="column-major")
+
+
+def test_empty_k_gives_bias():
+    a, b = torch.empty(3, 0, dtype=E4M3), torch.empty(4, 0, dtype=E4M3)
+    bias = torch.randn(4)
+    d = ops.fp8_gemm(a, torch.ones(3, 0), b, torch.ones(1, 0), torch.float32, bias)
+    assert torch.equal(d, bias.expand(3, 4))
+
+
+@pytest.mark.parametrize("a_fmt", FP8_FORMATS)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_matches_torch_scaled_mm(scaling, a_fmt):
+    """torch implements TensorWise and RowWise on the CPU: same operands, same scales."""
+    m, n, k = 33, 47, 200
+    a_hp, b_hp = torch.randn(m, k), torch.randn(n, k)
+    if scaling == "tensorwise":
+        a, sa, _ = reference.quantize_current(a_hp, a_fmt)
+        b, sb, _ = reference.quantize_current(b_hp, E4M3)
+        torch_sa, torch_sb = sa.reshape(()), sb.reshape(())
+    else:
+        a, sa = reference.quantize_blockwise_ref(a_hp, a_fmt, (1, k), torch.float32, True)
+        b, sb = reference.quantize_blockwise_ref(b_hp, E4M3, (1, k), torch.float32, True)
+        torch_sa, torch_sb = sa, sb.t()
+    ours = ops.fp8_gemm(a, sa, b, sb, torch.float32)
+    theirs = torch._scaled_mm(a, b.t(), scale_a=torch_sa, scale_b=torch_sb, out_dtype=torch.float32)
+    expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64)
+    assert_close_to_reference(ours, expected, theirs, what=f"{scaling} vs torch._scaled_mm")
+
+
+@pytest.mark.parametrize(
+    "a_scale, b_scale, match",
+    [
+        (torch.ones(8, 2), torch.ones(1), "unsupported scaling combination"),  # 1x128 x TensorWise
+        (torch.ones(8, 1), torch.ones(1, 2), "unsupported scaling combination"),  # RowWise x 128x128
+        (torch.ones(8, 8).to(E8M0), torch.ones(16, 2), "unsupported scaling combination"),  # MX x 1x128
+        (torch.ones(8, 3), torch.ones(16, 2), "matches no scaling|unsupported"),  # wrong shape
+    ],
+)
+def test_inconsistent_scalings_are_errors(a_scale, b_scale, match):
+    a, b = torch.zeros(8, 256, dtype=E4M3), torch.zeros(16, 256, dtype=E4M3)
+    with pytest.raises(ValueError, match=match):
+        ops.fp8_gemm(a, a_scale, b, b_scale, torch.float32)
+
+
+def test_scale_dtype_is_a_type_error():
+    a, b = torch.zeros(8, 256, dtype=E4M3), torch.zeros(16, 256, dtype=E4M3)
+    with pytest.raises(TypeError, match="'a_scale_inv' must be torch.float32 or torch.float8_e8m0fnu"):
+        ops.fp8_gemm(a, torch.ones(8, 2, dtype=torch.float16), b, torch.ones(16, 2), torch.float32)
+
+
+def test_scaling_table():
+    k, rows = 300, 5
+    s = reference.scaling_types
+    assert set(s(torch.ones(1), rows, k)) == {"TensorWise"}
+    assert set(s(torch.ones(rows, 1), rows, k)) == {"RowWise"}
+    assert set(s(torch.ones(rows, 3), rows, k)) == {"BlockWise1x128"}
+    assert set(s(torch.ones(1, 3), rows, k)) == {"BlockWise128x128"}
+    assert set(s(torch.ones(rows, 10).to(E8M0), rows, k)) == {"BlockWise1x32"}
+    assert ("BlockWise1x128", "BlockWise128x128") in ops.fp8_gemm_scalings()
+
+
+@pytest.mark.parametrize("scaling", ["1x128_x_128x128", "1x32_x_1x32_e8m0"])
+def test_opcheck(scaling):
+    a, sa, b, sb = block_operands(20, 24, 160, E4M3, E4M3, scaling)
+    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
+    # test_schema compares inputs with arithmetic that FP8 tensors lack; the kernel's
+    # inputs are read-only views (checked by test_operands_unchanged).
+    torch.library.opcheck(
+        torch.ops.transformer_linear.fp8_gemm_blockwise.default,
+        (a, sa, b, sb, torch.bfloat16, None, list(a_block), list(b_block)),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+def test_operands_unchanged():
+    a, sa, b, sb = block_operands(20, 24, 160, E4M3, E4M3, "1x32_x_1x32_e8m0")
+    before = [t.clone() for t in (a, sa, b, sb)]
+    ops.fp8_gemm(a, sa, b, sb, torch.float32)
+    for t, u in zip((a, sa, b, sb), before):
+        assert torch.equal(t.view(torch.uint8), u.view(torch.uint8))

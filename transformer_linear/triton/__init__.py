@@ -1,0 +1,12 @@
+"""Triton kernels of the block-scaled recipes, callable directly with the ops' signatures.
+
+``from transformer_linear.triton import quantize_blockwise, fp8_gemm`` works on
+CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+triton is first imported), which is how the tests run them without a GPU.
+``transformer_linear.ops`` routes CUDA block-scaled calls here.
+"""
+
+from transformer_linear.triton.fp8_gemm import fp8_gemm
+from transformer_linear.triton.quantize_blockwise import quantize_blockwise, quantize_blockwise_fused
+
+__all__ = ["fp8_gemm", "quantize_blockwise", "quantize_blockwise_fused"]
