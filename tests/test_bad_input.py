@@ -279,6 +279,25 @@ def test_non_positive_or_non_finite_scales_raise(op, arg, value):
         call_op(op, args)
 
 
+# (scaling, K, scale columns, scale dtype, bad value): every other E8M0 byte is a positive finite power of two.
+BAD_BLOCK_SCALES = [(s, k, c, torch.float32, v) for s, k, c in (("rowwise", 64, 1), ("1x128", 256, 2)) for v in BAD_SCALES]
+BAD_BLOCK_SCALES += [("1x32_e8m0", 64, 2, torch.float8_e8m0fnu, math.nan)]
+
+
+@pytest.mark.parametrize("scaling, k, columns, scale_dtype, value", BAD_BLOCK_SCALES, ids=str)
+def test_bad_block_scales_raise_naming_the_first_bad_element(scaling, k, columns, scale_dtype, value):
+    """Block scales are checked element by element, like per-tensor ones (E8M0: its NaN byte)."""
+    m, n = 4, 8
+    a, b = torch.randn(m, k).to(E4M3), torch.randn(n, k).to(E4M3)
+    a_scale_inv, b_scale_inv = torch.ones(m, columns).to(scale_dtype), torch.ones(n, columns).to(scale_dtype)
+    if scale_dtype == torch.float32:
+        b_scale_inv[2, -1] = value
+    else:
+        b_scale_inv.view(torch.uint8)[2, -1] = 0xFF
+    with pytest.raises(ValueError, match=r"argument 'b_scale_inv' must be a positive finite scale .* at index \[2, "):
+        ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32)
+
+
 @pytest.mark.parametrize("value", [1e-45, 2.0**-129, 2.0**-128])
 def test_quantize_scale_with_an_infinite_reciprocal_raises(value):
     """quantize returns scale_inv = 1/scale: a tiny scale would make it inf (and dequantize NaN)."""

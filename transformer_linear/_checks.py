@@ -26,10 +26,14 @@ from typing import Optional
 
 import torch
 
+from transformer_linear.reference import E8M0_DTYPE
+
 __all__ = ["check_linear_devices", "check_same_device", "check_scale_values", "check_tensor"]
 
 # Below this a float32's reciprocal may round to inf; above it, it never does.
 _RECIPROCAL_SAFE = torch.finfo(torch.float32).tiny
+# E8M0's one non-number: the all-ones exponent byte.
+_E8M0_NAN_BITS = 0xFF
 
 
 def check_tensor(op: str, name: str, t: object, like: Optional[torch.Tensor] = None, like_name: str = "input") -> None:
@@ -64,10 +68,11 @@ def check_same_device(op: str, tensors: Mapping[str, Optional[torch.Tensor]], op
 
 
 def check_scale_values(op: str, scales: Mapping[str, Optional[torch.Tensor]], reciprocal: bool = False) -> None:
-    """Raise unless each one-element float32 CPU scale is positive and finite.
+    """Raise unless every element of each float32 or E8M0 CPU scale is positive and finite.
 
-    Tensors on other devices, absent ones and malformed ones (another dtype or
-    size, which the kernels reject with their own message) pass unchecked.
+    Tensors on other devices (reading them would sync the device), absent
+    ones and those of other dtypes (which the kernels reject with their own
+    message) pass unchecked. Block scales are checked element by element.
 
     Args:
         op: the operation's name, for the message.
@@ -76,18 +81,33 @@ def check_scale_values(op: str, scales: Mapping[str, Optional[torch.Tensor]], re
             ``scale_inv`` the op returns: 1e-45 would give inf).
 
     Raises:
-        ValueError: naming the argument and its value.
+        ValueError: naming the argument, and the first bad element's index and value.
     """
     for name, t in scales.items():
-        if t is None or not t.is_cpu or t.dtype != torch.float32 or t.numel() != 1:
+        if t is None or not t.is_cpu or t.numel() == 0:
             continue
-        value = t.item()
-        ok = math.isfinite(value) and value > 0
-        if ok and reciprocal and value < _RECIPROCAL_SAFE:
-            ok = math.isfinite(torch.reciprocal(t).item())
-        if not ok:
+        if t.dtype == E8M0_DTYPE:
+            bad = t.view(torch.uint8).eq(_E8M0_NAN_BITS)  # every other E8M0 value is a positive power of two
+        elif t.dtype != torch.float32:
+            continue
+        elif t.numel() == 1:  # the per-tensor common case, without building masks
+            value = t.item()
+            ok = math.isfinite(value) and value > 0
+            if ok and reciprocal and value < _RECIPROCAL_SAFE:
+                ok = math.isfinite(torch.reciprocal(t).item())
+            bad = None if ok else t.new_ones(t.shape, dtype=torch.bool)
+        else:
+            bad = ~(torch.isfinite(t) & t.gt(0))
+            if reciprocal:
+                bad |= ~torch.isfinite(torch.reciprocal(t))
+        if bad is not None and bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            value = t[index].float().item() if t.dim() else t.float().item()
+            where = f" at index {list(index)}" if t.numel() > 1 else ""
             what = "with a finite reciprocal " if reciprocal else ""
-            raise ValueError(f"{op}: argument '{name}' must be a positive finite scale {what}(float32), got {value!r}")
+            raise ValueError(
+                f"{op}: argument '{name}' must be a positive finite scale {what}({t.dtype}), got {value!r}{where}"
+            )
 
 
 def check_linear_devices(
