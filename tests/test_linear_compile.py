@@ -84,6 +84,8 @@ class TestOpcheck:
             grad_output=q["g"][0],
             grad_output_t=q["g"][0],
             grad_output_scale_inv=q["g"][1],
+            grad_output_t_scale_inv=q["g"][1],
+            operands_transposed=False,
             inp=q["x"][0],
             inp_scale_inv=q["x"][1],
             weight=q["w"][0],
@@ -111,7 +113,15 @@ class TestOpcheck:
 
     def test_schema_comes_from_the_dataclass(self):
         schema = linear_ops.linear_fwd.op._opoverload._schema
-        assert [a.name for a in schema.arguments] == list(LinearFwdArgs.__dataclass_fields__)
+        # One parameter per field; the nested QuantizationSpec gives one per leaf, named by its path.
+        expected = []
+        for name in LinearFwdArgs.__dataclass_fields__:
+            if name == "quantization":
+                expected += [f"quantization__{t}__{f}" for t in ("input", "weight", "grad_output")
+                             for f in ("dtype", "block_shape", "scale_dtype", "power_2_scale")]
+            else:
+                expected.append(name)
+        assert [a.name for a in schema.arguments] == expected
         assert str(schema.arguments[0].type) == "Tensor" and str(schema.arguments[2].type) == "Optional[Tensor]"
 
 

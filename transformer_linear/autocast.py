@@ -44,7 +44,8 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None) -> Iterator[
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast: 'enabled' must be a bool, got {enabled!r}")
     if recipe is not None and not isinstance(recipe, Recipe.__args__):
-        raise TypeError(f"autocast: 'recipe' must be a DelayedScaling or CurrentScaling, got {recipe!r}")
+        names = ", ".join(t.__name__ for t in Recipe.__args__)
+        raise TypeError(f"autocast: 'recipe' must be one of {names}, got {recipe!r}")
     saved = (_STATE.enabled, _STATE.recipe)
     _STATE.enabled = enabled
     _STATE.recipe = (recipe or DelayedScaling()) if enabled else None

@@ -31,7 +31,8 @@ from transformer_linear._checks import check_linear_devices
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
 from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, linear_fwd
-from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
+from transformer_linear.quantization import NO_QUANTIZATION, quantization_spec
+from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.scaling import (
     FP8_STATE_COLUMNS,
     checked_fp8_state,
@@ -86,8 +87,9 @@ class Linear(nn.Module):
         fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
-        if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"Linear: 'recipe' must be a DelayedScaling, CurrentScaling or None, got {recipe!r}")
+        if recipe is not None and not isinstance(recipe, Recipe.__args__):
+            names = ", ".join(t.__name__ for t in Recipe.__args__)
+            raise TypeError(f"Linear: 'recipe' must be one of {names} or None, got {recipe!r}")
         self.in_features = in_features
         self.out_features = out_features
         self.recipe = recipe
@@ -104,7 +106,9 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         # Not a state: the FP8 weight of the current microbatch group.
-        self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Tensor]] = None
+        # (weight_fp8, weight_fp8_t, weight_scale_inv, weight_scale_inv_t, weight_amax); the transposed
+        # copy and its scales exist where the backward needs them (CUDA layout, block scaling).
+        self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor], Optional[Tensor]]] = None
         self.reset_parameters()
         self.reset_fp8_state()
         # A checkpoint holds the scales as of the last step, not lagging behind
@@ -276,8 +280,10 @@ class Linear(nn.Module):
                 args.amax_reduction_layer_key,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
-            t = o.weight_fp8_t if o.weight_fp8_t.numel() else None
-            self._weight_cache = (o.weight_fp8.detach(), t, o.weight_scale_inv.detach(), o.amax[1].detach())
+            t = o.weight_fp8_t.detach() if o.weight_fp8_t.numel() else None
+            t_scale_inv = o.weight_scale_inv_t.detach() if o.weight_scale_inv_t.numel() else None
+            amax = o.amax[1].detach() if o.amax.numel() else None  # block scaling records no amax
+            self._weight_cache = (o.weight_fp8.detach(), t, o.weight_scale_inv.detach(), t_scale_inv, amax)
         # The op's output is 2-D. Other inputs get it in their leading dims through
         # _unsafe_view, as nn.Linear does: not a view to autograd, so in-place
         # ops on it work and FSDP2 sees no view returned.
@@ -319,16 +325,18 @@ class Linear(nn.Module):
             weight_fp8=cache[0] if cache else None,
             weight_fp8_t=cache[1] if cache else None,
             weight_scale_inv=cache[2] if cache else None,
-            weight_amax=cache[3] if cache else None,
+            weight_scale_inv_t=cache[3] if cache else None,
+            weight_amax=cache[4] if cache else None,
             # requires-grad flags
             input_requires_grad=grad and inp.requires_grad,
             weight_requires_grad=grad and weight.requires_grad,
             bias_requires_grad=grad and bias is not None and bias.requires_grad,
             # FP8 formats and scaling state
             fp8=fp8,
+            quantization=quantization_spec(recipe) if fp8 else NO_QUANTIZATION,
             fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
             bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
-            margin=recipe.margin if fp8 else 0,
+            margin=getattr(recipe, "margin", 0),  # block recipes have no margin: their scales are per block
             scale=scale,
             fwd_scale=fwd_scale,
             amax_history=history,

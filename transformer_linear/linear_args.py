@@ -6,6 +6,9 @@ rule pass around. A custom op cannot take a dataclass (an exported program
 must save and load), so :func:`args_op` registers an op whose parameters are
 the dataclass fields, in declaration order, with the schema inferred from the
 field annotations: adding a field to the dataclass is the only edit needed.
+A field whose type is itself a dataclass (the recipe's ``QuantizationSpec``) is
+expanded into one op parameter per leaf field, named by its path
+(``quantization__input__dtype``), so nested configs need no schema of their own.
 """
 
 # No ``from __future__ import annotations``: the op schema is read from the
@@ -14,10 +17,12 @@ field annotations: adding a field to the dataclass is the only edit needed.
 import dataclasses
 import inspect
 import typing
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from transformer_linear.quantization import QuantizationSpec
 
 __all__ = ["ArgsOp", "LinearBwdArgs", "LinearBwdContext", "LinearFwdArgs", "LinearFwdOutputs", "args_op"]
 
@@ -38,6 +43,8 @@ class LinearFwdArgs:
     weight_fp8_t: Optional[Tensor]
     """The columnwise copy where layout.py needs one, else None."""
     weight_scale_inv: Optional[Tensor]
+    weight_scale_inv_t: Optional[Tensor]
+    """Block scaling: the scales of ``weight_fp8_t``."""
     weight_amax: Optional[Tensor]
     # --- requires-grad flags ---
     input_requires_grad: bool
@@ -46,6 +53,8 @@ class LinearFwdArgs:
     # --- FP8 formats and scaling state ---
     fp8: bool
     """False: high-precision GEMMs (used only for the wgrad options without FP8)."""
+    quantization: QuantizationSpec
+    """How input, weight and grad_output are quantized (quantization.py); block scaling takes the block path."""
     fwd_dtype: torch.dtype
     bwd_dtype: torch.dtype
     margin: int
@@ -84,9 +93,15 @@ class LinearBwdArgs:
     grad_output: Tensor
     """(M, out_features) row-major."""
     grad_output_t: Optional[Tensor]
-    """For wgrad: layout.saved_form of grad_output (the same tensor on the CPU)."""
+    """For wgrad: layout.saved_form of grad_output (the same tensor on the CPU); block scaling: the
+    columnwise copy (out_features, M)."""
     grad_output_scale_inv: Optional[Tensor]
-    # --- tensors saved by forward, in layout.saved_form ---
+    grad_output_t_scale_inv: Optional[Tensor]
+    """The scales of ``grad_output_t`` (tensorwise: ``grad_output_scale_inv`` itself)."""
+    # --- tensors saved by forward, in layout.saved_form (block scaling: already transposed) ---
+    operands_transposed: bool
+    """The saved input and weight (and grad_output_t) are the columnwise copies the backward GEMMs read
+    as they are (block scaling), rather than layout.saved_form's tensors."""
     inp: Tensor
     inp_scale_inv: Optional[Tensor]
     weight: Tensor
@@ -111,6 +126,8 @@ class LinearFwdOutputs(NamedTuple):
     weight_fp8_t: Tensor
     """Its columnwise copy where layout.py needs one, else empty."""
     weight_scale_inv: Tensor
+    weight_scale_inv_t: Tensor
+    """Block scaling: the scales of ``weight_fp8_t``, else empty."""
     amax: Tensor
     """(2,) amaxes of [input, weight], for the delayed-scaling update."""
     grad_output_scale: Tensor
@@ -129,6 +146,7 @@ class LinearBwdContext:
     weight_requires_grad: bool
     bias_requires_grad: bool
     fp8: bool
+    quantization: QuantizationSpec
     bwd_dtype: torch.dtype
     margin: int
     amax_compute_algo: str
@@ -154,6 +172,7 @@ class LinearBwdContext:
             weight_requires_grad=a.weight_requires_grad,
             bias_requires_grad=a.bias_requires_grad,
             fp8=a.fp8,
+            quantization=a.quantization,
             bwd_dtype=a.bwd_dtype,
             margin=a.margin,
             amax_compute_algo=a.amax_compute_algo,
@@ -171,6 +190,32 @@ class LinearBwdContext:
         )
 
 
+def _is_config(hint: Any) -> bool:
+    """A field type args_op expands into its leaf fields (a dataclass, not a tensor or a list)."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _leaves(cls: type, name: str) -> list[tuple[str, Any]]:
+    """(op parameter name, annotation) of field ``name`` of ``cls``, nested dataclasses expanded."""
+    hint = typing.get_type_hints(cls)[name]
+    if not _is_config(hint):
+        return [(name, hint)]
+    return [(f"{name}__{leaf}", h) for f in dataclasses.fields(hint) for leaf, h in _leaves(hint, f.name)]
+
+
+def _flatten_value(value: Any) -> tuple:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return tuple(v for f in dataclasses.fields(value) for v in _flatten_value(getattr(value, f.name)))
+    return (value,)
+
+
+def _unflatten_value(hint: Any, values: Iterator[Any]) -> Any:
+    if not _is_config(hint):
+        return next(values)
+    hints = typing.get_type_hints(hint)
+    return hint(**{f.name: _unflatten_value(hints[f.name], values) for f in dataclasses.fields(hint)})
+
+
 class ArgsOp:
     """A custom op taking some fields of an args dataclass, callable with the dataclass."""
 
@@ -180,15 +225,19 @@ class ArgsOp:
         self.fields = tuple(fields)
         self.result = result
         self._all_fields = tuple(f.name for f in dataclasses.fields(cls))
+        self._hints = typing.get_type_hints(cls)
+        self.params = tuple(p for f in self.fields for p in _leaves(cls, f))
+        """(name, annotation) of the op's parameters."""
 
     def flatten(self, args: Any) -> tuple:
         """The op's positional arguments taken from ``args``."""
-        return tuple(getattr(args, f) for f in self.fields)
+        return tuple(v for f in self.fields for v in _flatten_value(getattr(args, f)))
 
     def unflatten(self, values: Sequence[Any]) -> Any:
         """The dataclass rebuilt from the op's positional arguments (other fields None)."""
         kwargs = dict.fromkeys(self._all_fields)
-        kwargs.update(zip(self.fields, values))
+        it = iter(values)
+        kwargs.update({f: _unflatten_value(self._hints[f], it) for f in self.fields})
         return self.cls(**kwargs)
 
     def __call__(self, args: Any) -> Any:
@@ -214,7 +263,6 @@ def args_op(
         mutates_args: fields the op writes to.
         result: a NamedTuple the op's tuple is returned as (the schema sees a plain tuple).
     """
-    hints = typing.get_type_hints(cls)
     names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
 
     def register(impl: Callable[[Any], Any]) -> ArgsOp:
@@ -225,7 +273,7 @@ def args_op(
             return tuple(out) if isinstance(out, tuple) else out  # a NamedTuple result, as the schema's tuple
 
         flat.__signature__ = inspect.Signature(
-            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[n]) for n in names],
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=h) for n, h in wrapped.params],
             return_annotation=returns,
         )
         flat.__name__ = flat.__qualname__ = name.split("::")[-1]

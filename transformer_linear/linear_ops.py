@@ -8,6 +8,12 @@ Backward quantizes grad_output once (bias gradient fused into that pass),
 then calls dgrad and wgrad as two ops that share no inputs but the gradient,
 so a graph pass can split the input- and weight-gradient halves.
 
+How each tensor is quantized comes from the args' ``QuantizationSpec``
+(quantization.py), never from the recipe: tensorwise specs take the delayed /
+current scaling path, block specs the block path, whose forward also writes
+the columnwise copies of the input and weight that wgrad and dgrad read and
+whose backward quantizes grad_output in both layouts in one pass.
+
 ``register_autograd`` refuses ops that mutate, so the delayed-scaling update
 is an op of its own (scaling.py), called by the module after forward and by
 backward for grad_output: the same operations run in eager and under
@@ -25,7 +31,8 @@ from torch import Tensor
 
 from transformer_linear import amax_reduction, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
-from transformer_linear.reference import compute_scale, fp8_max
+from transformer_linear.quantization import BlockQuantized
+from transformer_linear.reference import bias_grad, compute_scale, fp8_max
 from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update
 
 __all__ = [
@@ -76,6 +83,7 @@ def _fwd_side_outputs_like(a: LinearFwdArgs) -> tuple[Tensor, ...]:
         inp.new_empty((n, k) if quantize_weight else (0,), dtype=fp8),
         inp.new_empty((k, n) if quantize_weight and col else (0,), dtype=fp8),
         inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
+        inp.new_empty((0,), dtype=f32),
         inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
         inp.new_empty((1,) if a.scale is not None else (0,), dtype=f32),
         inp.new_empty((3,) if a.scale is not None else (0,), dtype=f32),
@@ -140,6 +148,8 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
         return LinearFwdOutputs(out, *_fwd_side_outputs_like(a))
+    if a.quantization.blockwise:
+        return _blockwise_fwd(a, x2d.contiguous(), bias)
     x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
     x2d = x2d.contiguous()
     if a.just_in_time and a.amax_history is not None:
@@ -162,6 +172,7 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
+    w_outputs += (inp.new_empty(0, dtype=f32),)  # weight_scale_inv_t: block scaling only
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
     delayed = a.fwd_scale is not None
     return LinearFwdOutputs(
@@ -175,9 +186,45 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     )
 
 
+def _blockwise_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwdOutputs:
+    """The block-scaled forward: the input in both layouts (the columnwise copy is what wgrad reads and
+    what autograd saves), the weight in both (dgrad reads the columnwise one), one block-scaled GEMM.
+
+    Made of custom ops and views only, so it is its own fake implementation.
+    """
+    spec = a.quantization
+    empty_f32 = x2d.new_empty(0, dtype=torch.float32)
+    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad)
+    if a.weight_fp8 is None:
+        qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=True)
+        w_outputs = tuple(qw)
+    else:
+        qw = BlockQuantized(a.weight_fp8, a.weight_scale_inv, a.weight_fp8_t, a.weight_scale_inv_t)
+        # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
+        no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
+        w_outputs = (no_fp8, empty_f32.clone(), no_fp8.clone(), empty_f32.clone())
+    out = ops.fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.out_dtype, bias)
+    w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = w_outputs
+    return LinearFwdOutputs(
+        out,
+        inp_saved=qx.data_t,
+        inp_scale_inv=qx.scale_inv_t,
+        weight_fp8=w_fp8,
+        weight_fp8_t=w_fp8_t,
+        weight_scale_inv=w_scale_inv,
+        weight_scale_inv_t=w_scale_inv_t,
+        amax=empty_f32.clone(),
+        grad_output_scale=empty_f32.clone(),
+        fwd_scales=empty_f32.clone(),
+    )
+
+
 @linear_fwd.op.register_fake
 def _(*values):
     a = linear_fwd.unflatten(values)
+    if a.fp8 and a.quantization.blockwise:
+        x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
+        return tuple(_blockwise_fwd(a, x2d, a.bias.to(a.out_dtype) if a.bias is not None else None))
     return (a.inp.new_empty((_rows(a.inp), a.weight.shape[0]), dtype=a.out_dtype), *_fwd_side_outputs_like(a))
 
 
@@ -190,14 +237,22 @@ def _(*values):
     "transformer_linear::linear_dgrad",
     LinearBwdArgs,
     Tensor,
-    fields=("grad_output", "grad_output_scale_inv", "weight", "weight_scale_inv", "input_shape", "dgrad_dtype"),
+    fields=(
+        "grad_output",
+        "grad_output_scale_inv",
+        "operands_transposed",
+        "weight",
+        "weight_scale_inv",
+        "input_shape",
+        "dgrad_dtype",
+    ),
 )
 def linear_dgrad(a: LinearBwdArgs) -> Tensor:
     """dx = grad_output · W, returned in the input's shape and dtype."""
     if a.weight_scale_inv is None:
         dx = torch.mm(a.grad_output, a.weight.to(a.grad_output.dtype)).to(a.dgrad_dtype)
     else:
-        w_t = layout.transposed(a.weight)
+        w_t = _operand_t(a.weight, a.operands_transposed)
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
         dx = ops.fp8_gemm(
@@ -216,7 +271,7 @@ def _(*values):
     "transformer_linear::linear_wgrad",
     LinearBwdArgs,
     Tensor,
-    fields=("grad_output_t", "grad_output_scale_inv", "inp", "inp_scale_inv", "wgrad_dtype"),
+    fields=("grad_output_t", "grad_output_t_scale_inv", "operands_transposed", "inp", "inp_scale_inv", "wgrad_dtype"),
 )
 def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     """dW = grad_outputᵀ · x, (out_features, in_features) in the weight's dtype."""
@@ -226,16 +281,23 @@ def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     return ops.fp8_gemm(*_wgrad_operands(a), a.wgrad_dtype, use_split_accumulator=True)
 
 
+def _operand_t(saved: Tensor, transposed: bool) -> Tensor:
+    """The transpose of a saved tensor as a GEMM operand: the saved columnwise copy itself under block
+    scaling, else what layout.py says."""
+    return saved if transposed else layout.transposed(saved)
+
+
 def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_outputᵀ, its scale_inv, xᵀ, its scale_inv) as FP8 GEMM operands."""
-    return layout.transposed(a.grad_output_t), a.grad_output_scale_inv, layout.transposed(a.inp), a.inp_scale_inv
+    t = a.operands_transposed
+    return _operand_t(a.grad_output_t, t), a.grad_output_t_scale_inv, _operand_t(a.inp, t), a.inp_scale_inv
 
 
 @linear_wgrad.op.register_fake
 def _(*values):
     a = linear_wgrad.unflatten(values)
-    g_t = layout.transposed(a.grad_output_t)
-    k = a.inp.shape[1] if a.inp_scale_inv is None else layout.transposed(a.inp).shape[0]
+    g_t = _operand_t(a.grad_output_t, a.operands_transposed)
+    k = a.inp.shape[1] if a.inp_scale_inv is None else _operand_t(a.inp, a.operands_transposed).shape[0]
     return g_t.new_empty((g_t.shape[0], k), dtype=a.wgrad_dtype)
 
 
@@ -243,7 +305,8 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
     """The weight gradient, or None after accumulating it into ``main_grad`` (fp32)."""
     if main_grad is None:
         return linear_wgrad(a)
-    if a.inp_scale_inv is None:
+    if a.inp_scale_inv is None or a.operands_transposed:
+        # No FP8, or block scales (the accumulating GEMM takes tensorwise scales only): an fp32 wgrad, added.
         main_grad.add_(linear_wgrad(dataclasses.replace(a, wgrad_dtype=torch.float32)))
     else:
         ops.fp8_gemm_accumulate_(*_wgrad_operands(a), main_grad)
@@ -263,6 +326,11 @@ def _setup_context(ctx, inputs, output) -> None:
     x_saved, x_scale_inv, w_scale_inv = o.inp_saved, o.inp_scale_inv, o.weight_scale_inv
     if not a.fp8:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
+    elif a.quantization.blockwise:
+        # dgrad reads the columnwise weight (from the cache when one was given: outputs may not alias inputs).
+        cached = a.weight_fp8 is not None
+        w_saved = a.weight_fp8_t if cached else o.weight_fp8_t
+        w_scale_inv = a.weight_scale_inv_t if cached else o.weight_scale_inv_t
     elif a.weight_fp8 is not None:
         # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
         w_saved, w_scale_inv = layout.saved_form(a.weight_fp8, a.weight_fp8_t), a.weight_scale_inv
@@ -284,7 +352,17 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     c: LinearBwdContext = ctx.bwd
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
     dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
-    if c.fp8:
+    transposed = c.fp8 and c.quantization.blockwise
+    g_t_scale_inv = None
+    if transposed:
+        # dgrad reads the rowwise copy, wgrad the columnwise one: only what is needed, in one pass.
+        g = g_t = g_scale_inv = None
+        if c.input_requires_grad or c.weight_requires_grad:
+            g, g_scale_inv, g_t, g_t_scale_inv = c.quantization.grad_output.quantize(
+                g2d, rowwise=c.input_requires_grad, columnwise=c.weight_requires_grad
+            )
+        dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
+    elif c.fp8:
         if c.scale is not None and c.just_in_time:
             qg = quantize_grad_output(g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype, c.amax_reduction_group)
         else:
@@ -303,6 +381,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
                 c.amax_reduction_layer_key,
             )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
+        g_t_scale_inv = g_scale_inv
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
         dbias = g2d.sum(0).to(dbias_dtype) if c.bias_requires_grad else None
@@ -312,6 +391,8 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         grad_output=g,
         grad_output_t=g_t,
         grad_output_scale_inv=g_scale_inv,
+        grad_output_t_scale_inv=g_t_scale_inv,
+        operands_transposed=transposed,
         inp=x_saved,
         inp_scale_inv=x_scale_inv,
         weight=w_saved,
@@ -330,7 +411,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         dbias = None
     elif c.weight_requires_grad:
         wgrad = compute_wgrad(b, c.main_grad)
-    return (dgrad, wgrad, dbias if c.bias_requires_grad else None) + (None,) * (len(linear_fwd.fields) - 3)
+    return (dgrad, wgrad, dbias if c.bias_requires_grad else None) + (None,) * (len(linear_fwd.params) - 3)
 
 
 linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)

@@ -147,13 +147,9 @@ class CurrentScaling:
         _check_margin("CurrentScaling", self.margin)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
-
-
 # ---------------------------------------------------------------------------
-# Block-scaled recipes (one scale per block of a tensor). The kernels and ops
-# exist (ops.quantize_blockwise, ops.fp8_gemm with block scales, the Triton
-# kernels); tl.Linear and tl.autocast do not accept these recipes yet.
+# Block-scaled recipes (one scale per block of a tensor; quantization.py says
+# how the Linear applies each).
 # ---------------------------------------------------------------------------
 
 Float8CurrentScaling = CurrentScaling
@@ -178,8 +174,7 @@ class Float8BlockScaling:
 
     Activations and gradients get one scale per 1x128 tile, weights one per
     128x128 block; each scale is ``fp8_max / amax`` of its block (rounded down
-    to a power of two with ``power_2_scale``). Not yet accepted by
-    ``tl.Linear`` / ``tl.autocast``.
+    to a power of two with ``power_2_scale``).
 
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
@@ -226,7 +221,7 @@ class MXFP8BlockScaling:
     """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 1x32 block.
 
     The scale_inv of a block is ``2^ceil(log2(amax / fp8_max))``
-    (reference.e8m0_exponent). Not yet accepted by ``tl.Linear`` / ``tl.autocast``.
+    (reference.e8m0_exponent).
 
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
@@ -247,8 +242,6 @@ class MXFP8BlockScaling:
 class Float8RowwiseScaling:
     """torchao's "rowwise" scaling: one scale per row of each GEMM operand.
 
-    Not yet accepted by ``tl.Linear`` / ``tl.autocast``.
-
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
         power_2_scale: round every row scale down to a power of two.
@@ -260,3 +253,7 @@ class Float8RowwiseScaling:
     def __post_init__(self) -> None:
         _check_format("Float8RowwiseScaling", self.fp8_format)
         _check_bool("Float8RowwiseScaling", "power_2_scale", self.power_2_scale)
+
+
+Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling]
+"""Every recipe ``tl.Linear``, ``tl.autocast`` and ``tl.convert_to_fp8`` accept."""

@@ -1,0 +1,239 @@
+"""tl.Linear under the block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling,
+Float8RowwiseScaling): eager fwd+bwd against a pure-torch emulation built from
+reference.py, SQNR against fp32, torch.compile / torch.export, FP8 saved
+activations, and the weight-cache and wgrad options."""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import transformer_linear as tl
+from transformer_linear import recipe, reference
+from tolerances import assert_bitwise_equal, assert_close_to_reference, sqnr
+
+E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
+ROW = "row"  # a block covering a whole row (rowwise scaling)
+
+# recipe -> (x block, w block, grad block, scale dtype, power_2_scale, grad dtype), written out
+# independently of quantization.py: what each recipe means (TE / DeepSeek-V3 / OCP MX / torchao).
+RECIPES = {
+    "block": (recipe.Float8BlockScaling(), ((1, 128), (128, 128), (1, 128), torch.float32, True, E4M3)),
+    "block_hybrid_1x128_w": (
+        recipe.Float8BlockScaling(fp8_format=recipe.Format.HYBRID, w_block_scaling_dim=1, power_2_scale=False),
+        ((1, 128), (1, 128), (1, 128), torch.float32, False, E5M2),
+    ),
+    "mxfp8": (recipe.MXFP8BlockScaling(), ((1, 32), (1, 32), (1, 32), E8M0, False, E4M3)),
+    "rowwise": (recipe.Float8RowwiseScaling(), (ROW, ROW, ROW, torch.float32, True, E4M3)),
+}
+
+# Minimum SQNR (dB) vs fp32 nn.Linear, measured on _data() (in=256, out=192, 70 rows, seed 0): e4m3
+# operands give ~28-29 dB per GEMM (block, MXFP8, rowwise alike: with these magnitudes their
+# power-of-two scales mostly coincide); HYBRID's e5m2 gradients ~25 dB. The floors leave ~3 dB.
+SQNR_FLOOR_DB = {"out": 25.0, "dx": 25.0, "dw": 25.0}
+SQNR_FLOOR_HYBRID_GRADS_DB = 21.0
+
+
+def _quantize(x, dtype, block, scale_dtype, p2):
+    """reference.quantize_blockwise_ref of a 2-D x; ROW: one scale per whole row."""
+    block = (1, x.shape[1]) if block == ROW else block
+    return reference.quantize_blockwise_ref(x, dtype, block, scale_dtype, p2)
+
+
+def _dequantized(q, scale_inv):
+    rows, cols = q.shape
+    return (q.double() * reference.expand_scale_inv(scale_inv, reference.block_shape_of(scale_inv, rows, cols), rows, cols)).float()
+
+
+def _gemm(a, b, bias=None):
+    """(float64 reference.fp8_gemm_blockwise, fp32 torch.mm of the dequantized operands: the tolerance's
+    baseline) of two (q, scale_inv) pairs."""
+    exact = reference.fp8_gemm_blockwise(*a, *b, torch.float64, bias)
+    baseline = _dequantized(*a) @ _dequantized(*b).t()
+    return exact, baseline if bias is None else baseline + bias
+
+
+def _emulate(spec, x2d, w, bias, g):
+    """(out, dx, dw) of the block-scaled Linear from reference.py alone, each as _gemm's pair.
+
+    Forward: rowwise x and W. dgrad: rowwise grad_output with Wᵀ, quantized with blocks along
+    out_features (a square block is W's own blocks transposed). wgrad: grad_outputᵀ and xᵀ quantized
+    from the high-precision tensors with blocks along the rows.
+    """
+    xb, wb, gb, sd, p2, gdtype = spec
+    qx = _quantize(x2d, E4M3, xb, sd, p2)
+    qw = _quantize(w, E4M3, wb, sd, p2)
+    out = _gemm(qx, qw, bias)
+    qg = _quantize(g, gdtype, gb, sd, p2)
+    if wb != ROW and wb[0] == wb[1]:
+        qw_t = (qw[0].t().contiguous(), qw[1].t().contiguous())
+    else:
+        qw_t = _quantize(w.t().contiguous(), E4M3, wb, sd, p2)
+    dx = _gemm(qg, qw_t)
+    qg_t = _quantize(g.t().contiguous(), gdtype, gb, sd, p2)
+    qx_t = _quantize(x2d.t().contiguous(), E4M3, xb, sd, p2)
+    dw = _gemm(qg_t, qx_t)
+    return out, dx, dw
+
+
+def _data(rows=70, k=256, n=192, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(rows, n, generator=g)
+    return x, w, b, dy
+
+
+def _layer(r, w, b):
+    layer = tl.Linear(w.shape[1], w.shape[0], recipe=r)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    return layer
+
+
+def _run(layer, x, dy, **kw):
+    x = x.detach().clone().requires_grad_()
+    out = layer(x, **kw)
+    out.backward(dy)
+    return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("shape", [(70, 256, 192), (5, 64, 32), (1, 40, 8)])  # (rows, in, out); small: one block
+def test_eager_matches_reference_emulation(name, shape):
+    r, spec = RECIPES[name]
+    x, w, b, dy = _data(*shape)
+    out, dx, dw, db = _run(_layer(r, w, b), x, dy)
+    e_out, e_dx, e_dw = _emulate(spec, x, w, b, dy)
+    # Exact up to the kernels' fp32 accumulation: within the package tolerance of the float64 emulation.
+    assert_close_to_reference(out, *e_out, what="out")
+    assert_close_to_reference(dx, *e_dx, what="dx")
+    assert_close_to_reference(dw, *e_dw, what="dw")
+    assert_bitwise_equal(db, reference.bias_grad(dy, torch.float32), "dbias")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_sqnr_vs_fp32(name):
+    r, spec = RECIPES[name]
+    x, w, b, dy = _data()
+    out, dx, dw, _ = _run(_layer(r, w, b), x, dy)
+    ref_out, ref_dx, ref_dw, _ = _run(_layer(None, w, b), x, dy)
+    grads_floor = SQNR_FLOOR_HYBRID_GRADS_DB if spec[5] == E5M2 else SQNR_FLOOR_DB["dx"]
+    assert sqnr(out, ref_out) >= SQNR_FLOOR_DB["out"], sqnr(out, ref_out)
+    assert sqnr(dx, ref_dx) >= grads_floor, sqnr(dx, ref_dx)
+    assert sqnr(dw, ref_dw) >= grads_floor, sqnr(dw, ref_dw)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_saved_activations_are_fp8(name):
+    """Autograd keeps the FP8 columnwise input and weight (plus scales), never the fp32 input."""
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data()
+    layer = _layer(r, w, b)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    xr = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(xr)
+    out.backward(dy)
+    dtypes = {t.dtype for t in saved}
+    assert torch.float32 not in {t.dtype for t in saved if t.numel() >= x.numel()}, dtypes
+    fp8_bytes = sum(t.nbytes for t in saved if t.dtype in reference.FP8_DTYPES)
+    assert fp8_bytes == x.numel() + w.numel()  # xᵀ and Wᵀ in FP8: a quarter of fp32's bytes
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("enable", ["module", "autocast", "convert"])
+def test_every_way_to_enable(name, enable):
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data(rows=8)
+    expected = _run(_layer(r, w, b), x, dy)
+    if enable == "convert":
+        model = torch.nn.Sequential(torch.nn.Linear(w.shape[1], w.shape[0]))
+        with torch.no_grad():
+            model[0].weight.copy_(w)
+            model[0].bias.copy_(b)
+        tl.convert_to_fp8(model, recipe=r)
+        got = _run(model[0], x, dy)
+    else:
+        layer = _layer(r if enable == "module" else None, w, b)
+        with tl.autocast(recipe=r):
+            got = _run(layer, x, dy)
+    for a, e, what in zip(got, expected, ("out", "dx", "dw", "db")):
+        assert_bitwise_equal(a, e, what)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compile_equals_eager_without_recompiles(name):
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data(rows=200)
+    eager = _layer(r, w, b)
+    compiled_layer = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True, dynamic=True)
+    # New batch sizes reuse the one graph. They stay above 128 rows: a size whose count of row blocks
+    # is 1 (rows <= 128 for 128-row blocks, <= 32 for MXFP8's columnwise copies) recompiles once, as
+    # torch specializes any dimension of size 1 (a scale tensor's here).
+    for rows in (200, 131, 170):
+        xs, dys = x[:rows], dy[:rows]
+        eager.zero_grad()
+        compiled_layer.zero_grad()
+        for a, e, what in zip(_run(compiled, xs, dys), _run(eager, xs, dys), ("out", "dx", "dw", "db")):
+            assert_bitwise_equal(a, e, f"{what} rows={rows}")
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_export_equals_eager(name, tmp_path):
+    r, _ = RECIPES[name]
+    x, w, b, _ = _data(rows=200)
+    layer = _layer(r, w, b)
+    # A static batch: with a dynamic one, ops.fp8_gemm's scaling inference compares the scale's
+    # shape with the row-block count (rows == ceil(rows / 128)), a guard export cannot prove.
+    program = torch.export.export(layer, (x,))
+    path = tmp_path / "linear.pt2"
+    torch.export.save(program, path)
+    loaded = torch.export.load(path).module()
+    for _ in range(2):
+        with torch.no_grad():
+            assert_bitwise_equal(loaded(x), layer(x))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_cached_weight_is_first_microbatch(name):
+    """is_first_microbatch=False reuses the FP8 weight (both layouts): the same results as requantizing."""
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data(rows=16)
+    layer = _layer(r, w, b)
+    first = _run(layer, x, dy, is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # not seen: the cached FP8 weight is used
+    layer.zero_grad()
+    cached = _run(layer, x, dy, is_first_microbatch=False)
+    for a, e, what in zip(cached, first, ("out", "dx", "dw", "db")):
+        assert_bitwise_equal(a, e, what)
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8", "rowwise"])
+def test_delay_wgrad_compute_and_fused_accumulation(name):
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data(rows=16)
+    expected = _run(_layer(r, w, b), x, dy)
+    delayed = tl.Linear(w.shape[1], w.shape[0], recipe=r, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    with torch.no_grad():
+        delayed.weight.copy_(w)
+        delayed.bias.copy_(b)
+    out, dx, dw, db = _run(delayed, x, dy)
+    assert dw is None and db is None
+    delayed.backward_dw()
+    assert_bitwise_equal(out, expected[0], "out")
+    assert_bitwise_equal(dx, expected[1], "dx")
+    assert_bitwise_equal(delayed.weight.main_grad, expected[2], "main_grad")
+    assert_bitwise_equal(delayed.bias.grad, expected[3], "dbias")

@@ -1,0 +1,183 @@
+"""How a recipe quantizes the Linear's three tensors: the one place that reads the recipe class.
+
+:func:`quantization_spec` turns a recipe into a :class:`QuantizationSpec`, a
+frozen description of how ``input``, ``weight`` and ``grad_output`` are
+quantized (a :class:`TensorQuantizer` each). The forward, dgrad and wgrad code
+of linear_ops.py consults the spec, never the recipe, so a new recipe is a new
+entry in ``_SPEC_BUILDERS`` here and nothing else.
+
+Tensorwise quantizers (``block_shape == []``) keep the delayed / current
+scaling path with its one scale per tensor. Block quantizers describe one
+scale per ``block_shape`` block (``[1, 0]``: a scale per whole row), of
+``scale_dtype`` (float32, or E8M0 for MX). Every GEMM of a Linear contracts
+along a different dimension of two of the tensors, so each block-quantized
+tensor comes in two layouts: the rowwise copy (blocks along its last dim) and
+the columnwise copy, the transpose quantized from the high-precision tensor
+with the blocks along the other dim. A square block (128x128) covers the same
+elements either way, so that copy is the rowwise one transposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from transformer_linear import ops
+from transformer_linear.recipe import (
+    CurrentScaling,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8RowwiseScaling,
+    MXFP8BlockScaling,
+    Recipe,
+)
+from transformer_linear.reference import E8M0_DTYPE, FP8_DTYPES
+
+__all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "quantization_spec"]
+
+
+class BlockQuantized(NamedTuple):
+    """A block-quantized 2-D tensor in its two layouts (an unrequested layout is empty)."""
+
+    data: Tensor
+    """FP8 (M, K), blocks along K."""
+    scale_inv: Tensor
+    data_t: Tensor
+    """FP8 (K, M): the transpose with blocks along M (what a GEMM contracting over M reads)."""
+    scale_inv_t: Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorQuantizer:
+    """How one tensor is quantized.
+
+    Attributes:
+        dtype: the FP8 dtype.
+        block_shape: ``[]``: one scale for the tensor (delayed or current
+            scaling); ``[bm, bk]``: one scale per block, ``bk == 0`` meaning
+            the whole row (rowwise scaling).
+        scale_dtype: float32, or torch.float8_e8m0fnu (MX) for block scales.
+        power_2_scale: round float32 block scales down to powers of two.
+    """
+
+    dtype: torch.dtype
+    block_shape: list[int]
+    scale_dtype: torch.dtype
+    power_2_scale: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FP8_DTYPES:
+            raise TypeError(f"TensorQuantizer: 'dtype' must be an FP8 dtype, got {self.dtype}")
+        if len(self.block_shape) not in (0, 2) or any(b < 0 for b in self.block_shape):
+            raise ValueError(f"TensorQuantizer: 'block_shape' must be [] or [rows, cols >= 0], got {self.block_shape}")
+        if self.scale_dtype not in (torch.float32, E8M0_DTYPE):
+            raise TypeError(f"TensorQuantizer: 'scale_dtype' must be float32 or float8_e8m0fnu, got {self.scale_dtype}")
+
+    @property
+    def blockwise(self) -> bool:
+        """One scale per block rather than per tensor."""
+        return bool(self.block_shape)
+
+    def block_for(self, cols: int) -> tuple[int, int]:
+        """The (bm, bk) block of a tensor with ``cols`` columns (rowwise: the whole row)."""
+        bm, bk = self.block_shape
+        return bm, (bk if bk > 0 else max(cols, 1))
+
+    def quantize(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
+        """Block-quantize a contiguous 2-D ``x`` into the requested layouts, in one pass.
+
+        A square block's columnwise copy is the rowwise one transposed (the same
+        blocks), so only non-square blocks quantize the transpose from ``x``.
+        """
+        block = self.block_for(x.shape[1])
+        square = block[0] == block[1]
+        out = ops.quantize_blockwise_fused(
+            x,
+            self.dtype,
+            block,
+            self.scale_dtype,
+            self.power_2_scale,
+            rowwise=rowwise or (columnwise and square),
+            columnwise=columnwise and not square,
+        )
+        if columnwise and square:
+            # Copies even where the transpose is already contiguous (a (1, n) grid): outputs of one op may
+            # not alias each other.
+            def transposed_copy(t: Tensor) -> Tensor:
+                return t.t().clone(memory_format=torch.contiguous_format)
+
+            out = out._replace(data_t=transposed_copy(out.data), scale_inv_t=transposed_copy(out.scale_inv))
+        return BlockQuantized(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationSpec:
+    """How a recipe quantizes the Linear's input, weight and grad_output."""
+
+    input: TensorQuantizer
+    weight: TensorQuantizer
+    grad_output: TensorQuantizer
+
+    @property
+    def blockwise(self) -> bool:
+        """Block scales (all three tensors are block-quantized or none is; see quantization_spec)."""
+        return self.input.blockwise
+
+
+def _tensorwise(recipe: DelayedScaling | CurrentScaling) -> QuantizationSpec:
+    fmt = recipe.fp8_format
+    fwd, bwd = (TensorQuantizer(d, [], torch.float32, False) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
+    return QuantizationSpec(fwd, fwd, bwd)
+
+
+# Float8BlockScaling's block_scaling_dim values (TE): 1 -> 1x128 tiles, 2 -> 128x128 blocks.
+_BLOCK_DIM = {1: [1, 128], 2: [128, 128]}
+
+
+def _float8_block(recipe: Float8BlockScaling) -> QuantizationSpec:
+    fmt, p2 = recipe.fp8_format, recipe.power_2_scale
+    return QuantizationSpec(
+        TensorQuantizer(fmt.fwd_dtype, _BLOCK_DIM[recipe.x_block_scaling_dim], torch.float32, p2),
+        TensorQuantizer(fmt.fwd_dtype, _BLOCK_DIM[recipe.w_block_scaling_dim], torch.float32, p2),
+        TensorQuantizer(fmt.bwd_dtype, _BLOCK_DIM[recipe.grad_block_scaling_dim], torch.float32, p2),
+    )
+
+
+def _mxfp8(recipe: MXFP8BlockScaling) -> QuantizationSpec:
+    fmt = recipe.fp8_format
+    fwd, bwd = (TensorQuantizer(d, [1, 32], E8M0_DTYPE, False) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
+    return QuantizationSpec(fwd, fwd, bwd)
+
+
+def _rowwise(recipe: Float8RowwiseScaling) -> QuantizationSpec:
+    fmt, p2 = recipe.fp8_format, recipe.power_2_scale
+    fwd, bwd = (TensorQuantizer(d, [1, 0], torch.float32, p2) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
+    return QuantizationSpec(fwd, fwd, bwd)
+
+
+_SPEC_BUILDERS: dict[type, Callable[..., QuantizationSpec]] = {
+    DelayedScaling: _tensorwise,
+    CurrentScaling: _tensorwise,
+    Float8BlockScaling: _float8_block,
+    MXFP8BlockScaling: _mxfp8,
+    Float8RowwiseScaling: _rowwise,
+}
+
+# What the Linear runs without a recipe (high precision); only its dtypes are read.
+NO_QUANTIZATION = _tensorwise(CurrentScaling())
+
+
+def quantization_spec(recipe: Recipe) -> QuantizationSpec:
+    """The :class:`QuantizationSpec` of ``recipe``.
+
+    Raises:
+        TypeError: ``recipe`` is not one of recipe.py's recipes.
+    """
+    builder = _SPEC_BUILDERS.get(type(recipe))
+    if builder is None:
+        names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
+        raise TypeError(f"'recipe' must be one of {names}, got {recipe!r}")
+    return builder(recipe)
