@@ -102,7 +102,8 @@ def _run(layer, x, dy, **kw):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-@pytest.mark.parametrize("shape", [(70, 256, 192), (5, 64, 32), (1, 40, 8)])  # (rows, in, out); small: one block
+# (rows, in, out): several blocks; one block; rows of a single 1x32 / 1x128 block with many rows
+@pytest.mark.parametrize("shape", [(70, 256, 192), (5, 64, 32), (1, 40, 8), (256, 32, 32), (200, 64, 128)])
 def test_eager_matches_reference_emulation(name, shape):
     r, spec = RECIPES[name]
     x, w, b, dy = _data(*shape)

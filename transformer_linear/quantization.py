@@ -20,6 +20,7 @@ elements either way, so that copy is the rowwise one transposed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -94,15 +95,19 @@ class TensorQuantizer:
         """
         block = self.block_for(x.shape[1])
         square = block[0] == block[1]
-        out = ops.quantize_blockwise_fused(
-            x,
-            self.dtype,
-            block,
-            self.scale_dtype,
-            self.power_2_scale,
-            rowwise=rowwise or (columnwise and square),
-            columnwise=columnwise and not square,
+        # The fused pass reads a block as long as the row (bk >= K) as rowwise scaling and gives the
+        # transpose whole-row blocks too; a 1x32 / 1x128 block on a short row must stay 1x32 / 1x128
+        # along the other dimension, so that transpose is quantized on its own.
+        separate_t = columnwise and not square and self.block_shape[1] > 0 and block[1] >= x.shape[1]
+        quantize = functools.partial(ops.quantize_blockwise_fused, dtype=self.dtype, scale_dtype=self.scale_dtype,
+                                     power_2_scale=self.power_2_scale)
+        out = quantize(
+            x, block_shape=block, rowwise=rowwise or (columnwise and square),
+            columnwise=columnwise and not square and not separate_t,
         )
+        if separate_t:
+            q_t, s_t, _, _ = quantize(x.t().contiguous(), block_shape=self.block_for(x.shape[0]))
+            out = out._replace(data_t=q_t, scale_inv_t=s_t)
         if columnwise and square:
             # Copies even where the transpose is already contiguous (a (1, n) grid): outputs of one op may
             # not alias each other.

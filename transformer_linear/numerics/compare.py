@@ -15,8 +15,17 @@ from transformer_linear.autocast import autocast
 from transformer_linear.convert import conversion_plan, convert_to_fp8
 from transformer_linear.linear import Linear
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
-from transformer_linear.numerics.stats import max_relative_error, range_stats, sqnr
-from transformer_linear.recipe import CurrentScaling, DelayedScaling, Format, Recipe
+from transformer_linear.numerics.stats import block_range_stats, max_relative_error, range_stats, sqnr
+from transformer_linear.quantization import quantization_spec
+from transformer_linear.recipe import (
+    CurrentScaling,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8RowwiseScaling,
+    Format,
+    MXFP8BlockScaling,
+    Recipe,
+)
 from transformer_linear.scaling import FP8_STATE_COLUMNS
 
 LossFn = Callable[..., torch.Tensor]
@@ -62,6 +71,9 @@ RECIPE_NAMES: dict[str, Callable[[], Recipe]] = {
     "current": lambda: CurrentScaling(),
     "delayed-e4m3": lambda: DelayedScaling(fp8_format=Format.E4M3),
     "current-e4m3": lambda: CurrentScaling(fp8_format=Format.E4M3),
+    "block": lambda: Float8BlockScaling(),
+    "mxfp8": lambda: MXFP8BlockScaling(),
+    "rowwise": lambda: Float8RowwiseScaling(),
 }
 
 
@@ -221,11 +233,17 @@ def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], rec
 def _range_stats_for(recipe: Any, rec: dict, used: dict) -> dict[str, dict[str, float]]:
     """amax, scale, underflow and saturation of input, weight and grad_output under ``recipe``."""
     fmt = recipe.fp8_format
+    spec = quantization_spec(recipe)
     out = {}
     for key, dtype in (("input", fmt.fwd_dtype), ("weight", fmt.fwd_dtype), ("grad_output", fmt.bwd_dtype)):
         if key not in rec:
             continue
         x = rec[key]
+        quantizer = getattr(spec, key)
+        if quantizer.blockwise:  # the rowwise (forward / dgrad) layout
+            block = quantizer.block_for(x.shape[-1])
+            out[key] = block_range_stats(x, dtype, block, quantizer.scale_dtype, quantizer.power_2_scale)
+            continue
         scale = used.get(key)
         if scale is None:
             scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)

@@ -49,6 +49,28 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else math.inf
 
 
+def block_range_stats(
+    x: torch.Tensor, dtype: torch.dtype, block_shape: tuple[int, int], scale_dtype: torch.dtype, power_2_scale: bool
+) -> dict[str, float]:
+    """:func:`range_stats` of a 2-D tensor under block scaling (reference.quantize_blockwise_ref).
+
+    ``scale`` is the smallest block scale (the block with the largest amax); a
+    block's scale comes from its own amax and is never rounded up, so nothing
+    saturates, and underflow counts the elements flushed within their block.
+    """
+    x = x.detach().float().reshape(-1, x.shape[-1])
+    q, scale_inv = reference.quantize_blockwise_ref(x, dtype, block_shape, scale_dtype, power_2_scale)
+    scale_inv = reference.e8m0_to_float(scale_inv) if scale_inv.dtype == reference.E8M0_DTYPE else scale_inv
+    n = x.numel()
+    underflow = ((q.float() == 0) & (x != 0)).sum().item() / n if n else 0.0
+    return {
+        "amax": float(reference.amax(x)) if n else 0.0,
+        "scale": float(1 / scale_inv.max()) if n else 1.0,
+        "underflow": underflow,
+        "saturation": 0.0,
+    }
+
+
 def range_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float) -> dict[str, float]:
     """How a high-precision tensor fares when cast to ``dtype`` with ``scale``.
 
