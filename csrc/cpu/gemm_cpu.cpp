@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -168,17 +170,20 @@ Partition partition(const KernelSet& ks, int64_t m, int64_t b_panels, int thread
   return part;
 }
 
+// Tiny products (tens of microseconds) run on one thread: waking the
+// others would cost more than it saves.
+int threads_for(const GemmParams& p) {
+  constexpr double kMinParallelFlops = 1 << 22;
+  return 2.0 * p.m * p.n * p.k < kMinParallelFlops ? 1 : get_num_threads();
+}
+
 template <typename Out>
-void run(const GemmParams& p, const KernelSet& ks, float alpha) {
+void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   using T = typename Out::storage;
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int64_t m = p.m, n = p.n, k = p.k;
-  // Tiny products (tens of microseconds) run on one thread: waking the
-  // others would cost more than it saves.
-  constexpr double kMinParallelFlops = 1 << 22;
-  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
-  const int threads = serial ? 1 : get_num_threads();
+  const bool serial = threads <= 1;
 
   if (k == 0) {  // empty product: D = epilogue(0)
     std::vector<float> zeros(n, 0.0f);
@@ -260,7 +265,69 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   }
 }
 
+// The GEMM time_paths() runs: large enough that the micro-kernel dominates,
+// small enough (a few MFLOP) that even the portable path takes milliseconds.
+constexpr int64_t kProbeM = 96, kProbeN = 96, kProbeK = 256;
+
+TensorDesc matrix_desc(void* data, DType dtype, int64_t rows, int64_t cols) {
+  TensorDesc t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = 2;
+  t.shape[0] = rows;
+  t.shape[1] = cols;
+  t.strides[0] = cols;
+  t.strides[1] = 1;
+  t.device = DeviceType::kCPU;
+  t.device_index = 0;
+  return t;
+}
+
 }  // namespace
+
+const char* kernel_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return amx_usable() ? "amx-bf16" : "vdpbf16ps";
+    case Isa::kAvx512:
+      return "fp32-fma";
+    default:
+      return "portable";
+  }
+}
+
+std::string probe_shape() {
+  return std::to_string(kProbeM) + "x" + std::to_string(kProbeN) + "x" + std::to_string(kProbeK);
+}
+
+std::vector<double> time_paths(const std::vector<Isa>& paths, int rounds) {
+  // Row-major operands, as in the forward GEMM; FP8 patterns spread over
+  // several binades, none of them NaN (0x7f / 0xff in e4m3).
+  std::vector<uint8_t> a(kProbeM * kProbeK), b(kProbeN * kProbeK);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>((i * 37 + 11) & 0xf7);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>((i * 53 + 5) & 0xf7);
+  std::vector<float> d(kProbeM * kProbeN);
+  GemmParams p{};
+  p.a = matrix_desc(a.data(), DType::kFloat8E4M3, kProbeM, kProbeK);
+  p.b = matrix_desc(b.data(), DType::kFloat8E4M3, kProbeN, kProbeK);
+  p.d = matrix_desc(d.data(), DType::kFloat32, kProbeM, kProbeN);
+  p.m = kProbeM;
+  p.n = kProbeN;
+  p.k = kProbeK;
+  p.a_row = p.b_row = kProbeK;
+  p.a_col = p.b_col = 1;
+  std::vector<double> best(paths.size(), std::numeric_limits<double>::infinity());
+  for (int round = -1; round < rounds; ++round) {  // round -1 warms up (tables, scratch)
+    for (size_t i = 0; i < paths.size(); ++i) {
+      const KernelSet ks = kernels_for(paths[i]);
+      const auto start = std::chrono::steady_clock::now();
+      run<Float32>(p, ks, 1.0f, 1);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      if (round >= 0) best[i] = std::min(best[i], took.count());
+    }
+  }
+  return best;
+}
 
 const float* fp8_to_float_table(DType dtype) {
   static const std::array<float, 256> e4m3 = make_float_table<Float8E4M3>();
@@ -286,7 +353,9 @@ void fp8_gemm(const GemmParams& p) {
   const gemm::KernelSet ks = gemm::kernels_for(current_isa());
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
   dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",
-                          [&](auto out_tag) { gemm::run<decltype(out_tag)>(p, ks, alpha); });
+                          [&](auto out_tag) {
+                            gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::threads_for(p));
+                          });
 }
 
 }  // namespace cpu
