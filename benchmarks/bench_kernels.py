@@ -287,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     result = {
         "command": " ".join(
-            [f"TL_CPU_ISA={os.environ['TL_CPU_ISA']}"] * ("TL_CPU_ISA" in os.environ)
+            [f"TL_CPU_ISA={os.environ.get('TL_CPU_ISA')}"] * ("TL_CPU_ISA" in os.environ)
             + [shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]]
         ),
         "host": socket.gethostname(),
