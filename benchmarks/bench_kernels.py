@@ -64,6 +64,14 @@ def time_slow(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
     return measure({"fn": fn}, repeats, 1, budget_s)["fn"][0]
 
 
+# What the timed calls are measured with. "thread" (CPU time of the calling
+# thread) needs --threads 1, where every candidate runs on that thread: it
+# leaves out the time the OS gives other processes, so per-core rates on a
+# busy shared machine stay close to those of an idle one.
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK = "wall"
+
+
 def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, budget_s: float = 20.0) -> dict:
     """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls.
 
@@ -82,9 +90,9 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, bud
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = CLOCKS[CLOCK]()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(CLOCKS[CLOCK]() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
@@ -280,7 +288,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--slow-call-s", type=float, default=5.0, help="longest torch._scaled_mm call to time")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, help="GEMM shapes MxNxK (default: all)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="thread: CPU time, needs --threads 1")
     args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1")
+    global CLOCK
+    CLOCK = args.clock
     repeats = args.repeats or (3 if args.quick else 10)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -299,6 +312,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "cpu_path": cpu_path(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "median of interleaved calls; best_of: minimum",
+        "clock": "CPU time of the calling thread" if args.clock == "thread" else "wall clock",
         # Other work on a shared machine slows every candidate alike, but
         # absolute numbers are only as good as this.
         "loadavg_before": os.getloadavg(),
