@@ -90,6 +90,20 @@ def test_automatic_choice_is_measured_and_fastest():
         assert isa in info["reason"]
 
 
+def test_first_use_from_many_threads_measures_once():
+    """Threads that all need the path at once wait for one measurement and get the same answer."""
+    code = LOAD_EXTENSION_ONLY.replace(
+        "print(",
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "with ThreadPoolExecutor(8) as pool:\n"
+        "    infos = list(pool.map(lambda _: _C.cpu_isa_info(), range(8)))\n"
+        "assert all(info == infos[0] for info in infos), infos\n"
+        "print(",
+    )
+    info, _ = run_fresh(None, code)
+    assert info["isa"] in info["supported"]
+
+
 def test_measurement_is_cached(auto_isa):
     _C.set_cpu_isa("auto")
     first = _C.cpu_isa_info()
