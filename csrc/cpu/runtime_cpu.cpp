@@ -1,4 +1,4 @@
-// Process-wide CPU settings: thread count and the instruction-set path.
+// Process-wide CPU settings: the instruction-set path (threads: parallel.cpp).
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -9,8 +9,6 @@
 
 namespace tl {
 namespace {
-
-std::atomic<int> g_num_threads{1};
 
 cpu::Isa isa_from_name(const std::string& name) {
   if (name == "generic") return cpu::Isa::kGeneric;
@@ -37,13 +35,6 @@ std::atomic<cpu::Isa>& active_isa() {
 }
 
 }  // namespace
-
-void set_num_threads(int n) {
-  TL_CHECK(n >= 1, "set_num_threads: expected a thread count >= 1, got ", n);
-  g_num_threads.store(n, std::memory_order_relaxed);
-}
-
-int get_num_threads() { return g_num_threads.load(std::memory_order_relaxed); }
 
 std::string cpu_isa() { return cpu::isa_name(active_isa().load()); }
 
