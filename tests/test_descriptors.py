@@ -24,8 +24,13 @@ def forged(t: torch.Tensor, shape: tuple, strides: tuple) -> tuple:
     return (d[0], d[1], shape, strides, d[4], d[5])
 
 
-def scalar(value: float = 1.0) -> tuple:
-    return desc(torch.full((1,), value), "test", "scalar")
+# Scalars the forged calls read: module-level, so that they outlive every descriptor.
+ONE = torch.ones(1)
+SCALE_INV = torch.empty(1)
+
+
+def scalar(t: torch.Tensor = ONE) -> tuple:
+    return desc(t, "test", "scalar")
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -36,7 +41,7 @@ def test_element_count_wrapping_to_zero_is_a_value_error(threads):
     huge = (2**32, 2**32)
     with pytest.raises(ValueError, match=r"shape \[4294967296, 4294967296\] has more elements than int64"):
         _C.quantize(
-            forged(x, huge, (2**32, 1)), scalar(), None, forged(q_t, huge, (2**32, 1)), scalar(),
+            forged(x, huge, (2**32, 1)), scalar(), None, forged(q_t, huge, (2**32, 1)), scalar(SCALE_INV),
             None, None, False, 0, threads,
         )
 
@@ -67,8 +72,9 @@ def test_overflowing_gemm_operand_is_a_value_error(case, operand):
 @pytest.mark.parametrize("shape", [(2**62, 3), (2**31, 2**31, 4)])
 def test_overflowing_amax_input_is_a_value_error(shape):
     strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    x, out = torch.ones(3), torch.empty(())
     with pytest.raises(ValueError, match="more elements than int64"):
-        _C.amax(forged(torch.ones(3), shape, strides), desc(torch.empty(()), "test", "amax"), 1)
+        _C.amax(forged(x, shape, strides), desc(out, "test", "amax"), 1)
 
 
 def test_empty_tensor_with_huge_dimensions_is_accepted():
@@ -81,9 +87,9 @@ def test_empty_tensor_with_huge_dimensions_is_accepted():
 
 @pytest.mark.parametrize("launch", [2**12 + 1, 2**63])
 def test_out_of_range_thread_count_is_a_value_error(launch):
-    out = torch.empty(())
+    x, out = torch.ones(4), torch.empty(())
     with pytest.raises(ValueError, match="the launch argument is the thread count"):
-        _C.amax(desc(torch.ones(4), "test", "x"), desc(out, "test", "amax"), launch)
+        _C.amax(desc(x, "test", "x"), desc(out, "test", "amax"), launch)
 
 
 @pytest.mark.skipif(_C.cpu_isa() == "generic", reason="the stripe scratch exists on the AVX-512 paths only")
@@ -103,7 +109,7 @@ def test_failed_scratch_allocation_is_a_memory_error(threads):
         with pytest.raises(MemoryError):
             _C.quantize(
                 forged(x, (rows, cols), (cols, 1)), scalar(), None, forged(q_t, (cols, rows), (rows, 1)),
-                scalar(), None, None, False, 0, threads,
+                scalar(SCALE_INV), None, None, False, 0, threads,
             )
     finally:
         _C.set_cpu_isa(isa)

@@ -2,6 +2,7 @@
 // output and bias gradient), dequantize. Element math: fp8_math.h.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -24,12 +25,18 @@ constexpr int64_t kStreamBytes = 8 << 20;
 
 bool use_avx512() { return current_isa() != Isa::kGeneric; }
 
-// a * b bytes; std::bad_alloc (Python MemoryError) when that overflows, as
-// allocating it would.
-size_t scratch_bytes(int64_t a, int64_t b) {
+// Uninitialized scratch of a * b * c bytes, or std::bad_alloc (Python
+// MemoryError) when the size overflows or the memory cannot be had. nothrow
+// new plus a check, so that a failure is an exception under AddressSanitizer
+// as well (whose throwing operator new aborts instead).
+std::unique_ptr<uint8_t[]> allocate_scratch(int64_t a, int64_t b, int64_t c) {
   int64_t bytes = 0;
-  if (__builtin_mul_overflow(a, b, &bytes)) throw std::bad_alloc();
-  return static_cast<size_t>(bytes);
+  if (__builtin_mul_overflow(a, b, &bytes) || __builtin_mul_overflow(bytes, c, &bytes)) {
+    throw std::bad_alloc();
+  }
+  std::unique_ptr<uint8_t[]> p(new (std::nothrow) uint8_t[static_cast<size_t>(bytes)]);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
 }
 
 template <typename In>
@@ -150,14 +157,20 @@ void quantize_impl(const QuantizeParams& p) {
     // The vector path casts a stripe of rows before transposing it; without a
     // row-major output the stripe needs scratch, allocated here, outside the
     // parallel region (an allocation failure inside would abort).
-    const size_t stripe = scratch_bytes(std::min(avx512::kTransposeStripeRows, p.rows), p.cols);
-    std::vector<uint8_t> scratch(vec && q == nullptr ? scratch_bytes(stripe, threads) : 0);
+    const int64_t stripe_rows = std::min(avx512::kTransposeStripeRows, p.rows);
+    std::unique_ptr<uint8_t[]> scratch;
+    int64_t stripe = 0;  // bytes per thread
+    if (vec && q == nullptr) {
+      scratch = allocate_scratch(stripe_rows, p.cols, threads);  // checks the products
+      stripe = stripe_rows * p.cols;
+    }
     parallel_for(threads, p.rows, row_grain, [&](int64_t r0, int64_t r1) {
-      const size_t t = static_cast<size_t>(omp_get_thread_num());
-      partial[t] = vec ? avx512::cast_transpose(In::dtype, Out::dtype, x, q, qt,
-                                                scratch.empty() ? nullptr : scratch.data() + t * stripe,
-                                                scale, p.rows, p.cols, r0, r1)
-                       : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
+      const int t = omp_get_thread_num();
+      partial[static_cast<size_t>(t)] =
+          vec ? avx512::cast_transpose(In::dtype, Out::dtype, x, q, qt,
+                                       scratch ? scratch.get() + t * stripe : nullptr, scale, p.rows,
+                                       p.cols, r0, r1)
+              : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
     });
   } else {
     // Under current scaling the amax is known already; only delayed scaling
