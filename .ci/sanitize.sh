@@ -3,16 +3,27 @@
 # in a throw-away folder and run the kernel, op, descriptor and threading
 # tests against that build.
 #
-# Runs with the Python of the caller (it needs torch and pytest, e.g. after
-# .ci/run has set up its virtualenv); the build tools go into a throw-away
-# virtualenv, and the normal build and installed package are left untouched:
-# the sanitized package is put first on PYTHONPATH.
+# Tests run with the Python of the active virtualenv, else of the
+# repository's .venv (which the README's test command, run by .ci/run,
+# creates), else python3; it needs torch and pytest. The build tools go into a
+# throw-away virtualenv, and the normal build and installed package are left
+# untouched: the sanitized package is put first on PYTHONPATH.
 #
 #   TL_SANITIZE_TESTS   test files under tests/ (default: the subset below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
-python="$(command -v python || command -v python3)"
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  python="$VIRTUAL_ENV/bin/python"
+elif [ -x .venv/bin/python ]; then
+  python="$repo/.venv/bin/python"
+else
+  python="$(command -v python3)"
+fi
+"$python" -c 'import torch, pytest' || {
+  echo "sanitize.sh: $python has no torch or pytest; run the README's test command first" >&2
+  exit 1
+}
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
