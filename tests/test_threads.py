@@ -107,9 +107,10 @@ def test_results_do_not_depend_on_the_thread_count(threads, restore_torch_thread
         check(call())
 
 
-def test_ops_do_not_change_the_extension_default():
-    """The Python layer passes torch's count with each call; the extension's
-    process-wide default (for raw callers passing 0) is left alone."""
+def test_ops_set_no_thread_count_in_the_extension():
+    """The Python layer passes torch's count with each call and sets nothing in
+    the extension: once torch's count is restored, the extension reports the
+    count it had before."""
     before = _C.get_num_threads()
     saved = torch.get_num_threads()
     try:

@@ -10,7 +10,7 @@ PYBIND11_MODULE(_C, m) {
       "transformer_linear.ops. Descriptors are checked for dtype, device, shape, layout and\n"
       "int64 overflow, but a raw data pointer cannot be checked: a forged one makes the\n"
       "kernels read or write wherever it points. The last argument of each kernel is the\n"
-      "CUDA stream for CUDA tensors and the thread count (0: the default) for CPU tensors.";
+      "CUDA stream for CUDA tensors and the thread count (0: OpenMP's) for CPU tensors.";
   pybind11::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

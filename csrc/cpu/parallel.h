@@ -27,8 +27,9 @@ constexpr int kMaxThreads = 1 << 12;
 
 /*!
  * \brief The thread count a CPU call carries in its launch argument (the
- *        `stream` of the entry points): 0 means the default of
- *        tl::set_num_threads(); above kMaxThreads is a ValueError naming `op`.
+ *        `stream` of the entry points): 0 means OpenMP's count of the
+ *        calling thread (tl::set_num_threads()); above kMaxThreads is a
+ *        ValueError naming `op`.
  */
 int call_threads(const char* op, Stream launch);
 

@@ -14,13 +14,13 @@ namespace tl {
  * Every CPU call carries its thread count in its launch argument (the
  * Python layer passes torch.get_num_threads()); the entry point installs it
  * for the calling thread only. Outside a call, and for calls that pass 0,
- * this is the default count of set_num_threads().
+ * this is OpenMP's thread count of the calling thread (omp_get_max_threads()).
  */
 int get_num_threads();
 
 /*!
- * \brief Default thread count (n >= 1) for CPU calls whose launch argument is 0
- *        (raw callers of the extension). Until set, OpenMP's default is used.
+ * \brief Set OpenMP's thread count of the calling thread (n >= 1): the count of
+ *        CPU calls from this thread whose launch argument is 0 (raw callers).
  */
 void set_num_threads(int n);
 

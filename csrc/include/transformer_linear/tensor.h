@@ -117,7 +117,7 @@ inline bool is_high_precision(DType d) {
 /*!
  * \brief The launch argument of every entry point: for CUDA tensors the stream
  *        (cudaStream_t; 0 is the legacy default stream), for CPU tensors the
- *        thread count of the call (0: the default of tl::set_num_threads()).
+ *        thread count of the call (0: OpenMP's count of the calling thread).
  */
 using Stream = std::uintptr_t;
 
