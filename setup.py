@@ -2,7 +2,7 @@
 
 Environment switches:
   TL_CUDA=auto|0|1       compile the CUDA kernels (auto: when nvcc and cuBLASLt are found).
-  TL_CUDA_ARCHS="89;90a" CUDA architectures (default chosen by cmake/cuda.cmake).
+  TL_CUDA_ARCHS="80;90-real" CUDA architectures (default chosen by cmake/cuda.cmake).
   TL_CUBLAS_ROOT=DIR     cuBLASLt's include/ and lib/ (default: the CUDA toolkit, then the
                          nvidia-cublas wheel of the building Python: use --no-build-isolation).
   TL_BUILD_TYPE=Release  CMake build type (Release unless asked).

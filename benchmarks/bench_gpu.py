@@ -12,9 +12,15 @@ Modes (issue 4 targets on H100 in brackets):
   when torchao is installed.
 
     python benchmarks/bench_gpu.py all
+    python benchmarks/bench_gpu.py gemm --graph     # replay CUDA graphs: no host dispatch
     python benchmarks/bench_gpu.py quantize --sizes 8192x8192 16384x8192
     python benchmarks/bench_gpu.py gemm --shapes 8192x8192x8192 4096x14336x4096
     python benchmarks/bench_gpu.py linear --shapes 8192x8192x8192
+
+Timing: ``--calls`` back-to-back calls between one pair of CUDA events, no
+host sync in between, median of ``--repeats``; with ``--graph`` the calls are
+captured once in a CUDA graph and the graph is replayed, so host dispatch
+(argument checks, descriptor setup, allocations) is off the clock too.
 
 Exits with a message when no GPU (or no CUDA build) is present.
 """
@@ -34,18 +40,40 @@ from transformer_linear import _C, _cuda_fallback, ops, reference
 E4M3 = torch.float8_e4m3fn
 
 
-def cuda_time(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median seconds per call, timed with CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
+def cuda_time(fn: Callable[[], object], calls: int = 20, repeats: int = 5, graph: bool = False) -> float:
+    """Median seconds per call of ``fn`` on the current stream.
+
+    Each sample is ``calls`` back-to-back calls between one pair of events
+    (or one replay of a graph holding them), divided by ``calls``.
+    """
+    fn()  # warm-up: lazy initialisation, heuristic caches, allocator pools
+    torch.cuda.synchronize()
+    run: Callable[[], object]
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(calls):
+                fn()
+        run = captured.replay
+    else:
+
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -61,27 +89,34 @@ def parse_dims(text: str, count: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------
 
 
-def bench_quantize(sizes: list[tuple[int, int]]) -> None:
+def bench_quantize(sizes: list[tuple[int, int]], graph: bool) -> None:
     compiled_ref = torch.compile(reference.quantize)
-    print(f"{'rows x cols (bf16)':>20} {'op':>26} {'GB/s':>8} {'vs memcpy':>10}")
+    print(f"{'rows x cols (bf16)':>20} {'op':>32} {'GB/s':>8} {'vs memcpy':>10}")
     for rows, cols in sizes:
         x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         scale = torch.tensor([2.0], device="cuda")
         n = x.numel()
         copy_target = torch.empty_like(x)
-        memcpy = 2 * 2 * n / cuda_time(lambda: copy_target.copy_(x))
-        # Bytes each op must move at least: bf16 in, 1 byte per FP8 output element.
+        memcpy = 2 * 2 * n / cuda_time(lambda: copy_target.copy_(x), graph=graph)
+        # Bytes each op must move at least: bf16 in (2 bytes, read twice by
+        # current scaling: amax, then the cast), 1 byte per FP8 output element.
+        # On CUDA quantize always records amax in its pass: one row covers
+        # quantize and quantize_with_amax.
         cases = {
             "memcpy (bf16 -> bf16)": (lambda: copy_target.copy_(x), 4 * n),
-            "quantize": (lambda: ops.quantize(x, scale, E4M3), 3 * n),
-            "quantize_with_amax": (lambda: ops.quantize_with_amax(x, scale, E4M3), 3 * n),
-            "quantize_current (2 reads)": (lambda: ops.quantize_current(x, E4M3), 3 * n),
+            "quantize (+ amax, delayed)": (lambda: ops.quantize_with_amax(x, scale, E4M3), 3 * n),
+            "quantize_current (2 reads)": (lambda: ops.quantize_current(x, E4M3), 5 * n),
             "cast+transpose": (lambda: ops.quantize_fused(x, E4M3, scale, columnwise=True), 4 * n),
+            "cast+transpose+dbias": (
+                lambda: ops.quantize_fused(x, E4M3, scale, columnwise=True, dbias_dtype=torch.bfloat16),
+                4 * n,
+            ),
             "compiled reference quantize": (lambda: compiled_ref(x, scale, E4M3), 3 * n),
         }
         for name, (fn, nbytes) in cases.items():
-            gbps = nbytes / cuda_time(fn)
-            print(f"{f'{rows}x{cols}':>20} {name:>26} {gbps / 1e9:8.1f} {gbps / memcpy:9.0%}")
+            # torch.compile'd code is not captured here (its own graphs): events only.
+            gbps = nbytes / cuda_time(fn, graph=graph and "compiled" not in name)
+            print(f"{f'{rows}x{cols}':>20} {name:>32} {gbps / 1e9:8.1f} {gbps / memcpy:9.0%}")
 
 
 # ---------------------------------------------------------------------------
@@ -89,7 +124,7 @@ def bench_quantize(sizes: list[tuple[int, int]]) -> None:
 # ---------------------------------------------------------------------------
 
 
-def bench_gemm(shapes: list[tuple[int, int, int]]) -> None:
+def bench_gemm(shapes: list[tuple[int, int, int]], graph: bool) -> None:
     print(f"{'M x N x K':>20} {'fp8_gemm':>10} {'_scaled_mm':>11} {'bf16 mm':>9} {'vs _scaled_mm':>14}  (TFLOP/s)")
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda").to(E4M3)
@@ -98,12 +133,13 @@ def bench_gemm(shapes: list[tuple[int, int, int]]) -> None:
         sb = torch.tensor([1.0], device="cuda")
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
         flops = 2.0 * m * n * k
-        ours = flops / cuda_time(lambda: ops.fp8_gemm(a, sa, b, sb, torch.bfloat16))
+        ours = flops / cuda_time(lambda: ops.fp8_gemm(a, sa, b, sb, torch.bfloat16), graph=graph)
         scaled = flops / cuda_time(
             lambda: torch._scaled_mm(a, b.t(), sa.reshape(()), sb.reshape(()), out_dtype=torch.bfloat16,
-                                     use_fast_accum=True)
+                                     use_fast_accum=True),
+            graph=graph,
         )
-        mm = flops / cuda_time(lambda: torch.mm(a16, b16.t()))
+        mm = flops / cuda_time(lambda: torch.mm(a16, b16.t()), graph=graph)
         print(f"{f'{m}x{n}x{k}':>20} {ours / 1e12:10.1f} {scaled / 1e12:11.1f} {mm / 1e12:9.1f} {ours / scaled:13.2f}x")
 
 
@@ -144,7 +180,7 @@ def bench_linear(shapes: list[tuple[int, int, int]]) -> None:
             modules["torchao Float8Linear"] = ao
         base = None
         for name, module in modules.items():
-            t = cuda_time(_fwd_bwd(module, x, grad), iters=10)
+            t = cuda_time(_fwd_bwd(module, x, grad), calls=5)
             base = base or t
             print(f"{f'{m}x{n}x{k}':>20} {name:>28} {t * 1e3:8.2f} {base / t:16.2f}x")
         if linear_cls is None:
@@ -163,6 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=lambda s: parse_dims(s, 3),
         default=[(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096)],
     )
+    parser.add_argument("--graph", action="store_true", help="replay CUDA graphs (quantize, gemm modes)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU on this machine; nothing to measure.", file=sys.stderr)
@@ -172,9 +209,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.mode in ("quantize", "all"):
-        bench_quantize(args.sizes)
+        bench_quantize(args.sizes, args.graph)
     if args.mode in ("gemm", "all"):
-        bench_gemm(args.shapes)
+        bench_gemm(args.shapes, args.graph)
     if args.mode in ("linear", "all"):
         bench_linear(args.shapes)
     return 0

@@ -3,13 +3,21 @@
 # stays a CPU-only build, so a plain `pip install .` on a machine that merely
 # has nvcc is as fast as anywhere else.
 #
-#   TL_CUDA_ARCHS   CUDA architectures (default: 89;90a;100a, those nvcc knows)
+#   TL_CUDA_ARCHS   CUDA architectures in CMake's form (default: 80;90-real;100-real,
+#                   those nvcc knows). No kernel of ours needs an `a` target or an
+#                   sm_89 instruction (FP8 conversion is the shared software math;
+#                   the FP8 GEMM is cuBLASLt's own code), so sm_80 machine code
+#                   serves sm_80/86/87/89 and its PTX (the plain `80`) lets the
+#                   driver compile for any newer GPU the list does not name. A
+#                   GPU below the list (sm_75) gets the torch fallback with a
+#                   warning (_cuda_fallback.py); FP8 GEMMs below sm_89 run the
+#                   tiled kernel, as cuBLASLt has no FP8 there.
 #   TL_CUBLAS_ROOT  a folder with include/cublasLt.h and lib/libcublasLt.so*
 #                   (default: the CUDA toolkit, then the nvidia-cublas wheel of
 #                   the Python that builds)
 include(CheckLanguage)
 
-set(TL_CUDA_ARCHS "" CACHE STRING "CUDA architectures (default: 89;90a;100a where nvcc supports them)")
+set(TL_CUDA_ARCHS "" CACHE STRING "CUDA architectures (default: 80;90-real;100-real where nvcc supports them)")
 set(TL_CUBLAS_ROOT "" CACHE PATH "Folder holding include/cublasLt.h and lib/libcublasLt.so*")
 
 # Sets TL_CUBLASLT_INCLUDE, TL_CUBLASLT_LIBRARY and TL_CUBLASLT_RPATH (a list
@@ -55,7 +63,8 @@ function(tl_find_cublaslt nvcc)
   set(TL_CUBLASLT_LIBRARY "" PARENT_SCOPE)
 endfunction()
 
-# Keeps the requested architectures whose number nvcc lists (90a -> 90).
+# Keeps the requested architectures whose number nvcc lists (90a -> 90,
+# 100-real -> 100).
 function(tl_supported_archs requested out)
   execute_process(COMMAND "${CMAKE_CUDA_COMPILER}" --list-gpu-code
                   OUTPUT_VARIABLE codes OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
@@ -115,7 +124,7 @@ message(STATUS "transformer_linear: CUDA kernels ${TL_WITH_CUDA}")
 
 if(TL_WITH_CUDA)
   if(NOT TL_CUDA_ARCHS)
-    set(TL_CUDA_ARCHS "89;90a;100a")
+    set(TL_CUDA_ARCHS "80;90-real;100-real")
   endif()
   # enable_language reads CMAKE_CUDA_ARCHITECTURES; nvcc is known already.
   set(CMAKE_CUDA_ARCHITECTURES OFF)
@@ -129,7 +138,9 @@ if(TL_WITH_CUDA)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   file(GLOB TL_CUDA_SOURCES CONFIGURE_DEPENDS csrc/cuda/*.cu csrc/cuda/*.cpp)
   target_sources(_C PRIVATE ${TL_CUDA_SOURCES})
-  target_compile_definitions(_C PRIVATE TL_WITH_CUDA=1)
+  # The list as compiled, for the Python side's "is there code for this GPU" check.
+  string(REPLACE ";" "," archs_csv "${archs}")
+  target_compile_definitions(_C PRIVATE TL_WITH_CUDA=1 "TL_CUDA_ARCH_LIST=\"${archs_csv}\"")
   target_include_directories(_C PRIVATE ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES} "${TL_CUBLASLT_INCLUDE}")
   set_target_properties(_C PROPERTIES
     CUDA_ARCHITECTURES "${archs}"

@@ -144,7 +144,7 @@ def _fp8_state(model):
 
 
 def _amax_reduction_rank(rank, world, reduce):
-    from transformer_linear.distributed import _PENDING
+    from transformer_linear.amax_reduction import _PENDING
 
     layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
     if not reduce:
@@ -180,7 +180,7 @@ class TestAmaxReduction:
     @pytest.mark.parametrize("drop", ["reset_fp8_state", "load_state_dict", "del"])
     def test_pending_reductions_go_with_the_state_they_update(self, drop):
         """Reset, load_state_dict and the layer's end drop its pending reductions (keyed by id(layer))."""
-        from transformer_linear.distributed import _PENDING
+        from transformer_linear.amax_reduction import _PENDING
 
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling())
         key = id(layer)
@@ -353,6 +353,18 @@ def _checkpoint_rank(rank, world, path):
         assert_bitwise_equal(_full(t_resumed), _full(t), f"resumed {name}")
 
 
+def _fsdp_view_warning_rank(rank, world, name):
+    """A model whose last layer is a tl.Linear on 3-D input: FSDP2 warns about no view output."""
+    import warnings
+
+    model = _fully_shard_mlp(RECIPES[name])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 3, 16)).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert not any("returned a view tensor" in m for m in messages), messages
+
+
 class TestFSDP2:
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_matches_single_process(self, name):
@@ -374,8 +386,47 @@ class TestFSDP2:
     def test_unsupported_wgrad_options_raise_at_wrap_time(self, option):
         run_ranks(_fsdp_rejects_rank, option, timeout=TIMEOUT)
 
+    @pytest.mark.parametrize("name", ["current", "delayed"])
+    def test_3d_output_is_not_a_view(self, name):
+        run_ranks(_fsdp_view_warning_rank, name, timeout=TIMEOUT)
+
     def test_checkpoint_resume_gives_identical_next_step(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), timeout=TIMEOUT)
+
+
+# ---------------------------------------------------------------------------
+# the plain mean loss: delayed scaling's first step does not depend on magnitude
+# ---------------------------------------------------------------------------
+
+# Each rank's mean loss gives grad_output rows twice the whole-batch mean's.
+# With just-in-time first-step scales (and the amax reduction) every FP8
+# operand is the single process's times a power of two, so what is left is
+# fp32 summation order. TE's first step (scale 1) ended 1.6% away here.
+MEAN_LOSS_TOL = 1e-4
+
+
+def _mean_loss_rank(rank, world, engine):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    fp8_recipe = RECIPES["delayed"]
+    batches = _batches(STEPS)
+    model = DDP(_mlp(fp8_recipe)) if engine == "ddp" else _fully_shard_mlp(fp8_recipe)
+    ref = tl.distributed.set_amax_reduction_group(_mlp(fp8_recipe), None)
+    for m, shard in ((model, True), (ref, False)):
+        opt = _sgd(m)
+        for batch in batches:
+            x, target = _shard(batch, rank, world) if shard else batch
+            opt.zero_grad()
+            ((m(x) - target) ** 2).mean().backward()
+            opt.step()
+    for (pname, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        err = relative_error(_full(p).detach(), p_ref.detach())
+        assert err <= MEAN_LOSS_TOL, f"{engine} {pname}: relative error {err:.3e} vs single process"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_plain_mean_loss_matches_single_process(engine):
+    run_ranks(_mean_loss_rank, engine, timeout=TIMEOUT)
 
 
 # ---------------------------------------------------------------------------

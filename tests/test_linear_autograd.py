@@ -90,6 +90,63 @@ class TestAgainstReference:
         assert_bitwise_equal(layer.fp8_amax_history[0], torch.zeros(3), "cleared slot")
 
 
+class TestFirstStep:
+    """Delayed scaling's first step quantizes with just-in-time scales (first_step_just_in_time)."""
+
+    @staticmethod
+    def _mlp(r):
+        torch.manual_seed(3)
+        return torch.nn.Sequential(tl.Linear(16, 32, recipe=r), torch.nn.ReLU(), tl.Linear(32, 8, recipe=r))
+
+    @pytest.mark.parametrize("just_in_time", [True, False])
+    def test_first_forward_uses_own_amax(self, just_in_time):
+        r = recipe.DelayedScaling(amax_history_len=4, margin=1, first_step_just_in_time=just_in_time)
+        layer = tl.Linear(16, 8, recipe=r)
+        x, grad = torch.randn(4, 16) * 1e-3, torch.randn(4, 8) * 1e-6
+        _, dx = _run(layer, x, grad)
+        used = layer.fp8_fwd_scale
+        if not just_in_time:  # TransformerEngine's first step: the initial scale 1
+            assert_bitwise_equal(used, torch.ones(3), "first-step scales")
+            return
+        fp8_max = torch.tensor([448.0, 448.0, 57344.0])
+        amax = torch.stack([reference.amax(x), reference.amax(layer.weight), reference.amax(grad)])
+        assert_bitwise_equal(used[:2], reference.compute_scale(amax, 448.0, 1)[:2], "just-in-time forward scales")
+        # The history update computes the same scales from the recorded amaxes.
+        assert_bitwise_equal(layer.fp8_scale, torch.div(fp8_max, amax) * 0.5, "scales after the step")
+        w = layer.weight.detach()
+        s = torch.cat([reference.compute_scale(amax[i : i + 1], float(m), 1) for i, m in enumerate(fp8_max)])
+        expected = reference.linear_dgrad(grad, w, torch.float8_e5m2, torch.float8_e4m3fn, s[2:], s[1:2], 1, torch.float64)
+        assert_close_to_reference(dx, expected, what="input grad with a just-in-time grad_output scale")
+
+    @pytest.mark.parametrize("just_in_time", [True, False])
+    def test_gradients_scale_with_the_loss_from_the_first_step(self, just_in_time):
+        """Loss x 2^k gives gradients exactly 2^k times the unscaled ones at every step
+        (both runs step with the unscaled gradients); TE's first step (scale 1) does not."""
+        r = recipe.DelayedScaling(amax_history_len=4, first_step_just_in_time=just_in_time)
+        g = torch.Generator().manual_seed(4)
+        batches = [torch.randn(2, 3, 16, generator=g) for _ in range(3)]
+        exact = {}
+        for k in range(-8, 9):
+            models = [self._mlp(r), self._mlp(r)]
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+            exact[k] = []
+            for x in batches:
+                grads = []
+                for model, opt, factor in zip(models, opts, (1.0, 2.0**k)):
+                    opt.zero_grad()
+                    xi = x.clone().requires_grad_()
+                    (model(xi).square().mean() * factor).backward()
+                    grads.append([xi.grad] + [p.grad.clone() for p in model.parameters()])
+                    for p in model.parameters():
+                        p.grad.div_(factor)  # exact: a power of two
+                    opt.step()
+                exact[k].append(all(torch.equal(a * 2.0**k, b) for a, b in zip(*grads)))
+        if just_in_time:
+            assert all(all(steps) for steps in exact.values()), f"steps with inexact 2^k gradients: {exact}"
+        else:
+            assert not all(exact[-8]), "TE's first step should depend on the loss's scale"
+
+
 class TestAutogradFeatures:
     @pytest.mark.parametrize("name", [None, *RECIPES])
     def test_retain_graph_twice_gives_same_gradients(self, name):
@@ -104,8 +161,16 @@ class TestAutogradFeatures:
         for first, second in zip(*grads):
             assert_bitwise_equal(second, first)
 
+    @pytest.mark.parametrize("name", list(RECIPES))
+    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24), (2, 1, 3, 24)])
+    def test_output_is_not_a_view(self, name, shape):
+        """FSDP2 warns about a module returning a view; autograd restricts in-place ops on one."""
+        layer = tl.Linear(24, 10, recipe=RECIPES.get(name))
+        y = layer(torch.randn(*shape, requires_grad=True))
+        assert y._base is None and not y._is_view() and y.shape == (*shape[:-1], 10)
+
     @pytest.mark.parametrize("name", [None, *RECIPES])
-    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
+    @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24), (2, 1, 3, 24)])
     def test_output_modified_in_place(self, name, shape):
         """``y += residual`` works on the output, as on nn.Linear's, and gives the out-of-place gradients."""
         layer = tl.Linear(24, 10, recipe=RECIPES.get(name))

@@ -99,6 +99,12 @@ class TestOpcheck:
         args = (torch.rand(4, 3), torch.ones(3), torch.tensor([2.0, 3.0]), 0, 448.0, 1, "max")
         _opcheck(torch.ops.transformer_linear.delayed_scaling_update.default, args)
 
+    @pytest.mark.parametrize("scale", [2.0, -1.0])
+    def test_quantize_grad_output(self, scale):
+        # A negative scale asks for a just-in-time one (the first step).
+        args = (torch.randn(6, 8), torch.tensor([scale]), torch.float8_e5m2, 0, torch.float32, -1)
+        _opcheck(torch.ops.transformer_linear.quantize_grad_output.default, args)
+
     def test_delayed_scaling_flush(self):
         # Without a process group nothing is pending: the op leaves the state as it is.
         _opcheck(torch.ops.transformer_linear.delayed_scaling_flush.default, (torch.rand(4, 3), torch.ones(3), 123))
@@ -172,19 +178,20 @@ def _node_counts(gm):
 
 # Pinned node counts of one Linear's AOT graphs: the forward is one op (plus the
 # delayed-scaling update), the backward one grad_output quantize (bias grad fused),
-# dgrad and wgrad; no transposes, copies or detaches around them. The views fold
-# the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
-# forward also copies the scales into fwd_scale (the copy_s write buffers back).
+# dgrad and wgrad; no transposes, copies or detaches around them. The (unsafe)
+# views fold the 3-D input's leading dims, as nn.Linear's do; under delayed scaling the
+# forward records the scales it used in fwd_scale (the copy_s write buffers back),
+# and backward's quantize may compute a just-in-time scale on the first step.
 EXPECTED_GRAPHS = {
     "current": {
-        "forward": {"linear_fwd": 1, "getitem": 5, "view": 1},
+        "forward": {"linear_fwd": 1, "getitem": 5, "_unsafe_view": 1},
         "backward": {"view": 1, "quantize": 1, "getitem": 3, "linear_dgrad": 1, "linear_wgrad": 1},
     },
     "delayed": {
-        "forward": {"copy": 1, "linear_fwd": 1, "getitem": 9, "auto_functionalized_v2": 1, "copy_": 3, "view": 1},
+        "forward": {"linear_fwd": 1, "getitem": 10, "copy": 1, "auto_functionalized_v2": 1, "_unsafe_view": 1, "copy_": 3},
         "backward": {
             "view": 1,
-            "quantize": 1,
+            "quantize_grad_output": 1,
             "getitem": 6,
             "auto_functionalized_v2": 1,
             "linear_dgrad": 1,
@@ -215,3 +222,49 @@ def test_autocast_state_is_guarded_under_compile():
     assert_bitwise_equal(fp8_compiled, fp8_eager, "inside autocast")
     assert_bitwise_equal(compiled(x), plain, "after autocast")
     assert not torch.equal(plain, fp8_eager)
+
+
+@pytest.mark.parametrize("keep_mutations", [True, False])
+def test_custom_aot_autograd_backend_needs_kept_input_mutations(keep_mutations):
+    """Delayed scaling updates the same buffers in forward (input, weight) and
+    backward (grad_output). A backend built on aot_autograd must keep input
+    mutations in the graphs, as aot_eager and inductor do; without it AOT
+    autograd cannot place the forward's buffer updates (README "The FP8 Linear")."""
+    def compiler(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=keep_mutations)
+    torch._dynamo.reset()
+    layer = tl.Linear(16, 8, recipe=RECIPES["delayed"])
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(4, 16)
+    if not keep_mutations:
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="was invalid, but is output"):
+            compiled(x).sum().backward()
+        return
+    for _ in range(2):
+        compiled(x).sum().backward()
+        eager(x).sum().backward()
+    assert_bitwise_equal(layer.fp8_amax_history, eager.fp8_amax_history, "history")
+    assert_bitwise_equal(layer.fp8_scale, eager.fp8_scale, "scale")
+
+
+def test_autocast_history_longer_than_the_layers():
+    """A recipe-less layer holds 1024 rows; a longer autocast history cannot grow inside a trace."""
+    torch._dynamo.reset()
+    long = recipe.DelayedScaling(amax_history_len=2048)
+    layer = tl.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with tl.autocast(recipe=long):
+        with pytest.raises(Exception, match=r"reset_fp8_state\(amax_history_len=2048\)"):
+            torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+        layer.reset_fp8_state(amax_history_len=2048)  # the fix the error names
+        eager = copy.deepcopy(layer)
+        for _ in range(2):
+            assert_bitwise_equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), eager(x))
+    assert layer.fp8_amax_history.shape == (2048, 3)
+    grown = tl.Linear(16, 8)
+    with tl.autocast(recipe=long):
+        grown(x)  # eagerly, the history grows
+    assert grown.fp8_amax_history.shape == (2048, 3)

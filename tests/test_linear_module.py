@@ -79,14 +79,16 @@ class TestDropIn:
         ref, layer = _pair()
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach(), "weight")
         assert_bitwise_equal(layer.bias.detach(), ref.bias.detach(), "bias")
-        assert list(layer.state_dict()) == list(ref.state_dict())
+        # nn.Linear's keys, then the delayed-scaling state every layer owns.
+        assert list(layer.state_dict()) == [*ref.state_dict(), "fp8_amax_history", "fp8_scale"]
 
     @pytest.mark.parametrize("bias", [True, False])
-    def test_state_dict_loads_both_ways_strict(self, bias):
+    def test_state_dict_loads_both_ways(self, bias):
         ref = nn.Linear(8, 4, bias=bias)
         layer = tl.Linear(8, 4, bias=bias)
         layer.load_state_dict(ref.state_dict(), strict=True)
-        nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=True)
+        result = nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=False)
+        assert result.unexpected_keys == ["fp8_amax_history", "fp8_scale"] and not result.missing_keys
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach())
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -136,9 +138,8 @@ class TestFP8State:
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
         _fwd_bwd(layer, torch.randn(5, 16))
         layer.load_state_dict(nn.Linear(16, 8).state_dict(), strict=True)
-        assert "fp8_scale" not in layer.state_dict()
-        _fwd_bwd(layer, torch.randn(5, 16))
-        assert layer.fp8_amax_history.shape == (3, 3)
+        assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(3, 3), "fresh history")
+        assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "fresh scales")
 
     def test_to_deepcopy_pickle_keep_fp32_state(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
@@ -152,6 +153,104 @@ class TestFP8State:
         layer.to("cpu")
         y, _ = _fwd_bwd(layer, torch.randn(5, 16, dtype=torch.bfloat16))
         assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("r", [None, recipe.DelayedScaling(amax_history_len=4)])
+def test_meta_init_then_to_empty_starts_the_state_fresh(r):
+    """FSDP2's meta-device initialisation: the state every layer owns holds no data on meta."""
+    with torch.device("meta"):
+        layer = tl.Linear(16, 8, recipe=r)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    rows = 4 if r is not None else 1024
+    assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(rows, 3), "history")
+    assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "scale")
+    with tl.autocast(recipe=recipe.DelayedScaling(amax_history_len=4)):
+        y, _ = _fwd_bwd(layer, torch.randn(5, 16))
+    assert torch.isfinite(y).all()
+
+
+class TestLoadFP8State:
+    """load_state_dict checks the FP8 state: float32, documented shapes, usable scales."""
+
+    @staticmethod
+    def _trained(rows=3):
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=rows))
+        _fwd_bwd(layer, torch.randn(5, 16))
+        return layer
+
+    @pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.bfloat16, torch.float64])
+    def test_cast_to_float32(self, dtype):
+        state = self._trained().state_dict()
+        state["fp8_scale"] = torch.tensor([2, 4, 8]).to(dtype)
+        state["fp8_amax_history"] = state["fp8_amax_history"].to(dtype)
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
+        layer.load_state_dict(state)
+        assert layer.fp8_scale.dtype == layer.fp8_amax_history.dtype == torch.float32
+        assert_bitwise_equal(layer.fp8_scale, torch.tensor([2.0, 4.0, 8.0]))
+        y, _ = _fwd_bwd(layer, torch.randn(5, 16))
+        assert torch.isfinite(y).all()
+
+    @pytest.mark.parametrize(
+        "key, value, message",
+        [
+            ("fp8_scale", torch.ones(2), r"'fp8_scale' must have shape \(3,\)"),
+            ("fp8_scale", torch.ones(1, 3), r"'fp8_scale' must have shape \(3,\)"),
+            ("fp8_amax_history", torch.zeros(3), r"'fp8_amax_history' must have shape \(history_len >= 1, 3\)"),
+            ("fp8_amax_history", torch.zeros(4, 2), r"'fp8_amax_history' must have shape"),
+            ("fp8_amax_history", torch.zeros(0, 3), r"'fp8_amax_history' must have shape"),
+            ("fp8_scale", torch.tensor([1.0, float("nan"), 1.0]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([1.0, 1.0, float("inf")]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([0.0, 1.0, 1.0]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([1.0, -2.0, 1.0]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([1e5, 1.0, 1.0], dtype=torch.float16), "finite positive"),  # inf in fp16
+            ("fp8_scale", torch.ones(3, dtype=torch.bool), "'fp8_scale' must be a real tensor"),
+        ],
+    )
+    def test_rejects_bad_state_naming_the_key(self, key, value, message):
+        state = {f"block.{k}": v for k, v in self._trained().state_dict().items()}
+        state[f"block.{key}"] = value
+        model = nn.Sequential()
+        model.add_module("block", tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3)))
+        before = copy.deepcopy(model.block.state_dict())
+        with pytest.raises(ValueError, match=message.replace("'fp8", "'block.fp8")):
+            model.load_state_dict(state)
+        for k, v in model.block.state_dict().items():
+            assert_bitwise_equal(v, before[k], f"{k} after a rejected load")
+
+    def test_other_history_length_loads(self):
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
+        layer.load_state_dict(self._trained(rows=5).state_dict())
+        assert layer.fp8_amax_history.shape == (5, 3)
+        _fwd_bwd(layer, torch.randn(5, 16))  # uses the leading 3 rows
+
+
+class TestInferenceMode:
+    """A first forward under inference_mode leaves a state training can update. Under
+    inference_mode (as under no_grad) the delayed state updates like in any forward."""
+
+    @pytest.mark.parametrize("history_len", [4, 2048])  # 2048: the history grows in that forward
+    def test_first_forward_in_inference_mode_then_training(self, history_len):
+        r = recipe.DelayedScaling(amax_history_len=history_len)
+        layers = [tl.Linear(16, 8), tl.Linear(16, 8)]
+        layers[1].load_state_dict(layers[0].state_dict())
+        x = torch.randn(5, 16)
+        for layer, context in zip(layers, (torch.inference_mode, torch.no_grad)):
+            with tl.autocast(recipe=r):
+                with context():
+                    layer(x)
+                for _ in range(2):
+                    _fwd_bwd(layer, x)
+        for key, value in layers[1].state_dict().items():
+            assert_bitwise_equal(layers[0].state_dict()[key], value, key)
+        assert not any(t.is_inference() for t in layers[0].buffers())
+
+    def test_state_updates_under_inference_mode(self):
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
+        x = torch.randn(5, 16)
+        with torch.inference_mode():
+            layer(x)
+        assert_bitwise_equal(layer.fp8_amax_history[-1, 0], x.abs().max(), "input amax recorded")
 
 
 class TestErrors:

@@ -94,12 +94,12 @@ def test_cli_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "gap vs reference" in printed and "wrote" in printed
     data = json.loads((out / "report.json").read_text())
-    assert set(data["final_loss"]) == {"reference", "DelayedScaling(HYBRID)", "CurrentScaling(HYBRID)"}
+    assert {"reference", "DelayedScaling(HYBRID)", "CurrentScaling(HYBRID)"} <= set(data["final_loss"])
     assert "## Per-layer comparison" in (out / "report.md").read_text()
     for png in ("loss_curves.png", "layer_sqnr.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_rejects_an_unknown_recipe(tmp_path):
-    with pytest.raises(ValueError, match="unknown recipe"):
-        cli.main(["compare", "--size", "tiny", "--steps", "2", "--recipes", "bogus", "--out", str(tmp_path)])
+def test_cli_rejects_an_unknown_recipe(tmp_path, capsys):
+    assert cli.main(["compare", "--size", "tiny", "--steps", "2", "--recipes", "bogus", "--out", str(tmp_path)]) == 2
+    assert "error: --recipes: unknown recipe bogus" in capsys.readouterr().err

@@ -1,69 +1,160 @@
-"""Command line: ``python -m transformer_linear compare`` (also ``transformer-linear compare``).
+"""Command line: ``transformer-linear compare`` (also ``python -m transformer_linear compare``).
 
-Trains the built-in GPT-style model with fp32 nn.Linear and with each FP8
-recipe from the same init on the same synthetic data, then writes a
-markdown + JSON report and PNG plots to an output directory.
+Trains a model with high-precision Linear layers and with each FP8 recipe
+from the same init on the same data, flags the layers that are risky in
+FP8, measures the loss gap with those layers kept in high precision, and
+writes a markdown + JSON report and PNG plots. The model is the built-in
+GPT (default), an importable factory (``--model pkg.module:factory``) or a
+Hugging Face causal LM (``--hf PATH``). Exit status: 0 when every recipe's
+loss gap (either sign) is within ``--max-gap``, 1 when one is not, 2 for bad input.
+
+``transformer-linear monitor-report LOG_DIR`` plots what
+``tl.numerics.monitor`` recorded during training.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
+
+from transformer_linear.convert import conversion_plan
+from transformer_linear.numerics import monitor_report
+from transformer_linear.numerics.compare import RECIPE_NAMES, train_compare, train_run
+from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
+from transformer_linear.numerics.report import CompareReport
+from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
+from transformer_linear.numerics.sources import Workload, hf_workload, parse_shape, user_workload
 
 DEFAULT_OUT = "fp8_compare_report"
+FILTERED = " +filter"  # suffix of the runs with the risky layers in high precision
+
+
+class UsageError(ValueError):
+    """A bad command line or input: reported on one line, exit status 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m transformer_linear", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="transformer-linear", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("compare", help="is FP8 safe for this model? train and compare FP8 recipes with nn.Linear")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="built-in model size")
+    p = sub.add_parser("compare", help="is FP8 safe for this model? train and compare FP8 recipes with high precision")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--size", default="small", choices=["tiny", "small", "medium"], help="built-in model size")
+    src.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="factory returning model[, make_batch[, loss_fn]]")
+    src.add_argument("--hf", metavar="PATH_OR_NAME", help="a transformers causal LM (config/checkpoint dir or hub name)")
+    p.add_argument("--hf-random-init", action="store_true", help="build the --hf model from its config only")
+    p.add_argument("--input-shape", help="synthetic inputs (--model without make_batch), or batch,seq for --hf (4,64)")
+    p.add_argument("--input-dtype", default="float32", help="float32, bfloat16, float16 or long (token ids)")
+    p.add_argument("--vocab", type=int, help="token ids are drawn below this (--input-dtype long)")
+    p.add_argument("--data", metavar="FILE", help="--hf data: text (model's tokenizer, else bytes), .pt or .npy ids")
     p.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="built-in model's batch size")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument(
-        "--recipes", default="delayed,current", help="comma-separated: delayed, current, delayed-e4m3, current-e4m3"
-    )
+    p.add_argument("--recipes", default="delayed,current", help=f"comma-separated: {', '.join(RECIPE_NAMES)}")
+    p.add_argument("--layers", metavar="REGEX", help="report only layers whose name matches (re.search)")
+    p.add_argument("--max-gap", type=float, default=1.0, help="exit 1 when a recipe's |loss gap| exceeds this percent (1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    m = sub.add_parser("monitor-report", help="plot what tl.numerics.monitor recorded")
+    m.add_argument("log_dir", help="the monitor's log_dir")
+    m.add_argument("--out", help="where the PNGs go (default LOG_DIR)")
     return parser
 
 
-class _Progress:
-    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+class _Bars:
+    """One tqdm bar per training run, on stderr."""
 
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.start = time.perf_counter()
+    def __init__(self) -> None:
+        self.bar: Optional[tqdm] = None
 
     def __call__(self, label: str, step: int, steps: int, loss: float) -> None:
-        if not self.tty and step not in (1, steps) and step % max(1, steps // 4):
-            return
-        width = 30
-        filled = width * step // steps
-        bar = "#" * filled + "." * (width - filled)
-        line = f"{label:<24} [{bar}] {step:>5}/{steps} loss {loss:.4f} ({time.perf_counter() - self.start:.0f}s)"
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        if self.tty and step == steps:
-            self.stream.write("\n")
-        self.stream.flush()
+        if self.bar is None or self.bar.desc != label:
+            self.bar = tqdm(total=steps, desc=label, file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.bar.update(1)
+        if step == steps:
+            self.bar.close()
 
 
-def _markdown(train, cfg, args) -> str:
+def _builtin(args: argparse.Namespace) -> Workload:
+    if args.batch_size < 1:
+        raise UsageError("--batch-size must be positive")
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig.named(args.size)
+    data = SyntheticText(cfg, seed=args.seed)
+    batches = [data.batch(args.batch_size) for _ in range(args.steps)]
+    desc = (
+        f"built-in GPT ({args.size}: {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}, seq "
+        f"{cfg.seq_len}), synthetic bigram data, batch {args.batch_size}; loss floor {data.entropy_floor:.3f}, "
+        f"uniform {data.uniform_loss:.3f}"
+    )
+    return Workload(TinyGPT(cfg), batches.__getitem__, lm_loss, desc)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    shape = parse_shape(args.input_shape) if args.input_shape else None
+    if args.hf is not None:
+        if shape is not None and len(shape) != 2:
+            raise UsageError(f"--input-shape for --hf is batch,seq; got {args.input_shape}")
+        batch, seq = shape or (4, 64)
+        return hf_workload(args.hf, args.hf_random_init, batch, seq, args.data, args.seed)
+    if args.hf_random_init or args.data:
+        raise UsageError("--hf-random-init and --data go with --hf")
+    if args.model is not None:
+        return user_workload(args.model, shape, args.input_dtype, args.vocab, args.seed)
+    return _builtin(args)
+
+
+def _on_device(workload: Workload, device: torch.device) -> Workload:
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    def make_batch(step: int):
+        batch = workload.make_batch(step)
+        return tuple(move(x) for x in batch) if isinstance(batch, tuple) else move(batch)
+
+    return Workload(workload.model.to(device), make_batch, workload.loss_fn, workload.description)
+
+
+def _probe(workload: Workload) -> None:
+    """Run the first batch once so a wrong input shape is one clear line, not a traceback mid-training."""
+    batch = workload.make_batch(0)
+    inputs = batch if isinstance(batch, tuple) else (batch,)
+    shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs)
+    try:
+        with torch.no_grad():
+            workload.model(*inputs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"the model fails on the first batch ({shapes}): {first}") from e
+
+
+def _narrow(report: CompareReport, pattern: Optional[re.Pattern]) -> CompareReport:
+    if pattern is None:
+        return report
+    layers = [s for s in report.layers if pattern.search(s.name)]
+    return CompareReport(report.recipes, layers, report.reference_loss, report.loss)
+
+
+def _markdown(args, workload, plan, train, final, risky, thresholds, gaps) -> str:
+    skipped = "".join(f"\n- `{n}`: {why}" for n, why in plan.skipped.items()) or " none"
+    risk_lines = "".join(f"\n- `{n}`: " + "; ".join(why) for n, why in risky.items()) or "\nnone"
     lines = [
         "# FP8 numerics report",
         "",
-        f"Model: built-in GPT ({args.size}: {cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size}, "
-        f"seq {cfg.seq_len}); {args.steps} steps of AdamW (lr {args.lr}), batch {args.batch_size}, seed {args.seed}, "
+        f"Model: {workload.description}. {args.steps} steps of AdamW (lr {args.lr}), seed {args.seed}, "
         f"device {args.device}.",
+        "",
+        f"Converted to tl.Linear: {len(plan.converted) + len(plan.existing)} layers. Skipped:{skipped}",
         "",
         "## Final loss (mean of the last 10 steps)",
         "",
@@ -71,66 +162,119 @@ def _markdown(train, cfg, args) -> str:
         train.summary(),
         "```",
         "",
+        f"Worst gap: {100 * max(gaps.values(), key=abs):+.2f}% (limit {args.max_gap:g}% either way).",
+        "",
+        "## Risky layers",
+        "",
+        f"Thresholds: output SQNR < {thresholds.min_output_sqnr_db:g} dB, dX/dW SQNR < "
+        f"{thresholds.min_grad_sqnr_db:g} dB, saturation > {100 * thresholds.max_saturation:g}%, underflow > "
+        f"{100 * thresholds.max_underflow:g}%.{risk_lines}",
+    ]
+    if risky:
+        lines += ["", "Suggested filter (its runs are the `+filter` rows above):", "", "```python", filter_source(risky), "```"]
+    lines += [
+        "",
         "## Per-layer comparison on the trained weights",
         "",
         "SQNR in dB (higher is better) of each layer's output, input gradient (dX) and weight gradient (dW)",
-        "against the fp32 nn.Linear run; amax of input (x), weight (w) and grad_output (dy); percent of",
+        "against the high-precision run; amax of input (x), weight (w) and grad_output (dy); percent of",
         "elements flushed to zero (uflow) or clamped at the format's max (sat).",
         "",
-        "```",
-        train.final.table(),
-        "```",
+        final.markdown(),
     ]
     return "\n".join(lines) + "\n"
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from transformer_linear.numerics import train_compare
-    from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
-
-    if args.steps < 1 or args.batch_size < 1:
-        raise SystemExit("compare: --steps and --batch-size must be positive")
+    if args.steps < 1:
+        raise UsageError("--steps must be positive")
+    if not args.max_gap >= 0:
+        raise UsageError(f"--max-gap must be a non-negative percentage, got {args.max_gap}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("compare: --device cuda asked for, but no GPU is available")
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig.named(args.size)
-    model = TinyGPT(cfg).to(device)
-    data = SyntheticText(cfg, seed=args.seed)
-    batches = [data.batch(args.batch_size).to(device) for _ in range(args.steps)]
+        raise UsageError("--device cuda asked for, but no GPU is available")
+    try:
+        pattern = re.compile(args.layers) if args.layers else None
+    except re.error as e:
+        raise UsageError(f"--layers: not a regular expression: {e}") from e
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r.lower() not in RECIPE_NAMES]
+    if unknown or not recipes:
+        raise UsageError(f"--recipes: unknown recipe {', '.join(unknown) or '(none)'}; expected {', '.join(RECIPE_NAMES)}")
 
-    print(
-        f"transformer_linear compare: GPT {args.size} ({sum(p.numel() for p in model.parameters()):,} params), "
-        f"{args.steps} steps x {len(recipes) + 1} runs on {device}; loss floor {data.entropy_floor:.3f}, "
-        f"uniform {data.uniform_loss:.3f}"
-    )
-    train = train_compare(
-        model, lambda i: batches[i], lm_loss, steps=args.steps, recipes=recipes, lr=args.lr, progress=_Progress()
-    )
+    workload = _on_device(_workload(args), device)
+    plan = conversion_plan(workload.model)
+    if not plan.converted and not plan.existing:
+        raise UsageError(f"the model ({type(workload.model).__name__}) has no nn.Linear layers: nothing to compare")
+    _probe(workload)
+    n_params = sum(p.numel() for p in workload.model.parameters())
+    print(f"transformer_linear compare: {workload.description}; {n_params:,} params; {len(plan.converted) + len(plan.existing)} "
+          f"layers to FP8, {len(plan.skipped)} skipped; {args.steps} steps x {len(recipes) + 1} runs on {device}")
+    for name, why in plan.skipped.items():
+        print(f"  skipped {name}: {why}")
+
+    bars = _Bars()
+    train = train_compare(workload.model, workload.make_batch, workload.loss_fn, args.steps, recipes, args.lr, progress=bars)
+    thresholds = RiskThresholds()
+    final = _narrow(train.final, pattern)
+    risky = risky_layers(final, thresholds)
+    if risky:
+        batches = [workload.make_batch(i) for i in range(args.steps)]
+        keep = keep_high_precision(risky)
+        for label, recipe in zip(train.final.recipes, recipes):
+            tick = lambda step, loss, label=label + FILTERED: bars(label, step, args.steps, loss)  # noqa: E731
+            train.loss_curves[label + FILTERED] = train_run(
+                workload.model, RECIPE_NAMES[recipe.lower()](), batches, workload.loss_fn, args.lr, keep, progress=tick
+            )[0]
+    plain_gaps = {n: g for n, g in train.loss_gap().items() if not n.endswith(FILTERED)}
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(_markdown(train, cfg, args))
-    (out / "report.json").write_text(__import__("json").dumps(train.to_dict(), indent=2))
+    (out / "report.md").write_text(_markdown(args, workload, plan, train, final, risky, thresholds, plain_gaps))
+    payload = train.to_dict()
+    payload["final_compare"] = final.to_dict()
+    payload.update(converted=plan.converted + plan.existing, skipped=plan.skipped, risky_layers=risky,
+                   thresholds=thresholds.__dict__, max_gap_percent=args.max_gap)
+    (out / "report.json").write_text(json.dumps(payload, indent=2))
     files = [out / "report.md", out / "report.json"]
     if not args.no_plots:
         files.append(train.plot(out / "loss_curves.png"))
-        files.append(train.final.plot(out / "layer_sqnr.png"))
+        if final.layers:
+            files.append(final.plot(out / "layer_sqnr.png"))
 
     print()
     print(train.summary())
     print()
-    print(train.final.table())
-    print()
+    print(final.table())
+    if risky:
+        print("\nrisky layers:")
+        for name, why in risky.items():
+            print(f"  {name}: {'; '.join(why)}")
+        print("suggested filter (the '+filter' runs above):\n" + filter_source(risky))
+    worst = max(plain_gaps.values(), key=abs)
+    verdict = "within" if abs(worst) <= args.max_gap / 100 else "exceeds"
+    print(f"\nworst loss gap {100 * worst:+.2f}% {verdict} --max-gap {args.max_gap:g}% (either way)")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0 if verdict == "within" else 1
+
+
+def run_monitor_report(args: argparse.Namespace) -> int:
+    files = monitor_report(args.log_dir, args.out)
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "compare":
-        return run_compare(args)
-    return 2  # unreachable: argparse requires a known command
+    run = {"compare": run_compare, "monitor-report": run_monitor_report}[args.command]
+    try:
+        return run(args)
+    except (ValueError, TypeError, ImportError, OSError) as e:
+        if args.traceback:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"transformer-linear {args.command}: error: {first}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

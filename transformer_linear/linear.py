@@ -5,39 +5,45 @@ Same parameters, default initialization and ``state_dict`` keys as
 ``F.linear``: outputs and gradients are bitwise ``nn.Linear``'s. With one, the
 forward and backward go through the custom ops of linear_ops.py.
 
-Delayed scaling keeps its state in two buffers created on first use,
-``fp8_amax_history`` (history_len, 3) and ``fp8_scale`` (3,), columns
-[input, weight, grad_output]; they are saved in ``state_dict`` as plain
-tensors, and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
+Delayed scaling keeps its state in two float32 buffers that every layer owns
+from construction, ``fp8_amax_history`` (rows, 3) and ``fp8_scale`` (3,),
+columns [input, weight, grad_output]: nothing is created on first use, so a
+cold ``torch.compile`` or ``torch.export`` sees them as real buffers and
+records their updates. ``rows`` is the layer's own recipe's
+``amax_history_len``, else ``DelayedScaling``'s default (1024); a recipe with
+a shorter history uses the leading rows. They are saved in ``state_dict``,
+and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
 ``strict=True`` and starts the state fresh.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_linear import distributed
+from transformer_linear import amax_reduction, tensor_parallel
+from transformer_linear._checks import check_linear_devices
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear_args import LinearFwdArgs
-from transformer_linear.linear_ops import (
-    WGRAD_QUEUES,
-    compute_wgrad,
+from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, linear_fwd
+from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
+from transformer_linear.scaling import (
+    FP8_STATE_COLUMNS,
+    checked_fp8_state,
     delayed_scaling_flush,
     delayed_scaling_update,
-    linear_fwd,
 )
-from transformer_linear.recipe import CurrentScaling, DelayedScaling, Recipe
-from transformer_linear.scaling import FP8_STATE_COLUMNS
 
 __all__ = ["Linear"]
 
 _FP8_STATE = ("fp8_amax_history", "fp8_scale")
 _FWD_SCALE = "fp8_fwd_scale"
+_DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
 
 
@@ -87,10 +93,10 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        # Delayed scaling's amax all-reduce group, as a distributed.py key
+        # Delayed scaling's amax all-reduce group, as a amax_reduction.py key
         # (an int, so torch.compile guards on it cheaply): set it with
-        # tl.distributed.set_amax_reduction_group.
-        self.amax_reduction_group = distributed.DEFAULT_GROUP
+        # tl.amax_reduction.set_amax_reduction_group.
+        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
@@ -119,29 +125,57 @@ class Linear(nn.Module):
     # delayed-scaling state
     # ------------------------------------------------------------------
 
-    def reset_fp8_state(self) -> None:
-        """Drop the delayed-scaling state (recreated fresh, on the weight's device, when next needed)."""
-        distributed.discard_amax_reductions(id(self))
-        for name in (*_FP8_STATE, _FWD_SCALE):
-            self._buffers.pop(name, None)
-        if isinstance(self.recipe, DelayedScaling):
-            self._fp8_state(self.recipe)
+    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
+        """Start the delayed-scaling state fresh (empty history, scales 1), on the weight's device.
+
+        Args:
+            amax_history_len: rows of the new history; default: the layer's
+                own recipe's ``amax_history_len``, else ``DelayedScaling``'s
+                default. A ``tl.autocast`` recipe with a longer history than
+                the layer holds needs this before ``torch.compile`` /
+                ``torch.export`` (eagerly the history grows by itself).
+        """
+        if amax_history_len is None:
+            own = self.recipe
+            amax_history_len = own.amax_history_len if isinstance(own, DelayedScaling) else _DEFAULT_HISTORY_LEN
+        rows = operator.index(amax_history_len)
+        if rows < 1:
+            raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
+        amax_reduction.discard_amax_reductions(id(self))
+        device = self.weight.device
+        # Normal tensors even under inference_mode: training updates them in place later.
+        with torch.inference_mode(False):
+            self.register_buffer("fp8_amax_history", torch.zeros(rows, 3, dtype=torch.float32, device=device))
+            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+            # Not state: what the last forward quantized with (activation checkpointing's recompute reads it).
+            self.register_buffer(_FWD_SCALE, torch.ones(3, dtype=torch.float32, device=device), persistent=False)
 
     def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor, Tensor]:
-        """The (amax_history, scale, fwd_scale) buffers, created fresh on first use or on a new history length."""
-        history = getattr(self, "fp8_amax_history", None)
-        if history is None or history.shape[0] != recipe.amax_history_len:
-            distributed.discard_amax_reductions(id(self))
-            device = self.weight.device
-            history = torch.zeros(recipe.amax_history_len, 3, dtype=torch.float32, device=device)
-            self.register_buffer("fp8_amax_history", history)
-            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
-        if getattr(self, _FWD_SCALE, None) is None:
-            # Not state: rewritten from fp8_scale at the start of every forward.
-            self.register_buffer(_FWD_SCALE, torch.ones_like(self.fp8_scale), persistent=False)
-        return self.fp8_amax_history, self.fp8_scale, getattr(self, _FWD_SCALE)
+        """The (amax_history, scale, fwd_scale) the recipe uses: the history's leading ``amax_history_len`` rows."""
+        rows, wanted = self.fp8_amax_history.shape[0], recipe.amax_history_len
+        if wanted > rows:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"tl.Linear: the recipe's amax_history_len={wanted} exceeds the {rows} rows of this layer's "
+                    f"delayed-scaling history, which cannot grow inside torch.compile / torch.export; give the "
+                    f"layer that recipe (tl.Linear(..., recipe=...), tl.convert_to_fp8(model, recipe=...)), call "
+                    f"layer.reset_fp8_state(amax_history_len={wanted}), or run one eager step first"
+                )
+            self._grow_history(wanted)
+        history = self.fp8_amax_history
+        if wanted < rows:
+            history = history[:wanted]
+        return history, self.fp8_scale, getattr(self, _FWD_SCALE)
 
-    def __del__(self, _discard=distributed.discard_amax_reductions) -> None:
+    def _grow_history(self, rows: int) -> None:
+        """Eagerly: a longer history keeping the recorded rows on top (pending reductions still apply)."""
+        old = self.fp8_amax_history
+        with torch.inference_mode(False):  # a normal tensor, as in reset_fp8_state
+            history = old.new_zeros(rows, old.shape[1])
+            history[: old.shape[0]].copy_(old)
+        self.register_buffer("fp8_amax_history", history)
+
+    def __del__(self, _discard=amax_reduction.discard_amax_reductions) -> None:
         # Pending reductions are keyed by id(self): a later layer given the
         # same id must not inherit them. (_discard is bound early: module
         # globals may be gone when this runs at interpreter exit.)
@@ -149,28 +183,40 @@ class Linear(nn.Module):
 
     def finish_amax_reductions(self) -> None:
         """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
-        history = getattr(self, "fp8_amax_history", None)
-        if history is not None:
-            delayed_scaling_flush(history, self.fp8_scale, id(self))
+        delayed_scaling_flush(self.fp8_amax_history, self.fp8_scale, id(self))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        distributed.discard_amax_reductions(id(self))  # updates of the state being replaced
-        # Match the buffers to what is being loaded: present keys are loaded
-        # (whatever their history length), absent ones reset the state.
-        for name in _FP8_STATE:
-            key = prefix + name
-            if key in state_dict:
-                self.register_buffer(name, torch.empty_like(state_dict[key], device=self.weight.device))
-            elif name in self._buffers:
-                del self._buffers[name]
+        amax_reduction.discard_amax_reductions(id(self))  # updates of the state being replaced
+        keys = {name: prefix + name for name in _FP8_STATE}
+        history, scale = checked_fp8_state(*(state_dict.get(key) for key in keys.values()), prefix=prefix)
+        # load_state_dict passes its own copy of the dict: the checked float32
+        # tensors replace what was given.
+        for key, t in zip(keys.values(), (history, scale)):
+            if t is not None:
+                state_dict[key] = t
+        if history is not None:  # a history of any length loads: the buffer takes its shape
+            with torch.inference_mode(False):
+                self._buffers["fp8_amax_history"] = torch.empty_like(history, device=self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if history is None and scale is None:
+            # A state without the FP8 keys (an nn.Linear's) starts the state fresh.
+            for key in keys.values():
+                if key in missing_keys:
+                    missing_keys.remove(key)
+            self.reset_fp8_state()
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
         state = {name: self._buffers.pop(name) for name in (*_FP8_STATE, _FWD_SCALE) if name in self._buffers}
         super()._apply(fn, recurse)
+        device = self.weight.device
         for name, t in state.items():
-            self._buffers[name] = t.to(device=self.weight.device)
+            if t.is_meta and device.type != "meta":
+                # to_empty() after meta-device init: a meta state holds no data, start it fresh.
+                fresh = torch.zeros if name == "fp8_amax_history" else torch.ones
+                self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
+            else:
+                self._buffers[name] = t.to(device=device)
         self._weight_cache = None
         return self
 
@@ -191,9 +237,9 @@ class Linear(nn.Module):
             raise ValueError(
                 f"Linear: argument 'inp' must have shape (..., {self.in_features}), got {list(inp.shape)}"
             )
-        if distributed.is_tensor_parallel(self.weight):
+        if tensor_parallel.is_tensor_parallel(self.weight):
             # parallelize_module made the parameters DTensors: run on the local shards.
-            return distributed.tensor_parallel_forward(self, inp, functools.partial(self._forward, is_first_microbatch))
+            return tensor_parallel.tensor_parallel_forward(self, inp, functools.partial(self._forward, is_first_microbatch))
         return self._forward(is_first_microbatch, inp, self.weight, self.bias)
 
     def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -201,6 +247,7 @@ class Linear(nn.Module):
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return F.linear(inp, weight, bias)
+        check_linear_devices(inp, weight, bias, getattr(self.weight, "main_grad", None))
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
@@ -209,16 +256,18 @@ class Linear(nn.Module):
         # it quantizes with fwd_scale as the original forward left it and
         # records no amax a second time.
         recompute = delayed and _run_by_backward()
+        fwd_scale = args.fwd_scale
         if delayed and not recompute:
             if args.amax_reduction_layer_key != -1:
-                delayed_scaling_flush(args.amax_history, args.scale, args.amax_reduction_layer_key)
-            args.fwd_scale.copy_(args.scale)
-        out, _, _, w_fp8, w_fp8_t, w_scale_inv, amax, _ = linear_fwd(args)
+                delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
+            args.fwd_scale = args.scale  # a forward quantizes with the current scales
+        o = linear_fwd(args)
         if delayed and not recompute:
+            fwd_scale.copy_(o.fwd_scales)  # just-in-time ones included
             delayed_scaling_update(
                 args.amax_history,
                 args.scale,
-                amax,
+                o.amax,
                 _FWD_COLUMN,
                 args.fwd_dtype,
                 recipe.margin,
@@ -227,10 +276,14 @@ class Linear(nn.Module):
                 args.amax_reduction_layer_key,
             )
         if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
-            t = w_fp8_t if w_fp8_t.numel() else None
-            self._weight_cache = (w_fp8.detach(), t, w_scale_inv.detach(), amax[1].detach())
-        # The op's output is 2-D; a 2-D input gets it as is (not a view, as from nn.Linear).
-        return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+            t = o.weight_fp8_t if o.weight_fp8_t.numel() else None
+            self._weight_cache = (o.weight_fp8.detach(), t, o.weight_scale_inv.detach(), o.amax[1].detach())
+        # The op's output is 2-D. Other inputs get it in their leading dims through
+        # _unsafe_view, as nn.Linear does: not a view to autograd, so in-place
+        # ops on it work and FSDP2 sees no view returned.
+        if inp.dim() == 2:
+            return o.out
+        return torch.ops.aten._unsafe_view.default(o.out, [*inp.shape[:-1], o.out.shape[-1]])
 
     def _fwd_args(
         self,
@@ -250,7 +303,7 @@ class Linear(nn.Module):
         delayed = isinstance(recipe, DelayedScaling)
         history, scale, fwd_scale = self._fp8_state(recipe) if delayed else (None, None, None)
         # Across ranks, amax reductions run in the background until the next forward.
-        layer_key = id(self) if delayed and distributed.reduces_amax(self.amax_reduction_group) else -1
+        layer_key = id(self) if delayed and amax_reduction.reduces_amax(self.amax_reduction_group) else -1
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
@@ -280,8 +333,9 @@ class Linear(nn.Module):
             fwd_scale=fwd_scale,
             amax_history=history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
-            amax_reduction_group=self.amax_reduction_group if delayed else distributed.NO_GROUP,
+            amax_reduction_group=self.amax_reduction_group if delayed else amax_reduction.NO_GROUP,
             amax_reduction_layer_key=layer_key,
+            just_in_time=delayed and recipe.first_step_just_in_time,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

@@ -14,12 +14,12 @@ field annotations: adding a field to the dataclass is the only edit needed.
 import dataclasses
 import inspect
 import typing
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["ArgsOp", "LinearBwdArgs", "LinearFwdArgs", "args_op"]
+__all__ = ["ArgsOp", "LinearBwdArgs", "LinearBwdContext", "LinearFwdArgs", "LinearFwdOutputs", "args_op"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,15 +53,19 @@ class LinearFwdArgs:
     """Delayed scaling: (3,) float32 scales of [input, weight, grad_output], updated after forward and
     backward; None: current scaling."""
     fwd_scale: Optional[Tensor]
-    """Delayed scaling: what forward quantizes with, a copy of ``scale`` taken at its start: activation
-    checkpointing's recompute reads it during backward, when ``scale`` has moved on."""
+    """Delayed scaling: what forward quantizes with: ``scale`` itself in a forward; in activation
+    checkpointing's recompute (during backward, when ``scale`` has moved on) the copy of the scales the
+    original forward used, which the module records from linear_fwd's last output."""
     amax_history: Optional[Tensor]
     """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
     amax_compute_algo: str
     amax_reduction_group: int
-    """Delayed scaling: distributed.py key of the group amaxes are all-reduced over (-1: none)."""
+    """Delayed scaling: amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
     amax_reduction_layer_key: int
     """Delayed scaling across ranks: the layer's key for reductions applied at its next forward (-1: at once)."""
+    just_in_time: bool
+    """Delayed scaling: a tensor whose history column holds no amax yet is quantized with a scale from its own
+    amax (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""
@@ -94,13 +98,87 @@ class LinearBwdArgs:
     wgrad_dtype: torch.dtype
 
 
+class LinearFwdOutputs(NamedTuple):
+    """What ``linear_fwd`` returns (unused slots are empty tensors); only ``out`` has a gradient."""
+
+    out: Tensor
+    """(rows of the input, out_features): the caller restores the input's leading dims."""
+    inp_saved: Tensor
+    """The FP8 input in layout.saved_form (what wgrad reads)."""
+    inp_scale_inv: Tensor
+    weight_fp8: Tensor
+    """Row-major FP8 weight (empty when a cached one was given)."""
+    weight_fp8_t: Tensor
+    """Its columnwise copy where layout.py needs one, else empty."""
+    weight_scale_inv: Tensor
+    amax: Tensor
+    """(2,) amaxes of [input, weight], for the delayed-scaling update."""
+    grad_output_scale: Tensor
+    """Delayed scaling: the grad_output scale as of this forward (negated: backward computes a just-in-time
+    one), so a second backward through a retained graph quantizes like the first."""
+    fwd_scales: Tensor
+    """Delayed scaling: the scales this forward used for [input, weight, grad_output]; the module records
+    them as ``fp8_fwd_scale`` for activation checkpointing's recompute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearBwdContext:
+    """What backward needs from forward besides the saved tensors (kept on the autograd ctx)."""
+
+    input_requires_grad: bool
+    weight_requires_grad: bool
+    bias_requires_grad: bool
+    fp8: bool
+    bwd_dtype: torch.dtype
+    margin: int
+    amax_compute_algo: str
+    amax_reduction_group: int
+    amax_reduction_layer_key: int
+    just_in_time: bool
+    input_shape: list[int]
+    input_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    bias_dtype: Optional[torch.dtype]
+    wgrad_queue: int
+    amax_history: Optional[Tensor]
+    """Delayed scaling: the state backward updates, by reference (the forward's own update would trip the
+    saved-tensor version check); None otherwise."""
+    scale: Optional[Tensor]
+    main_grad: Optional[Tensor]
+
+    @classmethod
+    def from_fwd_args(cls, a: LinearFwdArgs) -> "LinearBwdContext":
+        delayed = a.fp8 and a.scale is not None
+        return cls(
+            input_requires_grad=a.input_requires_grad,
+            weight_requires_grad=a.weight_requires_grad,
+            bias_requires_grad=a.bias_requires_grad,
+            fp8=a.fp8,
+            bwd_dtype=a.bwd_dtype,
+            margin=a.margin,
+            amax_compute_algo=a.amax_compute_algo,
+            amax_reduction_group=a.amax_reduction_group,
+            amax_reduction_layer_key=a.amax_reduction_layer_key,
+            just_in_time=a.just_in_time,
+            input_shape=list(a.inp.shape),
+            input_dtype=a.inp.dtype,
+            weight_dtype=a.weight.dtype,
+            bias_dtype=a.bias.dtype if a.bias is not None else None,
+            wgrad_queue=a.wgrad_queue,
+            amax_history=a.amax_history if delayed else None,
+            scale=a.scale if delayed else None,
+            main_grad=a.main_grad,
+        )
+
+
 class ArgsOp:
     """A custom op taking some fields of an args dataclass, callable with the dataclass."""
 
-    def __init__(self, op: Any, cls: type, fields: Sequence[str]):
+    def __init__(self, op: Any, cls: type, fields: Sequence[str], result: Optional[type] = None):
         self.op = op
         self.cls = cls
         self.fields = tuple(fields)
+        self.result = result
         self._all_fields = tuple(f.name for f in dataclasses.fields(cls))
 
     def flatten(self, args: Any) -> tuple:
@@ -114,7 +192,8 @@ class ArgsOp:
         return self.cls(**kwargs)
 
     def __call__(self, args: Any) -> Any:
-        return self.op(*self.flatten(args))
+        out = self.op(*self.flatten(args))
+        return self.result(*out) if self.result is not None else out
 
 
 def args_op(
@@ -123,6 +202,7 @@ def args_op(
     returns: Any,
     fields: Optional[Sequence[str]] = None,
     mutates_args: Sequence[str] = (),
+    result: Optional[type] = None,
 ) -> Callable[[Callable[[Any], Any]], ArgsOp]:
     """Register ``impl(args: cls) -> returns`` as the custom op ``name``.
 
@@ -132,15 +212,17 @@ def args_op(
         returns: the op's return annotation.
         fields: the fields the op takes (default: all, in declaration order).
         mutates_args: fields the op writes to.
+        result: a NamedTuple the op's tuple is returned as (the schema sees a plain tuple).
     """
     hints = typing.get_type_hints(cls)
     names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
 
     def register(impl: Callable[[Any], Any]) -> ArgsOp:
-        wrapped = ArgsOp(None, cls, names)
+        wrapped = ArgsOp(None, cls, names, result)
 
         def flat(*values: Any) -> Any:
-            return impl(wrapped.unflatten(values))
+            out = impl(wrapped.unflatten(values))
+            return tuple(out) if isinstance(out, tuple) else out  # a NamedTuple result, as the schema's tuple
 
         flat.__signature__ = inspect.Signature(
             [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[n]) for n in names],

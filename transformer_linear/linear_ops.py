@@ -1,6 +1,6 @@
 """The Linear as custom ops: ``linear_fwd``, ``linear_dgrad``, ``linear_wgrad``
-(autograd via ``register_autograd``) and the mutating ``delayed_scaling_update``
-and ``delayed_scaling_flush``.
+(autograd via ``register_autograd``); the mutating ``delayed_scaling_update``
+and ``delayed_scaling_flush`` are in scaling.py.
 
 Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
 the FP8 copies so autograd saves those, not the high-precision tensors.
@@ -8,9 +8,10 @@ Backward quantizes grad_output once (bias gradient fused into that pass),
 then calls dgrad and wgrad as two ops that share no inputs but the gradient,
 so a graph pass can split the input- and weight-gradient halves.
 
-``register_autograd`` refuses ops that mutate, so delayed-scaling updates are
-a separate op, called by the module after forward and by backward for
-grad_output: the same operations run in eager and under ``torch.compile``.
+``register_autograd`` refuses ops that mutate, so the delayed-scaling update
+is an op of its own (scaling.py), called by the module after forward and by
+backward for grad_output: the same operations run in eager and under
+``torch.compile``.
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from transformer_linear import distributed, layout, ops
-from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs, args_op
-from transformer_linear.reference import fp8_max
-from transformer_linear.scaling import FP8_STATE_COLUMNS, update_delayed_scaling_
+from transformer_linear import amax_reduction, layout, ops
+from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
+from transformer_linear.reference import compute_scale, fp8_max
+from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update
 
 __all__ = [
     "WGRAD_QUEUES",
     "compute_wgrad",
-    "delayed_scaling_flush",
-    "delayed_scaling_update",
     "linear_dgrad",
     "linear_fwd",
     "linear_wgrad",
+    "quantize_grad_output",
 ]
 
 
@@ -43,76 +43,11 @@ WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
 
 
 # ---------------------------------------------------------------------------
-# delayed-scaling state update (mutating)
-# ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_update_op(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    fp8_max: float,
-    margin: int,
-    amax_compute_algo: str,
-    group: int = distributed.NO_GROUP,
-    layer_key: int = -1,
-) -> None:
-    update = (first, fp8_max, margin, amax_compute_algo)
-    if layer_key != -1 and distributed.launch_amax_reduction(amax, group, layer_key, *update):
-        return  # applied by delayed_scaling_flush before the layer next reads its scales
-    update_delayed_scaling_(amax_history, scale, distributed.all_reduce_amax(amax, group), *update)
-
-
-@_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=distributed.NO_GROUP, layer_key=-1):
-    return None
-
-
-def delayed_scaling_update(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    dtype: torch.dtype,
-    margin: int,
-    algo: str,
-    group: int = distributed.NO_GROUP,
-    layer_key: int = -1,
-) -> None:
-    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
-
-    ``group`` (a distributed.py key) all-reduces ``amax`` with MAX across ranks
-    first: blocking when ``layer_key`` is -1, else launched asynchronously and
-    applied by :func:`delayed_scaling_flush` with the same ``layer_key``.
-    """
-    _delayed_scaling_update_op(amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group, layer_key)
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    for update in distributed.pop_amax_reductions(layer_key):
-        update_delayed_scaling_(amax_history, scale, *update)
-
-
-@_delayed_scaling_flush_op.register_fake
-def _(amax_history, scale, layer_key):
-    return None
-
-
-def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int) -> None:
-    """Wait for the layer's launched amax reductions and apply their updates, in launch order, in place."""
-    _delayed_scaling_flush_op(amax_history, scale, layer_key)
-
-
-# ---------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------
 
-# out, inp (saved form), inp_scale_inv, weight_fp8 (row-major), weight_fp8_t
-# (columnwise or empty), weight_scale_inv, amax [input, weight], grad_output scale.
-_FwdOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# linear_fwd's schema return type: LinearFwdOutputs as a plain tuple.
+_FwdOutputs = tuple[(Tensor,) * len(LinearFwdOutputs._fields)]
 
 
 def _rows(inp: Tensor) -> int:
@@ -143,6 +78,7 @@ def _fwd_side_outputs_like(a: LinearFwdArgs) -> tuple[Tensor, ...]:
         inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
         inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
         inp.new_empty((1,) if a.scale is not None else (0,), dtype=f32),
+        inp.new_empty((3,) if a.scale is not None else (0,), dtype=f32),
     )
 
 
@@ -151,8 +87,45 @@ def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: in
     return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=layout.needs_columnwise(x.device), **kw)
 
 
-@args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs)
-def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
+def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Tensor, group: int) -> Tensor:
+    """Delayed scaling's first step: the scale of ``x``'s own amax, all-reduced over ``group`` first.
+
+    Bitwise the scale the history update computes from that amax afterwards.
+    Runs inside an op (eagerly, also under torch.compile): it reads the state.
+    """
+    amax = amax_reduction.all_reduce_amax(ops.amax(x).reshape(1), group)
+    return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
+
+
+def _history_empty(history: Tensor) -> list[bool]:
+    """Per column: the history holds no amax yet."""
+    return history.eq(0).all(0).tolist()
+
+
+@torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
+def _quantize_grad_output_op(
+    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if bool(scale.lt(0).item()):
+        # linear_fwd saw no grad_output amax in the history yet: just in time.
+        scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
+    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+@_quantize_grad_output_op.register_fake
+def _(g, scale, dtype, margin, dbias_dtype, group):
+    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+def quantize_grad_output(
+    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
+) -> ops.QuantizeOutput:
+    """Delayed scaling's grad_output quantize; a negative ``scale`` (from linear_fwd) asks for a just-in-time one."""
+    return ops.QuantizeOutput(*_quantize_grad_output_op(g, scale, dtype, margin, dbias_dtype, group))
+
+
+@args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs, result=LinearFwdOutputs)
+def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     """y = x Wᵀ + b with FP8 operands (or in high precision when ``a.fp8`` is False).
 
     ``y`` is returned 2-D, (rows of x, out_features); the caller restores x's
@@ -166,11 +139,23 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return (out, *_fwd_side_outputs_like(a))
-    qx = _quantize(x2d.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "input"), a.margin)
+        return LinearFwdOutputs(out, *_fwd_side_outputs_like(a))
+    x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
+    x2d = x2d.contiguous()
+    if a.just_in_time and a.amax_history is not None:
+        x_empty, w_empty, g_empty = _history_empty(a.amax_history)
+        group = a.amax_reduction_group
+        if x_empty:
+            x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)
+        if w_empty and a.weight_fp8 is None:
+            w_scale = _just_in_time_scale(weight, a.fwd_dtype, a.margin, w_scale, group)
+    grad_scale_out = grad_scale
+    if a.just_in_time and a.amax_history is not None and g_empty:
+        grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
+    qx = _quantize(x2d, a.fwd_dtype, x_scale, a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
-        qw = _quantize(weight.contiguous(), a.fwd_dtype, _column(a.fwd_scale, "weight"), a.margin)
+        qw = _quantize(weight.contiguous(), a.fwd_dtype, w_scale, a.margin)
         w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
         w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else no_fp8, qw.scale_inv)
     else:
@@ -178,16 +163,15 @@ def linear_fwd(a: LinearFwdArgs) -> _FwdOutputs:
         w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
-    grad_scale = _column(a.fwd_scale, "grad_output")
-    return (
+    delayed = a.fwd_scale is not None
+    return LinearFwdOutputs(
         out,
         layout.saved_form(qx.data, qx.data_t),
         qx.scale_inv,
         *w_outputs,
-        torch.stack([qx.amax, w_amax.reshape(())]),
-        # The grad_output scale as of this forward: a second backward through a
-        # retained graph must quantize exactly like the first.
-        grad_scale.clone() if grad_scale is not None else inp.new_empty(0, dtype=f32),
+        amax=torch.stack([qx.amax, w_amax.reshape(())]),
+        grad_output_scale=grad_scale_out.clone() if delayed else inp.new_empty(0, dtype=f32),
+        fwd_scales=torch.cat([x_scale, w_scale, grad_scale]) if delayed else inp.new_empty(0, dtype=f32),
     )
 
 
@@ -273,62 +257,55 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
 
 def _setup_context(ctx, inputs, output) -> None:
     a = linear_fwd.unflatten(inputs)
-    _, x_saved, x_scale_inv, w_fp8, w_fp8_t, w_scale_inv, _, grad_scale = output
+    o = LinearFwdOutputs(*output)
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.mark_non_differentiable(*o[1:])
+    x_saved, x_scale_inv, w_scale_inv = o.inp_saved, o.inp_scale_inv, o.weight_scale_inv
     if not a.fp8:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
     elif a.weight_fp8 is not None:
         # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
         w_saved, w_scale_inv = layout.saved_form(a.weight_fp8, a.weight_fp8_t), a.weight_scale_inv
     else:
-        w_saved = layout.saved_form(w_fp8, w_fp8_t)
-    delayed = a.fp8 and a.scale is not None
+        w_saved = layout.saved_form(o.weight_fp8, o.weight_fp8_t)
+    bwd = LinearBwdContext.from_fwd_args(a)
     ctx.save_for_backward(
         x_saved if a.weight_requires_grad else None,
         x_scale_inv,
         w_saved if a.input_requires_grad else None,
         w_scale_inv,
-        grad_scale if delayed else None,
+        o.grad_output_scale if bwd.scale is not None else None,
     )
-    ctx.flags = (a.input_requires_grad, a.weight_requires_grad, a.bias_requires_grad)
-    ctx.fp8, ctx.bwd_dtype, ctx.margin, ctx.algo = a.fp8, a.bwd_dtype, a.margin, a.amax_compute_algo
-    ctx.amax_group, ctx.amax_layer_key = a.amax_reduction_group, a.amax_reduction_layer_key
-    ctx.input_shape, ctx.input_dtype = list(a.inp.shape), a.inp.dtype
-    ctx.weight_dtype = a.weight.dtype
-    ctx.bias_dtype = a.bias.dtype if a.bias is not None else None
-    ctx.wgrad_queue = a.wgrad_queue
-    # Mutable state, written by backward: kept as references, not saved tensors
-    # (the forward's own scale update would trip the saved-tensor version check).
-    ctx.amax_history = a.amax_history if delayed else None
-    ctx.scale = a.scale if delayed else None
-    ctx.main_grad = a.main_grad
+    ctx.bwd = bwd
 
 
 def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     x_saved, x_scale_inv, w_saved, w_scale_inv, grad_scale = ctx.saved_tensors
-    input_rg, weight_rg, bias_rg = ctx.flags
+    c: LinearBwdContext = ctx.bwd
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
-    dbias_dtype = ctx.bias_dtype if bias_rg else None
-    if ctx.fp8:
-        qg = _quantize(g2d, ctx.bwd_dtype, grad_scale, ctx.margin, dbias_dtype=dbias_dtype)
-        if ctx.scale is not None:
+    dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
+    if c.fp8:
+        if c.scale is not None and c.just_in_time:
+            qg = quantize_grad_output(g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype, c.amax_reduction_group)
+        else:
+            qg = _quantize(g2d, c.bwd_dtype, grad_scale, c.margin, dbias_dtype=dbias_dtype)
+        if c.scale is not None:
             column = FP8_STATE_COLUMNS["grad_output"]
             delayed_scaling_update(
-                ctx.amax_history,
-                ctx.scale,
+                c.amax_history,
+                c.scale,
                 qg.amax,
                 column,
-                ctx.bwd_dtype,
-                ctx.margin,
-                ctx.algo,
-                ctx.amax_group,
-                ctx.amax_layer_key,
+                c.bwd_dtype,
+                c.margin,
+                c.amax_compute_algo,
+                c.amax_reduction_group,
+                c.amax_reduction_layer_key,
             )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
-        dbias = g2d.sum(0).to(dbias_dtype) if bias_rg else None
+        dbias = g2d.sum(0).to(dbias_dtype) if c.bias_requires_grad else None
         if x_saved is not None:
             x_saved = x_saved.reshape(-1, x_saved.shape[-1])
     b = LinearBwdArgs(
@@ -339,21 +316,21 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         inp_scale_inv=x_scale_inv,
         weight=w_saved,
         weight_scale_inv=w_scale_inv,
-        input_shape=ctx.input_shape,
-        dgrad_dtype=ctx.input_dtype,
-        wgrad_dtype=ctx.weight_dtype,
+        input_shape=c.input_shape,
+        dgrad_dtype=c.input_dtype,
+        wgrad_dtype=c.weight_dtype,
     )
-    dgrad = linear_dgrad(b) if input_rg else None
+    dgrad = linear_dgrad(b) if c.input_requires_grad else None
     wgrad = None
-    if ctx.wgrad_queue >= 0:
-        if weight_rg or bias_rg:
+    if c.wgrad_queue >= 0:
+        if c.weight_requires_grad or c.bias_requires_grad:
             # The queue keeps what wgrad reads, not the weight dgrad needed.
-            queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if weight_rg else None
-            WGRAD_QUEUES.setdefault(ctx.wgrad_queue, []).append((queued, dbias))
+            queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if c.weight_requires_grad else None
+            WGRAD_QUEUES.setdefault(c.wgrad_queue, []).append((queued, dbias))
         dbias = None
-    elif weight_rg:
-        wgrad = compute_wgrad(b, ctx.main_grad)
-    return (dgrad, wgrad, dbias if bias_rg else None) + (None,) * (len(linear_fwd.fields) - 3)
+    elif c.weight_requires_grad:
+        wgrad = compute_wgrad(b, c.main_grad)
+    return (dgrad, wgrad, dbias if c.bias_requires_grad else None) + (None,) * (len(linear_fwd.fields) - 3)
 
 
 linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)

@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from transformer_linear import _C, _cuda_fallback
+from transformer_linear._checks import check_same_device, check_scale_values
+from transformer_linear._checks import check_tensor as _check_tensor
 from transformer_linear._tensor import desc, stream_for
 from transformer_linear.reference import FP8_DTYPES, HIGH_PRECISION_DTYPES
 
@@ -56,16 +58,6 @@ def _check_hp_dtype(op: str, name: str, dtype: torch.dtype) -> None:
 def _check_margin(op: str, margin: int) -> None:
     if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
         raise ValueError(f"{op}: argument 'margin' must be an integer in [0, 127), got {margin!r}")
-
-
-def _check_tensor(op: str, name: str, t: object, like: Optional[torch.Tensor] = None) -> None:
-    """Type and device checks that must run before dispatch: the dispatcher reports
-    a non-tensor as a RuntimeError, and a 'meta' argument routes a CPU call to the
-    fake implementation, which would return uninitialized tensors."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
-    if like is not None and t.device != like.device:
-        raise TypeError(f"{op}: argument '{name}' must be on {like.device} like the input, got {t.device}")
 
 
 def _scalar(like: torch.Tensor) -> torch.Tensor:
@@ -123,6 +115,7 @@ def _quantize_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "quantize"
     _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
+    check_scale_values(op, {"scale": scale}, reciprocal=True)
     if _cuda_fallback.active(x):
         return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
     q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
@@ -208,9 +201,7 @@ def quantize_fused(
         columnwise: produce ``data_t`` (the fused cast + transpose).
         dbias_dtype: produce ``dbias`` in this dtype.
     """
-    _check_tensor("quantize", "input", x)
-    if scale is not None:
-        _check_tensor("quantize", "scale", scale, like=x)
+    check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
     _check_fp8_dtype("quantize", "dtype", dtype)
     _check_margin("quantize", margin)
     return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
@@ -246,6 +237,7 @@ def quantize_current(
 @torch.library.custom_op("transformer_linear::dequantize", mutates_args=())
 def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    check_scale_values("dequantize", {"scale_inv": scale_inv})
     if _cuda_fallback.active(q):
         return _cuda_fallback.dequantize(q, scale_inv, out_dtype)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -262,8 +254,7 @@ def _(q, scale_inv, out_dtype):
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
-    _check_tensor("dequantize", "input", q)
-    _check_tensor("dequantize", "scale_inv", scale_inv, like=q)
+    check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
     _check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return _dequantize_op(q, scale_inv, out_dtype)
 
@@ -271,6 +262,10 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype)
 # ---------------------------------------------------------------------------
 # GEMM
 # ---------------------------------------------------------------------------
+
+
+def _check_gemm_scales(a_scale_inv, b_scale_inv):
+    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
 
 
 def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_accumulator):
@@ -309,6 +304,7 @@ def _fp8_gemm_op(
     use_split_accumulator: bool,
 ) -> torch.Tensor:
     _check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    _check_gemm_scales(a_scale_inv, b_scale_inv)
     if _cuda_fallback.active(a):
         return _cuda_fallback.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
     out = torch.empty(_gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
@@ -331,6 +327,7 @@ def _fp8_gemm_accumulate_op(
     out: torch.Tensor,
     use_split_accumulator: bool,
 ) -> None:
+    _check_gemm_scales(a_scale_inv, b_scale_inv)
     if _cuda_fallback.active(a):
         return _cuda_fallback.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
@@ -362,7 +359,18 @@ def fp8_gemm(
         bias: (N,) tensor of ``out_dtype``, or None.
         use_split_accumulator: CUDA only: fp32 promotion of partial sums
             (more exact, slower); the CPU always accumulates in float32.
+
+    Raises:
+        TypeError: an argument is not a tensor, or not on ``a``'s device, or
+            has an unsupported dtype.
+        ValueError: bad shapes or layouts; on the CPU, a scale that is not
+            positive and finite.
     """
+    check_same_device(
+        "fp8_gemm",
+        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
+        optional=("bias",),
+    )
     return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
 
 
@@ -375,5 +383,17 @@ def fp8_gemm_accumulate_(
     *,
     use_split_accumulator: bool = True,
 ) -> None:
-    """out += (a @ b.T) * a_scale_inv * b_scale_inv, in place (wgrad into ``main_grad``)."""
+    """out += (a @ b.T) * a_scale_inv * b_scale_inv, in place (wgrad into ``main_grad``).
+
+    Arguments as :func:`fp8_gemm`'s; ``out`` is a contiguous (M, N) float32,
+    bfloat16 or float16 tensor, the kernels' output ``d``.
+
+    Raises:
+        ValueError: besides :func:`fp8_gemm`'s errors, when ``out`` shares
+            memory with an operand (the message names it output 'd').
+    """
+    check_same_device(
+        "fp8_gemm_accumulate",
+        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
+    )
     _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)

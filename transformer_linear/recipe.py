@@ -8,7 +8,9 @@ written rather than deep inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Union
 
@@ -41,6 +43,31 @@ def _check_format(cls: str, fp8_format: object) -> None:
         raise TypeError(f"{cls}: 'fp8_format' must be a recipe.Format, got {fp8_format!r}")
 
 
+def _check_ints(recipe: object) -> None:
+    """Store every ``int`` field of a recipe dataclass as a Python int.
+
+    Integral types (``np.int64``, a 0-dim integer tensor: anything with
+    ``__index__``) are accepted and converted, so the recipe hashes, compares
+    and guards under ``torch.compile`` like one built from ints; bools are
+    rejected where an integer is meant.
+
+    Raises:
+        TypeError: naming the field, for a bool or a non-integral value.
+    """
+    cls = type(recipe).__name__
+    for field in dataclasses.fields(recipe):
+        if field.type not in (int, "int"):
+            continue
+        value = getattr(recipe, field.name)
+        try:
+            index = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            index = None
+        if index is None:
+            raise TypeError(f"{cls}: '{field.name}' must be an integer, got {value!r}")
+        object.__setattr__(recipe, field.name, index)
+
+
 def _check_margin(cls: str, margin: object) -> None:
     if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
         raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
@@ -61,22 +88,35 @@ class DelayedScaling:
         fp8_format: the formats of forward tensors and gradients.
         amax_history_len: number of past amaxes kept per tensor.
         amax_compute_algo: ``"max"`` (over the history) or ``"most_recent"``.
+        first_step_just_in_time: a tensor whose history holds no amax yet
+            (the first step) is quantized with a scale from its own amax,
+            all-reduced over the amax-reduction group first, so the first
+            step does not depend on the data's magnitude (gradients of a
+            loss scaled by 2^k are 2^k times those of the unscaled loss).
+            False restores TransformerEngine's behaviour: the first step
+            quantizes with the initial scale 1 (for bitwise comparisons with TE).
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    first_step_just_in_time: bool = True
 
     def __post_init__(self) -> None:
+        _check_ints(self)
         _check_margin("DelayedScaling", self.margin)
         _check_format("DelayedScaling", self.fp8_format)
         n = self.amax_history_len
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if n < 1:
             raise ValueError(f"DelayedScaling: 'amax_history_len' must be a positive integer, got {n!r}")
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"DelayedScaling: 'amax_compute_algo' must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+        if not isinstance(self.first_step_just_in_time, bool):
+            raise TypeError(
+                f"DelayedScaling: 'first_step_just_in_time' must be a bool, got {self.first_step_just_in_time!r}"
             )
 
 
@@ -93,6 +133,7 @@ class CurrentScaling:
     margin: int = 0
 
     def __post_init__(self) -> None:
+        _check_ints(self)
         _check_format("CurrentScaling", self.fp8_format)
         _check_margin("CurrentScaling", self.margin)
 

@@ -8,6 +8,7 @@ follows these definitions operation for operation.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -90,13 +91,14 @@ def quantize_current(
 def transpose_2d(q: torch.Tensor) -> torch.Tensor:
     """The transposed layout the fused cast+transpose writes: (last dim, rest) contiguous."""
     cols = q.shape[-1] if q.dim() > 0 else 1
-    return q.reshape(-1, cols).t().contiguous()
+    # math.prod, not -1: a reshape cannot infer a dimension beside a 0.
+    return q.reshape(math.prod(q.shape[:-1]), cols).t().contiguous()
 
 
 def bias_grad(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sums of grad_output viewed as (rows, last dim), accumulated in float32."""
     cols = grad_output.shape[-1]
-    return grad_output.reshape(-1, cols).float().sum(0).to(dtype)
+    return grad_output.reshape(math.prod(grad_output.shape[:-1]), cols).float().sum(0).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -8,5 +8,6 @@ namespace bindings {
 void register_quantize(pybind11::module_& m);
 void register_gemm(pybind11::module_& m);
 void register_runtime(pybind11::module_& m);
+void register_cuda(pybind11::module_& m);
 }  // namespace bindings
 }  // namespace tl

@@ -25,4 +25,5 @@ PYBIND11_MODULE(_C, m) {
   tl::bindings::register_quantize(m);
   tl::bindings::register_gemm(m);
   tl::bindings::register_runtime(m);
+  tl::bindings::register_cuda(m);
 }

@@ -54,6 +54,9 @@ void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDe
     check_dtype(op, "workspace", workspace, {DType::kUInt8});
     check_contiguous(op, "workspace", workspace);
   }
+  check_disjoint(op, {{"d", &d}, {"workspace", &workspace}},
+                 {{"a", &a}, {"a_scale_inv", &a_scale_inv}, {"b", &b}, {"b_scale_inv", &b_scale_inv},
+                  {"bias", &bias}});
   if (dev == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::fp8_gemm(p);

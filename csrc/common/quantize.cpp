@@ -34,6 +34,7 @@ void amax(const TensorDesc& input, const TensorDesc& amax_out, Stream stream) {
   constexpr const char* op = "amax";
   check_input(op, input, kHighPrecision);
   check_scalar_like(op, "amax", amax_out, input);
+  check_disjoint(op, {{"amax", &amax_out}}, {{"input", &input}});
   if (input.device == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::amax(input, amax_out, stream);
@@ -76,7 +77,8 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
     check_device(op, "output_t", output_t, input.device, input.device_index);
     check_dtype(op, "output_t", output_t, kFp8);
     check_contiguous(op, "output_t", output_t);
-    TL_CHECK(input.ndim >= 1, op, ": a transposed output needs an input of rank >= 1");
+    TL_CHECK(input.ndim >= 1, op,
+             ": argument 'input' must have rank >= 1 for a transposed output, got a 0-dim tensor");
     check_shape(op, "output_t", output_t, {p.cols, p.rows});
     TL_CHECK_TYPE(!output.defined() || output.dtype == output_t.dtype, op,
                   ": 'output' and 'output_t' must have the same dtype, got ",
@@ -90,9 +92,16 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
     check_device(op, "dbias", dbias, input.device, input.device_index);
     check_dtype(op, "dbias", dbias, kHighPrecision);
     check_contiguous(op, "dbias", dbias);
-    TL_CHECK(input.ndim >= 1, op, ": a bias gradient needs an input of rank >= 1");
+    TL_CHECK(input.ndim >= 1, op,
+             ": argument 'input' must have rank >= 1 for a bias gradient, got a 0-dim tensor");
     check_shape(op, "dbias", dbias, {p.cols});
   }
+  // Current scaling writes the scale it computes into 'scale' (scratch).
+  const TensorDesc none;
+  check_disjoint(op,
+                 {{"output", &output}, {"output_t", &output_t}, {"scale_inv", &scale_inv},
+                  {"amax", &amax_out}, {"dbias", &dbias}, {"scale", current_scaling ? &scale : &none}},
+                 {{"input", &input}, {"scale", current_scaling ? &none : &scale}});
   if (input.device == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::quantize(p);
@@ -114,6 +123,7 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
   check_dtype(op, "output", output, kHighPrecision);
   check_contiguous(op, "output", output);
   check_same_shape(op, "input", input, "output", output);
+  check_disjoint(op, {{"output", &output}}, {{"input", &input}, {"scale_inv", &scale_inv}});
   if (input.device == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::dequantize(input, scale_inv, output, stream);

@@ -100,6 +100,46 @@ void matrix_strides(const char* op, const char* name, const TensorDesc& t, int64
   }
 }
 
+namespace {
+
+// [first byte, one past the last byte) of the elements `t` addresses, in
+// unsigned arithmetic (a descriptor's sizes are validated by the caster).
+std::pair<uint64_t, uint64_t> byte_span(const TensorDesc& t) {
+  uint64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    last += static_cast<uint64_t>(t.shape[i] - 1) * static_cast<uint64_t>(t.strides[i]);
+  }
+  const uint64_t size = static_cast<uint64_t>(element_size(t.dtype));
+  const uint64_t begin = reinterpret_cast<uintptr_t>(t.data);
+  return {begin, begin + (last + 1) * size};
+}
+
+bool overlap(const TensorDesc& a, const TensorDesc& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+  if (a.device != b.device || a.device_index != b.device_index) return false;
+  const auto [a0, a1] = byte_span(a);
+  const auto [b0, b1] = byte_span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+}  // namespace
+
+void check_disjoint(const char* op, std::initializer_list<NamedDesc> outputs,
+                    std::initializer_list<NamedDesc> inputs) {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    for (const auto& [name, t] : inputs) {
+      TL_CHECK(!overlap(*out->second, *t), op, ": output '", out->first,
+               "' shares memory with argument '", name,
+               "'; an output must not overlap any other argument");
+    }
+    for (auto other = out + 1; other != outputs.end(); ++other) {
+      TL_CHECK(!overlap(*out->second, *other->second), op, ": output '", out->first,
+               "' shares memory with output '", other->first,
+               "'; an output must not overlap any other argument");
+    }
+  }
+}
+
 void fail_no_cuda(const char* op) {
   TL_ERROR(TypeError, op,
            ": got CUDA tensors, but this build of transformer_linear has no CUDA kernels; "

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <initializer_list>
+#include <utility>
 
 #include "transformer_linear/check.h"
 #include "transformer_linear/tensor.h"
@@ -43,6 +44,20 @@ void check_same_shape(const char* op, const char* name_a, const TensorDesc& a, c
  */
 void matrix_strides(const char* op, const char* name, const TensorDesc& t, int64_t* row_stride,
                     int64_t* col_stride);
+
+/*! \brief An argument name and its descriptor, for check_disjoint. */
+using NamedDesc = std::pair<const char*, const TensorDesc*>;
+
+/*!
+ * \brief Throw (ValueError) when an output's memory overlaps an input's or another output's.
+ *
+ * Compares the byte spans [first, last element] of each output with those of
+ * every input and every later output; empty and absent tensors never overlap.
+ * The spans are conservative: interleaved views of one buffer count as
+ * overlapping. Call it after the layout checks (it assumes non-negative strides).
+ */
+void check_disjoint(const char* op, std::initializer_list<NamedDesc> outputs,
+                    std::initializer_list<NamedDesc> inputs);
 
 /*! \brief Throw the TypeError for CUDA tensors reaching a build without CUDA kernels. */
 [[noreturn]] void fail_no_cuda(const char* op);

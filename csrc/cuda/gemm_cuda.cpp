@@ -5,15 +5,21 @@
 // terms the same memory is D^T (N x M) = B (N x K) @ A^T (K x M), so cuBLAS's
 // "A" is our B with op T and its "B" is our A with op N: the "TN" layout that
 // FP8 needs on sm_89 / sm_90, reached when both our operands are K-contiguous.
+// Our M is cuBLAS's n, which FP8 does not need aligned: any token count takes
+// cuBLASLt. N must be a multiple of 16; K and the leading dimensions must be
+// too, or the operands are copied zero-padded (run_cublaslt_padded).
 #include <cublasLt.h>
 
 #include <array>
+#include <atomic>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
 
+#include "cuda_info.h"
 #include "cuda_utils.h"
 #include "launchers.h"
 
@@ -54,15 +60,20 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
-// What cuBLASLt's FP8 matmul accepts on every FP8-capable GPU (sm_89+).
-bool cublaslt_eligible(const GemmParams& p) {
+// What cuBLASLt's FP8 matmul needs on every FP8-capable GPU (sm_89+) that no
+// copy of the operands can change.
+bool fp8_tensor_cores_apply(const GemmParams& p) {
   const bool both_e5m2 = p.a.dtype == DType::kFloat8E5M2 && p.b.dtype == DType::kFloat8E5M2;
   const bool k_major = p.a_col == 1 && p.b_col == 1;
-  const bool dims16 = p.m % 16 == 0 && p.n % 16 == 0 && p.k % 16 == 0 && p.k > 0;
-  const bool ld16 = p.a_row % 16 == 0 && p.b_row % 16 == 0;
-  const bool aligned16 = aligned(p.a.data, 16) && aligned(p.b.data, 16) && aligned(p.d.data, 16) &&
-                         (!p.bias.defined() || aligned(p.bias.data, 16));
-  return !both_e5m2 && k_major && dims16 && ld16 && aligned16 && sm_version() >= 89;
+  const bool output16 = p.n % 16 == 0 && aligned(p.d.data, 16) && (!p.bias.defined() || aligned(p.bias.data, 16));
+  return !both_e5m2 && k_major && output16 && p.k > 0 && sm_version() >= 89;
+}
+
+// ... and what a zero-padded copy of the operands provides: K, the leading
+// dimensions and the operand addresses in multiples of 16.
+bool operands_fit(const GemmParams& p) {
+  return p.k % 16 == 0 && p.a_row % 16 == 0 && p.b_row % 16 == 0 && aligned(p.a.data, 16) &&
+         aligned(p.b.data, 16);
 }
 
 template <typename T, cublasStatus_t (*Destroy)(T)>
@@ -89,9 +100,58 @@ void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
 
 // Heuristic results per problem: the same key always describes the same
 // descriptors, so the first answer is reused (nullopt: cuBLASLt has none).
+// Bounded (least recently used out): under dynamic shapes every token count
+// is a new key, and the cache must not grow with the length of training.
 using AlgoKey = std::array<int64_t, 17>;
-std::mutex algo_mutex;
-std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algo_cache;
+using CachedAlgo = std::optional<cublasLtMatmulAlgo_t>;
+
+class AlgoCache {
+ public:
+  static constexpr size_t kCapacity = 1024;
+
+  /*! \brief The cached answer for `key` (marked most recent), or nothing. */
+  std::optional<CachedAlgo> find(const AlgoKey& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return std::nullopt;
+    order_.splice(order_.begin(), order_, it->second);
+    return it->second->second;
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
+  }
+
+  /*! \brief Records (or replaces) the answer for `key`, dropping the least recent beyond capacity. */
+  void put(const AlgoKey& key, const CachedAlgo& algo) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      it->second->second = algo;
+      order_.splice(order_.begin(), order_, it->second);
+      return;
+    }
+    order_.emplace_front(key, algo);
+    index_.emplace(key, order_.begin());
+    if (order_.size() > kCapacity) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::list<std::pair<AlgoKey, CachedAlgo>> order_;  // most recent first
+  std::map<AlgoKey, std::list<std::pair<AlgoKey, CachedAlgo>>::iterator> index_;
+};
+
+AlgoCache algo_cache;
+
+// How many GEMMs each path ran (tests assert the path; see cuda_info.h).
+std::atomic<uint64_t> cublaslt_runs{0};
+std::atomic<uint64_t> fallback_runs{0};
+std::atomic<uint64_t> padded_runs{0};
 
 // Runs the GEMM through cuBLASLt; false when cuBLASLt declines the problem.
 bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
@@ -130,13 +190,9 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                        p.accumulate, fast_accum, static_cast<int64_t>(workspace_bytes), align_a,
                        align_b, align_d, has_bias ? alignment_of(p.bias.data) : 0};
   std::optional<cublasLtMatmulAlgo_t> algo;
-  {
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    auto it = algo_cache.find(key);
-    if (it != algo_cache.end()) {
-      if (!it->second) return false;
-      algo = it->second;
-    }
+  if (const std::optional<CachedAlgo> cached = algo_cache.find(key)) {
+    if (!*cached) return false;
+    algo = *cached;
   }
   if (!algo) {
     cublasLtMatmulPreference_t raw_pref = nullptr;
@@ -163,8 +219,7 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                status != CUBLAS_STATUS_INVALID_VALUE) {
       TL_CHECK_CUBLAS(status);
     }
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    algo_cache.emplace(key, algo);
+    algo_cache.put(key, algo);
     if (!algo) return false;
   }
 
@@ -175,12 +230,55 @@ bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
                      &beta, p.d.data, d_layout.get(), p.d.data, d_layout.get(), &*algo, workspace,
                      workspace_bytes, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    std::lock_guard<std::mutex> lock(algo_mutex);
-    algo_cache[key] = std::nullopt;
+    algo_cache.put(key, std::nullopt);
     return false;
   }
   TL_CHECK_CUBLAS(status);
   return true;
+}
+
+// cuBLASLt with the bias: its FP8 bias epilogue takes no fp32 bias, so an
+// fp32 output runs the GEMM bare and adds the bias in a second, output-sized
+// pass. False when cuBLASLt declines.
+bool run_cublaslt_with_bias(const GemmParams& p, cudaStream_t stream) {
+  const bool bias_after = p.bias.defined() && p.d.dtype == DType::kFloat32;
+  GemmParams bare = p;
+  if (bias_after) bare.bias = TensorDesc{};
+  if (!run_cublaslt(bare, stream)) return false;
+  if (bias_after) add_bias_rows(p.d.ptr<float>(), p.bias.ptr<float>(), p.m, p.n, stream);
+  return true;
+}
+
+// Operands whose K, leading dimension or address is off a multiple of 16 (a
+// wgrad over a ragged token count, a sliced view): K-major copies zero-padded
+// to K16 = K rounded up to 16 in stream-ordered scratch (graph-capturable),
+// then cuBLASLt over K16 (the zeros add nothing). The copies move (M + N) * K16
+// bytes, against 2 M N K16 flops of GEMM. False when the scratch cannot be had
+// or cuBLASLt declines: the tiled kernel, which needs no memory, runs instead.
+bool run_cublaslt_padded(const GemmParams& p, cudaStream_t stream) {
+  const int64_t k16 = (p.k + 15) / 16 * 16;
+  const size_t a_bytes = static_cast<size_t>((p.m * k16 + 255) / 256 * 256);
+  const size_t b_bytes = static_cast<size_t>(p.n * k16);
+  void* scratch = nullptr;
+  if (cudaMallocAsync(&scratch, a_bytes + b_bytes, stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so the next launch check does not see it
+    return false;
+  }
+  struct Free {
+    void* ptr;
+    cudaStream_t stream;
+    ~Free() { cudaFreeAsync(ptr, stream); }
+  } free_scratch{scratch, stream};
+  auto* a16 = static_cast<uint8_t*>(scratch);
+  uint8_t* b16 = a16 + a_bytes;
+  pad_k(p.a.ptr<uint8_t>(), p.m, p.k, p.a_row, a16, k16, stream);
+  pad_k(p.b.ptr<uint8_t>(), p.n, p.k, p.b_row, b16, k16, stream);
+  GemmParams padded = p;
+  padded.a.data = a16;
+  padded.b.data = b16;
+  padded.k = k16;
+  padded.a_row = padded.b_row = k16;
+  return run_cublaslt_with_bias(padded, stream);
 }
 
 }  // namespace
@@ -189,8 +287,27 @@ void fp8_gemm(const GemmParams& p) {
   if (p.m == 0 || p.n == 0) return;
   DeviceGuard guard(p.a.device_index);
   const cudaStream_t stream = to_stream(p.stream);
-  if (cublaslt_eligible(p) && run_cublaslt(p, stream)) return;
+  if (fp8_tensor_cores_apply(p)) {
+    const bool fit = operands_fit(p);
+    if (fit ? run_cublaslt_with_bias(p, stream) : run_cublaslt_padded(p, stream)) {
+      cublaslt_runs.fetch_add(1, std::memory_order_relaxed);
+      if (!fit) padded_runs.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
   fp8_gemm_fallback(p, stream);
+  fallback_runs.fetch_add(1, std::memory_order_relaxed);
+}
+
+GemmPathCounts gemm_path_counts() {
+  return {cublaslt_runs.load(std::memory_order_relaxed), fallback_runs.load(std::memory_order_relaxed),
+          padded_runs.load(std::memory_order_relaxed), algo_cache.size()};
+}
+
+void reset_gemm_path_counts() {
+  cublaslt_runs.store(0, std::memory_order_relaxed);
+  fallback_runs.store(0, std::memory_order_relaxed);
+  padded_runs.store(0, std::memory_order_relaxed);
 }
 
 }  // namespace cuda

@@ -1,9 +1,12 @@
 // The FP8 GEMM for what cuBLASLt's FP8 path does not take: GPUs below sm_89,
-// e5m2 x e5m2, column-major operands, dimensions or leading dimensions that
-// are not multiples of 16, misaligned pointers, K == 0. Correct for every
+// e5m2 x e5m2, column-major operands, N not a multiple of 16, K == 0, and K,
+// leading dimensions or addresses off 16 when no zero-padded copy could be
+// made. Also the padding copy and the bias pass of the cuBLASLt path. Correct for every
 // shape, not fast: a 64 x 64 shared-memory tile per block, 4 x 4 outputs per
 // thread, FP8 decoded on load with the shared element math, fp32 FMA
 // accumulation. Same epilogue as the CPU kernel: acc * alpha [+ bias] [+ D].
+#include <algorithm>
+
 #include "kernels.cuh"
 #include "transformer_linear/dispatch.h"
 
@@ -86,7 +89,70 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
+// d[r, c] += bias[c] over a row-major fp32 matrix, 4 columns per access when
+// the row length and both pointers allow float4.
+__global__ void __launch_bounds__(kThreads)
+    add_bias_rows_kernel(float* __restrict__ d, const float* __restrict__ bias, int64_t rows,
+                         int64_t cols, bool vec4) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vec4) {
+    const int64_t n4 = rows * cols / 4;
+    for (int64_t i = tid; i < n4; i += stride) {
+      float4 v = reinterpret_cast<float4*>(d)[i];
+      const float4 b = reinterpret_cast<const float4*>(bias)[i % (cols / 4)];
+      v.x += b.x;
+      v.y += b.y;
+      v.z += b.z;
+      v.w += b.w;
+      reinterpret_cast<float4*>(d)[i] = v;
+    }
+  } else {
+    for (int64_t i = tid; i < rows * cols; i += stride) d[i] += bias[i % cols];
+  }
+}
+
+// dst row r = src row r (k bytes from src + r * ld, any alignment) then zeros
+// up to k16; one 4-byte word of dst per thread step. Rows on grid.y
+// (grid-stride), words on grid.x: no division per element.
+__global__ void __launch_bounds__(kThreads)
+    pad_k_kernel(const uint8_t* __restrict__ src, int64_t rows, int64_t k, int64_t ld,
+                 uint32_t* __restrict__ dst, int64_t k16) {
+  const int64_t words = k16 / 4;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const uint8_t* row = src + r * ld;
+    for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+         w += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = 4 * w + j;
+        if (c < k) v |= static_cast<uint32_t>(row[c]) << (8 * j);
+      }
+      dst[r * words + w] = v;
+    }
+  }
+}
+
 }  // namespace
+
+void pad_k(const uint8_t* src, int64_t rows, int64_t k, int64_t ld, uint8_t* dst, int64_t k16,
+           cudaStream_t stream) {
+  const int64_t words = k16 / 4;
+  const int64_t x_blocks = (words + kThreads - 1) / kThreads;
+  const int64_t y_cap = std::max<int64_t>(1, static_cast<int64_t>(sm_count()) * 8 / x_blocks);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(x_blocks, 65535)),
+                  static_cast<unsigned>(std::min<int64_t>({rows, y_cap, 65535})));
+  pad_k_kernel<<<grid, kThreads, 0, stream>>>(src, rows, k, ld, reinterpret_cast<uint32_t*>(dst), k16);
+  TL_CHECK_CUDA_LAUNCH();
+}
+
+void add_bias_rows(float* d, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  const bool vec4 = cols % 4 == 0 && aligned(d, 16) && aligned(bias, 16);
+  const int64_t work = vec4 ? rows * cols / 4 : rows * cols;
+  add_bias_rows_kernel<<<grid_for(work, kThreads), kThreads, 0, stream>>>(d, bias, rows, cols, vec4);
+  TL_CHECK_CUDA_LAUNCH();
+}
 
 void fp8_gemm_fallback(const GemmParams& p, cudaStream_t stream) {
   const int64_t m_tiles = (p.m + kBM - 1) / kBM;

@@ -1,6 +1,6 @@
 // CUDA quantize family: amax, quantize (delayed or current scaling, optional
-// fused amax), dequantize. The fused cast + transpose and the bias gradient
-// are in cast_transpose_cuda.cu. Element math: fp8_math.h, as on the CPU.
+// fused amax), dequantize. The fused cast + transpose, which also computes the
+// bias gradient, is in cast_transpose_cuda.cu. Element math: fp8_math.h, as on the CPU.
 //
 // Nothing here reads a device value on the host: current scaling runs
 // amax kernel -> compute_scale kernel (writes scale, scale_inv) -> cast kernel
@@ -131,7 +131,13 @@ void quantize_impl(const QuantizeParams& p, cudaStream_t stream) {
   }
 
   const int64_t n = p.input.numel();
-  if (p.output_t.defined() && n > 0) return cast_transpose(p, scale, scale_inv, amax, stream);
+  if ((p.output_t.defined() || p.dbias.defined()) && n > 0) {
+    return cast_transpose(p, scale, scale_inv, amax, stream);
+  }
+  if (p.dbias.defined() && p.cols > 0) {  // no rows: the column sums are 0 in every dtype
+    TL_CHECK_CUDA(cudaMemsetAsync(p.dbias.data, 0, static_cast<size_t>(p.cols * element_size(p.dbias.dtype)),
+                                  stream));
+  }
   // Row-major only (or an empty tensor: the cast kernel still writes scale_inv).
   uint8_t* q = p.output.defined() ? p.output.ptr<uint8_t>() : nullptr;
   const bool vec = vec_aligned<T>(p.input.data) && vec_aligned<uint8_t>(q);
@@ -163,7 +169,6 @@ void quantize(const QuantizeParams& p) {
       quantize_impl<decltype(in_tag), decltype(out_tag)>(p, stream);
     });
   });
-  if (p.dbias.defined()) column_sums(p, stream);
 }
 
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output,

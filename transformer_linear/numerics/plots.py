@@ -66,3 +66,28 @@ def loss_curves(report: "TrainReport", path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def monitor_series(records: list[dict], path: Path) -> Path:
+    """Per-layer time series of a monitor's records: output SQNR, input amax, underflow and saturation."""
+    plt = _pyplot()
+    panels = (
+        ("output_sqnr_db", "output SQNR (dB)", 1.0),
+        ("input_amax", "input amax", 1.0),
+        ("input_underflow", "input underflow (%)", 100.0),
+        ("input_saturation", "input saturation (%)", 100.0),
+    )
+    layers = list(dict.fromkeys(r["layer"] for r in records))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    for ax, (key, title, factor) in zip(axes.flat, panels):
+        for layer in layers:
+            rows = [r for r in records if r["layer"] == layer]
+            ax.plot([r["step"] for r in rows], [min(factor * r[key], _CAP_DB) for r in rows], label=layer, linewidth=1.0)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -61,24 +61,42 @@ class CompareReport:
     def for_recipe(self, recipe: str) -> list[LayerStats]:
         return [s for s in self.layers if s.recipe == recipe]
 
-    def table(self) -> str:
-        """A fixed-width table: one row per (recipe, layer)."""
-        header = (
-            f"{'recipe':<22} {'layer':<22} {'out dB':>7} {'dX dB':>7} {'dW dB':>7} "
-            f"{'out maxrel':>10} {'x amax':>9} {'w amax':>9} {'dy amax':>9} {'x uflow%':>8} {'dy uflow%':>9} {'sat%':>6}"
-        )
-        rows = [header, "-" * len(header)]
+    _COLUMNS = ("recipe", "layer", "out dB", "dX dB", "dW dB", "out maxrel", "x amax", "w amax", "dy amax",
+                "x uflow%", "dy uflow%", "sat%")
+
+    def _rows(self) -> list[list[str]]:
+        """The table's cells: one row per (recipe, layer)."""
+        rows = []
         for s in self.layers:
             sat = max(s.input.get("saturation", 0.0), s.weight.get("saturation", 0.0), s.grad_output.get("saturation", 0.0))
-            rows.append(
-                f"{s.recipe:<22} {s.name:<22} {_fmt(s.output_sqnr):>7} {_fmt(s.dgrad_sqnr):>7} {_fmt(s.wgrad_sqnr):>7} "
-                f"{_fmt(s.output_max_rel, 4):>10} {s.input.get('amax', 0):>9.3g} {s.weight.get('amax', 0):>9.3g} "
-                f"{s.grad_output.get('amax', 0):>9.3g} {100 * s.input.get('underflow', 0):>8.3f} "
-                f"{100 * s.grad_output.get('underflow', 0):>9.3f} {100 * sat:>6.2f}"
-            )
+            rows.append([
+                s.recipe, s.name, _fmt(s.output_sqnr), _fmt(s.dgrad_sqnr), _fmt(s.wgrad_sqnr), _fmt(s.output_max_rel, 4),
+                f"{s.input.get('amax', 0):.3g}", f"{s.weight.get('amax', 0):.3g}", f"{s.grad_output.get('amax', 0):.3g}",
+                f"{100 * s.input.get('underflow', 0):.3f}", f"{100 * s.grad_output.get('underflow', 0):.3f}",
+                f"{100 * sat:.2f}",
+            ])
+        return rows
+
+    def _loss_line(self) -> str:
         losses = ", ".join(f"{r}: {_fmt(v, 5)}" for r, v in self.loss.items())
-        rows.append(f"loss: reference {_fmt(self.reference_loss, 5)}; {losses}")
-        return "\n".join(rows)
+        return f"loss: reference {_fmt(self.reference_loss, 5)}; {losses}"
+
+    def table(self) -> str:
+        """A fixed-width table: one row per (recipe, layer)."""
+        rows = self._rows()
+        widths = [max([22 if i < 2 else 7] + [len(self._COLUMNS[i])] + [len(r[i]) for r in rows]) for i in range(len(self._COLUMNS))]
+
+        def line(cells):
+            return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+        header = line(self._COLUMNS)
+        return "\n".join([header, "-" * len(header), *(line(r) for r in rows), self._loss_line()])
+
+    def markdown(self) -> str:
+        """The same table in markdown (for issues and pull requests)."""
+        out = ["| " + " | ".join(self._COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * (len(self._COLUMNS) - 2)]
+        out += ["| " + " | ".join(r) + " |" for r in self._rows()]
+        return "\n".join(out) + "\n\n" + self._loss_line()
 
     def __str__(self) -> str:
         return self.table()
@@ -131,11 +149,12 @@ class TrainReport:
 
     def summary(self) -> str:
         ref = self.reference
-        lines = [f"{'run':<26} {'final loss':>10} {'gap vs ' + ref:>16}"]
+        width = max(26, *(len(n) + 1 for n in self.loss_curves))
+        lines = [f"{'run':<{width}} {'final loss':>10} {'gap vs ' + ref:>16}"]
         gaps = self.loss_gap()
         for name in self.loss_curves:
             gap = "" if name == ref else f"{100 * gaps[name]:+.2f}%"
-            lines.append(f"{name:<26} {self.final_loss(name):>10.4f} {gap:>16}")
+            lines.append(f"{name:<{width}} {self.final_loss(name):>10.4f} {gap:>16}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

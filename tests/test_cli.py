@@ -1,0 +1,155 @@
+"""``transformer-linear compare`` end to end: Hugging Face models, --model factories, exit codes, bad input."""
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from transformer_linear import cli
+
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).parent.parent
+TINY = ["--steps", "2", "--no-plots"]
+
+
+def _run(capsys, *argv):
+    code = cli.main(["compare", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "config, layer",
+    [("tiny_llama", "model.layers.0.self_attn.q_proj"), ("tiny_gpt2", "transformer.h.0.attn.c_attn")],
+)
+def test_hf_model_from_config_with_text_data(tmp_path, capsys, config, layer):
+    out = tmp_path / "report"
+    argv = ["--hf", str(DATA / config), "--hf-random-init", "--data", str(DATA / "sample.txt")]
+    code, printed, _ = _run(capsys, *argv, "--input-shape", "2,16", "--lr", "1e-3", "--out", str(out), "--steps", "2")
+    assert code == 0, printed
+    assert "UTF-8 bytes as ids" in printed and "worst loss gap" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert layer in report["converted"] and report["skipped"] == {}  # GPT-2's Conv1D layers are converted too
+    assert {s["name"] for s in report["final_compare"]["layers"]} == set(report["converted"])
+    assert all(15 < float(s["output_sqnr"]) < 60 for s in report["final_compare"]["layers"])
+    assert "## Risky layers" in (out / "report.md").read_text()
+    for png in ("loss_curves.png", "layer_sqnr.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hf_token_ids_from_npy_and_layers_regex(tmp_path, capsys):
+    np.save(tmp_path / "ids.npy", np.arange(4 * 16).reshape(4, 16) % 256)
+    argv = ["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", str(tmp_path / "ids.npy")]
+    code, printed, _ = _run(capsys, *argv, "--input-shape", "2,16", "--layers", r"mlp\.down", "--out", str(tmp_path), *TINY)
+    assert code == 0
+    names = {s["name"] for s in json.loads((tmp_path / "report.json").read_text())["final_compare"]["layers"]}
+    assert names == {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+
+
+def test_model_factory_example(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, printed, _ = _run(capsys, "--model", "examples.fp8_check_model:build", "--out", str(tmp_path), *TINY)
+    assert code == 0
+    assert "skipped encoder.self_attn.out_proj: NonDynamicallyQuantizableLinear is a subclass" in printed
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["converted"] == ["encoder.linear1", "encoder.linear2", "head"]
+
+
+def _write_module(tmp_path, monkeypatch, body):
+    (tmp_path / "usermodels.py").write_text(textwrap.dedent(body))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "usermodels", raising=False)
+
+
+MODELS = """
+    import torch
+    from torch import nn
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def no_linear():
+        return nn.Sequential(nn.ReLU())
+
+    def precise():
+        # Starts at the exact solution: the reference loss is the tiny noise floor,
+        # FP8's quantization error is far above it. Column 15 underflows in FP8.
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16))
+        w, b = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+        noise = 1e-3 * torch.randn(32, 16)
+
+        def make_batch(step):
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+            x[:, 15] = 1e-12
+            return x
+
+        def loss_fn(out, x):
+            return (out - torch.nn.functional.linear(x, w, b) - noise).square().mean()
+
+        return model, make_batch, loss_fn
+
+    def broken():
+        raise RuntimeError("factory failed")
+"""
+
+
+def test_model_factory_with_synthetic_inputs(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    code, printed, _ = _run(capsys, "--model", "usermodels:mlp", "--input-shape", "4,8", "--out", "rep", "--max-gap", "100", *TINY)
+    assert code == 0, printed and (tmp_path / "rep" / "report.md").exists()
+
+
+def test_exit_status_1_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--out", "rep", *TINY]
+    code, printed, _ = _run(capsys, *argv)
+    assert code == 1
+    assert "exceeds --max-gap 1%" in printed
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert "x underflow 6.25% > 1%" in " ".join(report["risky_layers"]["0"])
+    gaps = report["loss_gap"]
+    assert gaps["DelayedScaling(HYBRID)"] > 1.0
+    assert gaps["DelayedScaling(HYBRID) +filter"] == 0.0  # the only layer kept in high precision
+    assert "KEEP_HIGH_PRECISION" in (tmp_path / "rep" / "report.md").read_text()
+    code, _, _ = _run(capsys, *argv, "--max-gap", "1e9")
+    assert code == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "tiny", "--recipes", "delayed,fp4"], "--recipes: unknown recipe fp4; expected delayed, current"),
+        (["--model", "no_such_package.models:build"], "--model: cannot import 'no_such_package.models': ModuleNotFoundError"),
+        (["--model", "usermodels"], "--model: expected 'package.module:factory'"),
+        (["--model", "usermodels:missing"], "--model: module 'usermodels' has no attribute 'missing'"),
+        (["--model", "usermodels:broken"], "--model: usermodels:broken() raised RuntimeError: factory failed"),
+        (["--model", "usermodels:mlp"], "returns no make_batch; describe the inputs with --input-shape"),
+        (["--model", "usermodels:no_linear", "--input-shape", "4,8"], "has no nn.Linear layers"),
+        (["--model", "usermodels:mlp", "--input-shape", "4,9"], "the model fails on the first batch ((4, 9) torch.float32)"),
+        (["--model", "usermodels:mlp", "--input-shape", "4,x"], "--input-shape: expected positive integers"),
+        (["--model", "usermodels:mlp", "--input-shape", "4,8", "--input-dtype", "long"], "--input-dtype long needs --vocab"),
+        (["--hf", "no/such/dir", "--hf-random-init"], "--hf: cannot load a causal LM from 'no/such/dir'"),
+        (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "ids3d.pt"], "must hold token ids of shape (n,) or (rows, seq), got [2, 2, 16]"),
+        (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "big.pt"], "token ids must lie in [0, 256)"),
+        (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "short.pt"], "rows of 4 tokens are shorter than the sequence length 64"),
+        (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--input-shape", "2,999"], "exceeds the model's maximum 128"),
+        (["--size", "tiny", "--data", "x.txt"], "--hf-random-init and --data go with --hf"),
+        (["--size", "tiny", "--layers", "("], "--layers: not a regular expression"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    torch.save(torch.zeros(2, 2, 16, dtype=torch.long), tmp_path / "ids3d.pt")
+    torch.save(torch.full((64,), 300), tmp_path / "big.pt")
+    torch.save(torch.zeros(3, 4, dtype=torch.long), tmp_path / "short.pt")
+    code, _, err = _run(capsys, *argv, *TINY, "--out", "rep")
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("transformer-linear compare: error: "), err
+    assert message in err

@@ -1,0 +1,125 @@
+"""Delayed scaling's amax reduction across ranks: the plumbing below the Linear.
+
+Process groups as int keys the custom ops can take, and the background
+all-reduces the delayed-scaling update launches and the flush applies. The
+user-facing knobs (``set_amax_reduction_group``, ``finish_amax_reductions``)
+are in distributed.py.
+
+What is reduced, and why, is told in distributed.py.
+
+The group is a per-module knob (``tl.distributed.set_amax_reduction_group``); by default
+it is the default process group when one is initialised with more than one
+rank, and nothing otherwise. A ProcessGroup cannot be an op argument, so the
+ops take an int key into :data:`_GROUPS`, resolved here.
+
+When the reduction
+------------------
+The ``transformer_linear::delayed_scaling_update`` custom op launches the
+all-reduce asynchronously and returns; ``delayed_scaling_flush`` applies it
+(wait, record, update the scales) at the start of the layer's next forward,
+the first point that reads the scales. The updated scales are the same as a
+blocking reduction's, but no rank waits for the others in the middle of
+forward or backward (on a GPU, the compute stream does not wait behind the
+gradient collectives queued on the same group). Until then the layer's
+``fp8_amax_history`` / ``fp8_scale`` lag by the pending updates:
+``state_dict()`` applies them first, and so does
+``tl.distributed.finish_amax_reductions``. Both ops are opaque to torch.compile, so
+eager and compiled runs issue the same collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "NO_GROUP",
+    "all_reduce_amax",
+    "discard_amax_reductions",
+    "group_key",
+    "launch_amax_reduction",
+    "pop_amax_reductions",
+    "reduces_amax",
+]
+
+NO_GROUP = -1
+"""Key: no amax reduction."""
+DEFAULT_GROUP = 0
+"""Key: the default process group, resolved when the op runs (nothing if uninitialised or one rank)."""
+
+_GROUPS: dict[int, Any] = {}
+_KEYS: dict[int, int] = {}  # id(group) -> key; _GROUPS keeps the group alive, so ids are not reused
+_NEXT_KEY = itertools.count(1)
+
+
+def group_key(group: Optional["dist.ProcessGroup"]) -> int:
+    """The int key the custom op takes for ``group`` (None: no reduction)."""
+    if group is None:
+        return NO_GROUP
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"set_amax_reduction_group: 'group' must be a ProcessGroup or None, got {group!r}")
+    key = _KEYS.get(id(group))
+    if key is None:
+        key = next(_NEXT_KEY)
+        _KEYS[id(group)] = key
+        _GROUPS[key] = group
+    return key
+
+
+def _resolve(key: int) -> Optional["dist.ProcessGroup"]:
+    if key == NO_GROUP or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = dist.group.WORLD if key == DEFAULT_GROUP else _GROUPS[key]
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def all_reduce_amax(amax: Tensor, key: int) -> Tensor:
+    """``amax`` all-reduced with MAX over the group of ``key``: a new tensor, or ``amax`` itself without a group."""
+    group = _resolve(key)
+    if group is None:
+        return amax
+    reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced
+
+
+def reduces_amax(key: int) -> bool:
+    """Whether the group of ``key`` is live: initialised, more than one rank."""
+    return _resolve(key) is not None
+
+
+# A layer's launched, not yet applied reductions, in launch order:
+# (work, amax being reduced, *the update's arguments after amax*).
+_PENDING: dict[int, list[tuple[Any, ...]]] = {}
+
+
+def launch_amax_reduction(amax: Tensor, key: int, layer_key: int, *update_args: Any) -> bool:
+    """Start an async MAX all-reduce of a copy of ``amax``; False (nothing started) without a live group.
+
+    ``update_args`` are kept for :func:`pop_amax_reductions`'s caller, which
+    applies the update once the reduction is done.
+    """
+    group = _resolve(key)
+    if group is None:
+        return False
+    reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
+    work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _PENDING.setdefault(layer_key, []).append((work, reduced, *update_args))
+    return True
+
+
+def pop_amax_reductions(layer_key: int) -> list[tuple[Any, ...]]:
+    """The layer's launched reductions as (reduced amax, *update_args), waited for, in launch order."""
+    pending = _PENDING.pop(layer_key, [])
+    for work, *_ in pending:
+        work.wait()
+    return [tuple(rest) for _, *rest in pending]
+
+
+def discard_amax_reductions(layer_key: int) -> None:
+    """Forget the layer's launched reductions (its state is being replaced, or the layer is gone)."""
+    _PENDING.pop(layer_key, None)
