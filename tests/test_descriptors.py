@@ -18,10 +18,10 @@ E4M3 = torch.float8_e4m3fn
 THREADS = [1, 2, 8]
 
 
-def forged(t: torch.Tensor, shape: tuple, strides: tuple) -> tuple:
-    """The descriptor of ``t`` with its shape and strides replaced (its pointer kept)."""
+def forged(t: torch.Tensor, shape: tuple, strides: tuple, address: int = 0) -> tuple:
+    """The descriptor of ``t`` with its shape and strides (and, if given, its address) replaced."""
     d = desc(t, "test", "t")
-    return (d[0], d[1], shape, strides, d[4], d[5])
+    return (address or d[0], d[1], shape, strides, d[4], d[5])
 
 
 # Scalars the forged calls read: module-level, so that they outlive every descriptor.
@@ -103,12 +103,17 @@ def test_failed_scratch_allocation_is_a_memory_error(threads):
     rows, cols = 128, 2**41
     x = torch.ones(8)
     q_t = torch.empty(8, dtype=E4M3)
+    # Unmapped addresses far above every allocation (but below the 2**57 limit),
+    # so that the forged input and output overlap neither each other nor the scales.
+    x_address = 2**55
+    q_t_address = x_address + rows * cols * x.element_size()
     isa = _C.cpu_isa()
     try:
         _C.set_cpu_isa("avx512")
         with pytest.raises(MemoryError):
             _C.quantize(
-                forged(x, (rows, cols), (cols, 1)), scalar(), None, forged(q_t, (cols, rows), (rows, 1)),
+                forged(x, (rows, cols), (cols, 1), x_address), scalar(), None,
+                forged(q_t, (cols, rows), (rows, 1), q_t_address),
                 scalar(SCALE_INV), None, None, False, 0, threads,
             )
     finally:
