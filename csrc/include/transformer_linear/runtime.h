@@ -1,6 +1,6 @@
 /*!
  * \file runtime.h
- * \brief Process-wide settings of the CPU kernels and facts about the build.
+ * \brief Settings of the CPU kernels and facts about the build.
  */
 #pragma once
 
@@ -10,10 +10,21 @@
 
 namespace tl {
 
-/*! \brief Threads the CPU kernels use (the Python layer passes torch.get_num_threads()). */
-void set_num_threads(int n);
-/*! \brief Threads the CPU kernels use. */
+/*!
+ * \brief Threads the CPU kernels use in the call in progress on the calling thread.
+ *
+ * Every CPU call carries its thread count in its launch argument (the
+ * Python layer passes torch.get_num_threads()); the entry point installs it
+ * for the calling thread only. Outside a call, and for calls that pass 0,
+ * this is OpenMP's thread count of the calling thread (omp_get_max_threads()).
+ */
 int get_num_threads();
+
+/*!
+ * \brief Set OpenMP's thread count of the calling thread (n >= 1): the count of
+ *        CPU calls from this thread whose launch argument is 0 (raw callers).
+ */
+void set_num_threads(int n);
 
 /*! \brief The CPU code path in use: "avx512_bf16", "avx512" or "generic". */
 std::string cpu_isa();
