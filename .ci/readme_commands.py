@@ -1,6 +1,7 @@
 """Print the shell commands of the README's "Two commands" section, NUL-separated.
 
-Each is the text of a ```bash block in that section, in order.
+Each is the text of a ```bash block in that section, in order (examples
+there that CI does not run are fenced as ```shell).
 """
 
 import re

@@ -6,9 +6,11 @@ under ``torch.compile``, and with a plain copy of the input bytes (``copy_``
 into a preallocated tensor). GB/s counts the bytes an op must move once:
 input read + output written (a copy: 2x the input bytes).
 
-GEMM rows compare ``ops.fp8_gemm`` with ``torch.mm`` in fp32 on the
-already-dequantized operands and with ``torch._scaled_mm`` (CPU), which is
-timed only where one call fits in ``--slow-call-s``.
+GEMM rows compare ``ops.fp8_gemm`` with ``torch.mm`` in fp32 and in bf16 on
+the already-dequantized operands (bf16 is what a CPU user would pick instead:
+oneDNN, on AMX tiles where present) and with ``torch._scaled_mm`` (CPU),
+which is timed only where one call fits in ``--slow-call-s``. The CPU path
+the GEMM took, and why (forced or measured), is printed and recorded.
 
 Usage::
 
@@ -16,6 +18,7 @@ Usage::
     python benchmarks/bench_kernels.py --quick         # small sizes (CI smoke)
     python benchmarks/bench_kernels.py --only quantize --json out.json
     python benchmarks/bench_kernels.py --threads 1 --tag 1thread   # per-core numbers
+    TL_CPU_ISA=avx512 python benchmarks/bench_kernels.py --only gemm --shapes 2048x2048x2048
 
 On a machine shared with other work, one thread per op is spared the
 OpenMP barrier waits that a busy core imposes on a two-thread region.
@@ -61,6 +64,14 @@ def time_slow(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
     return measure({"fn": fn}, repeats, 1, budget_s)["fn"][0]
 
 
+# What the timed calls are measured with. "thread" (CPU time of the calling
+# thread) needs --threads 1, where every candidate runs on that thread: it
+# leaves out the time the OS gives other processes, so per-core rates on a
+# busy shared machine stay close to those of an idle one.
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK = "wall"
+
+
 def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, budget_s: float = 20.0) -> dict:
     """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls.
 
@@ -79,9 +90,9 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, bud
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = CLOCKS[CLOCK]()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(CLOCKS[CLOCK]() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
@@ -189,14 +200,18 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
         a, sa, _ = ops.quantize_current(torch.randn(m, k), E4M3)
         b, sb, _ = ops.quantize_current(torch.randn(n, k), E4M3)
         a_hp, b_hp = ref.dequantize(a, sa, torch.float32), ref.dequantize(b, sb, torch.float32)
+        a_bf16, b_bf16 = a_hp.bfloat16(), b_hp.bfloat16()
         flop = 2.0 * m * n * k
         t = measure(
-            {"ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32), "mm": lambda: torch.mm(a_hp, b_hp.t())},
+            {
+                "ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32),
+                "mm_fp32": lambda: torch.mm(a_hp, b_hp.t()),
+                "mm_bf16": lambda: torch.mm(a_bf16, b_bf16.t()),
+            },
             repeats,
             warmup,
         )
-        t_ours, t_mm = t["ours"][0], t["mm"][0]
-        row = {"m": m, "n": n, "k": k, "ours_gflops": flop / t_ours / 1e9, "mm_fp32_gflops": flop / t_mm / 1e9}
+        row = {"m": m, "n": n, "k": k, **{f"{name}_gflops": flop / v[0] / 1e9 for name, v in t.items()}}
         # One call of torch._scaled_mm is timed first at the smallest shape; larger
         # shapes are timed only if that rate predicts a call under slow_call_s.
         if scaled_rate is None or flop / (scaled_rate * 1e9) <= slow_call_s:
@@ -206,6 +221,7 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
         else:
             row["scaled_mm_skipped"] = f"too slow: {scaled_rate:.3g} GFLOP/s at {probe}"
         row["vs_mm_fp32"] = row["ours_gflops"] / row["mm_fp32_gflops"]
+        row["vs_mm_bf16"] = row["ours_gflops"] / row["mm_bf16_gflops"]
         if "scaled_mm_gflops" in row:
             row["vs_scaled_mm"] = row["ours_gflops"] / row["scaled_mm_gflops"]
         rows.append(row)
@@ -213,7 +229,10 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
     return rows
 
 
-GEMM_HEADER = f"{'M x N x K':<22}{'ours GFLOP/s':>14}{'mm fp32':>10}{'x mm fp32':>11}{'_scaled_mm':>12}{'x _scaled_mm':>14}"
+GEMM_HEADER = (
+    f"{'M x N x K':<22}{'ours GFLOP/s':>14}{'mm fp32':>10}{'mm bf16':>10}{'x mm fp32':>11}{'x mm bf16':>11}"
+    f"{'_scaled_mm':>12}{'x _scaled_mm':>14}"
+)
 
 
 def print_gemm_row(r: dict) -> None:
@@ -222,7 +241,37 @@ def print_gemm_row(r: dict) -> None:
         scaled = f"{r['scaled_mm_gflops']:>12.3g}{r['vs_scaled_mm']:>14.1f}"
     else:
         scaled = f"  skipped ({r['scaled_mm_skipped']})"
-    print(f"{shape:<22}{r['ours_gflops']:>14.1f}{r['mm_fp32_gflops']:>10.1f}{r['vs_mm_fp32']:>11.2f}{scaled}", flush=True)
+    print(
+        f"{shape:<22}{r['ours_gflops']:>14.1f}{r['mm_fp32_gflops']:>10.1f}{r['mm_bf16_gflops']:>10.1f}"
+        f"{r['vs_mm_fp32']:>11.2f}{r['vs_mm_bf16']:>11.2f}{scaled}",
+        flush=True,
+    )
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the flags that decide the GEMM paths (Linux), else what platform knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in cpuinfo.read_text().split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    wanted = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    amx = "" if "amx_tile" in flags else "; no AMX"
+    return f"{fields.get('model name', platform.machine())} ({', '.join(wanted) or 'no AVX-512'}{amx})"
+
+
+def cpu_path() -> dict:
+    """The CPU path the kernels take and why (builds before cpu_isa_info() give the name only)."""
+    if hasattr(_C, "cpu_isa_info"):
+        return _C.cpu_isa_info()
+    return {"isa": _C.cpu_isa(), "reason": "not reported by this build"}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'MxNxK' -> (M, N, K)."""
+    m, n, k = (int(v) for v in text.lower().split("x"))
+    return m, n, k
 
 
 # ---------------------------------------------------------------------------
@@ -322,33 +371,45 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--slow-call-s", type=float, default=5.0, help="longest torch._scaled_mm call to time")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, help="GEMM shapes MxNxK (default: all)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="thread: CPU time, needs --threads 1")
     args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1")
+    global CLOCK
+    CLOCK = args.clock
     repeats = args.repeats or (3 if args.quick else 10)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     result = {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(
+            [f"TL_CPU_ISA={os.environ.get('TL_CPU_ISA')}"] * ("TL_CPU_ISA" in os.environ)
+            + [shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]]
+        ),
         "host": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "cpu_isa": _C.cpu_isa(),
+        "cpu_model": cpu_model(),
+        "cpu_path": cpu_path(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timing": "median of interleaved calls; best_of: minimum",
+        "clock": "CPU time of the calling thread" if args.clock == "thread" else "wall clock",
         # Other work on a shared machine slows every candidate alike, but
         # absolute numbers are only as good as this.
         "loadavg_before": os.getloadavg(),
     }
-    print(f"# {result['command']}\n# torch {result['torch']}, {result['torch_threads']} threads, isa {result['cpu_isa']}")
+    print(f"# {result['command']}\n# {result['cpu_model']}, torch {result['torch']}, {result['torch_threads']} threads")
+    print(f"# CPU path: {result['cpu_path']['isa']} ({result['cpu_path']['reason']})")
     if args.only in (None, "quantize"):
         print("\n" + QUANTIZE_HEADER)
         sizes = QUICK_QUANTIZE_SIZES if args.quick else QUANTIZE_SIZES
         result["quantize"] = bench_quantize(sizes, repeats, args.warmup)
     if args.only in (None, "gemm"):
         print("\n" + GEMM_HEADER)
-        shapes = QUICK_GEMM if args.quick else [(s, s, s) for s in GEMM_SQUARE] + GEMM_LLM
+        shapes = args.shapes or (QUICK_GEMM if args.quick else [(s, s, s) for s in GEMM_SQUARE] + GEMM_LLM)
         result["gemm"] = bench_gemm(shapes, repeats, args.warmup, args.slow_call_s)
     if args.only in (None, "block"):
         shapes = QUICK_GEMM if args.quick else [(1024, 1024, 1024), (2048, 2048, 2048)]

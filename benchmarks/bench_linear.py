@@ -3,12 +3,16 @@
 Rows: nn.Linear fp32 / bf16, tl.Linear under each recipe (eager and
 torch.compile'd), and torchao's Float8Linear(emulate=True) (eager and
 compiled) when torchao is installed. Columns: median fwd+bwd time, its ratio
-to nn.Linear fp32, and the bytes autograd saves for backward (parameters
-excluded; peak memory is reported on CUDA only). A tiny shape measures the
-eager per-call overhead.
+to nn.Linear fp32 and to nn.Linear bf16 (what a CPU user would pick instead),
+and the bytes autograd saves for backward (parameters excluded; peak memory
+is reported on CUDA only). The variants are timed in interleaved rounds, so
+on a shared machine every one sees the same background load. A tiny shape
+measures the eager per-call overhead. The CPU path of the FP8 kernels, and
+why it was chosen, is printed first.
 
     python benchmarks/bench_linear.py                       # all shapes
     python benchmarks/bench_linear.py --shapes 512,1024 --iters 3 --no-compile
+    python benchmarks/bench_linear.py --shapes 2048,4096x1024x4096   # M x K x N
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from torch import nn
 
 import transformer_linear as tl
-from transformer_linear import recipe
+from transformer_linear import _C, recipe
 
 # (tokens M, in_features K, out_features N)
 SQUARE = {f"{n}": (n, n, n) for n in (512, 1024, 2048, 4096)}
@@ -75,24 +79,29 @@ def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def _time_fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int, warmup: int) -> float:
+def _fwd_bwd_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         module.zero_grad(set_to_none=True)
         x.grad = None
         module(x).backward(grad)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
 
+    return step
+
+
+def _time_interleaved(steps: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict[str, float]:
+    """Median seconds of each step over ``iters`` rounds that run every step once, in turn."""
     for _ in range(warmup):
-        step()
-    times = []
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(iters):
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace) -> None:
@@ -100,33 +109,46 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     torch.manual_seed(0)
     base = nn.Linear(k, n, device=args.device)
     print(f"\n### {label} (M={m}, K={k}, N={n}), {args.device}, {torch.get_num_threads()} threads\n")
-    print("| variant | fwd+bwd ms | vs nn.Linear fp32 | saved bytes | vs nn.Linear fp32 | peak MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
-    baseline_time = baseline_bytes = None
+    print("| variant | fwd+bwd ms | vs nn.Linear fp32 | vs nn.Linear bf16 | saved bytes | vs nn.Linear fp32 | peak MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    steps, saved, missing = {}, {}, []
     for name, make in _variants(base, not args.no_compile).items():
         if make is None:
-            print(f"| {name} | not installed | | | | |")
+            missing.append(name)
             continue
         module = make()
         dtype = torch.bfloat16 if "bf16" in name else torch.float32
         x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
         grad = torch.randn(m, n, device=args.device, dtype=dtype)
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        seconds = _time_fwd_bwd(module, x, grad, args.iters, args.warmup)
-        peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f}" if args.device == "cuda" else "-"
-        saved = _saved_bytes(module, x)
-        baseline_time = baseline_time or seconds
-        baseline_bytes = baseline_bytes or saved
+        steps[name] = _fwd_bwd_step(module, x, grad)
+        saved[name] = _saved_bytes(module, x)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = _time_interleaved(steps, args.iters, args.warmup)
+    peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f} (all variants)" if args.device == "cuda" else "-"
+    fp32, bf16 = seconds["nn.Linear fp32"], seconds["nn.Linear bf16"]
+    for name, s in seconds.items():
         print(
-            f"| {name} | {seconds * 1e3:.3f} | {seconds / baseline_time:.2f}x | {saved} | "
-            f"{saved / baseline_bytes:.2f}x | {peak} |"
+            f"| {name} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
+            f"{saved[name] / saved['nn.Linear fp32']:.2f}x | {peak} |"
         )
+    for name in missing:
+        print(f"| {name} | not installed | | | | | |")
+
+
+def cpu_path() -> str:
+    """The CPU path of the FP8 kernels and why (builds before cpu_isa_info() give the name only)."""
+    if hasattr(_C, "cpu_isa_info"):
+        info = _C.cpu_isa_info()
+        return f"{info['isa']} ({info['reason']})"
+    return _C.cpu_isa()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="all", help="comma list of square sizes and/or 'llm', 'tiny'; or 'all'")
+    parser.add_argument(
+        "--shapes", default="all", help="comma list of square sizes, MxKxN shapes and/or 'llm', 'tiny'; or 'all'"
+    )
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -139,8 +161,11 @@ def main() -> None:
             shapes.update(LLM)
         elif item == "tiny":
             shapes.update(TINY)
+        elif "x" in item:
+            shapes[item] = tuple(int(v) for v in item.split("x"))  # M x K x N
         else:
             shapes[item] = SQUARE.get(item) or (int(item),) * 3
+    print(f"# CPU path: {cpu_path()}")
     for label, shape in shapes.items():
         run_shape(label, shape, args)
 

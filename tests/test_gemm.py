@@ -29,16 +29,26 @@ CPU_PATHS = {
 
 @pytest.fixture(params=list(CPU_PATHS))
 def cpu_isa(request, monkeypatch) -> str:
-    """Force one CPU path for the test; restore the automatic choice afterwards."""
+    """Force one CPU path for the test; restore the automatic choice afterwards.
+
+    Skips only when the CPU lacks the path (asked explicitly); any error from
+    forcing it, e.g. a renamed path, fails the test.
+    """
     isa, amx = CPU_PATHS[request.param]
-    try:
-        _C.set_cpu_isa(isa)
-    except ValueError:
+    if not _C.cpu_isa_supported(isa):
         pytest.skip(f"this CPU does not support {isa}")
+    _C.set_cpu_isa(isa)
     if not amx:
         monkeypatch.setenv("TL_CPU_AMX", "0")
     yield request.param
     _C.set_cpu_isa("auto")
+
+
+def test_cpu_paths_are_known():
+    """Every path named above exists and every path the CPU runs is tested (none silently skipped)."""
+    for isa, _ in CPU_PATHS.values():
+        _C.cpu_isa_supported(isa)  # ValueError for a name the extension does not know
+    assert set(_C.cpu_isa_info()["supported"]) <= {isa for isa, _ in CPU_PATHS.values()}
 
 
 def fp8_operand(rows: int, cols: int, fmt: torch.dtype, column_major: bool = False) -> torch.Tensor:

@@ -118,6 +118,16 @@ class TestFirstStep:
         expected = reference.linear_dgrad(grad, w, torch.float8_e5m2, torch.float8_e4m3fn, s[2:], s[1:2], 1, torch.float64)
         assert_close_to_reference(dx, expected, what="input grad with a just-in-time grad_output scale")
 
+    def test_only_the_first_step_is_just_in_time_with_a_one_row_history(self):
+        """An update clears the slot it used, so a one-row history is empty after every step;
+        the second step still quantizes with the first step's scales (delayed), not its own amax."""
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=1))
+        x1, x2 = torch.randn(4, 16), torch.randn(4, 16) * 100
+        _run(layer, x1, torch.randn(4, 8))
+        after_first = layer.fp8_scale.clone()
+        _run(layer, x2, torch.randn(4, 8))
+        assert_bitwise_equal(layer.fp8_fwd_scale[:2], after_first[:2], "second-step forward scales")
+
     @pytest.mark.parametrize("just_in_time", [True, False])
     def test_gradients_scale_with_the_loss_from_the_first_step(self, just_in_time):
         """Loss x 2^k gives gradients exactly 2^k times the unscaled ones at every step

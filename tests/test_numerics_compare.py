@@ -37,11 +37,12 @@ def test_compare_reports_every_layer_for_every_recipe(tmp_path):
 
 
 def test_values_beyond_fp8_max_show_as_saturation():
-    # Delayed scaling's first step uses scale 1, so inputs above 448 saturate.
+    # TE's delayed scaling's first step uses scale 1, so inputs above 448 saturate.
     model = nn.Sequential(nn.Linear(10, 4))
     x = torch.randn(20, 10)
     x[:, 0] = 1000.0  # 10% of the elements
-    report = compare(model, x, recipes=["delayed"], calibration_steps=0)
+    te_first_step = recipe.DelayedScaling(first_step_just_in_time=False)
+    report = compare(model, x, recipes=[te_first_step], calibration_steps=0)
     (layer,) = report.layers
     assert layer.input["saturation"] == pytest.approx(0.10)
     assert layer.input["scale"] == 1.0

@@ -46,8 +46,8 @@ def test_current_scaling_statistics_have_the_known_values():
 
 
 def test_delayed_scaling_reports_the_scale_the_forward_used():
-    # The first step quantizes with scale 1: inputs above 448 saturate.
-    layer = _layer(recipe.DelayedScaling())
+    # TE's first step quantizes with scale 1: inputs above 448 saturate.
+    layer = _layer(recipe.DelayedScaling(first_step_just_in_time=False))
     x = torch.randn(10, 16)
     x[:, 0] = 1000.0  # 10 of 160 elements
     with monitor(layer, every=1) as mon, pytest.warns(FP8HealthWarning, match="input saturation 6.25%"):
@@ -78,6 +78,20 @@ def test_records_every_n_steps_to_jsonl_csv_and_tensorboard(tmp_path):
 def test_monitor_report_on_a_directory_without_records(tmp_path, capsys):
     assert cli.main(["monitor-report", str(tmp_path)]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_just_in_time_first_step_reports_the_scale_it_used():
+    # The default first step scales the input by its own amax: nothing saturates.
+    layer = _layer(recipe.DelayedScaling())
+    x = torch.randn(10, 16)
+    x[:, 0] = 1000.0
+    with monitor(layer, every=1) as mon:
+        layer(x)
+        (first,) = mon.step()
+        layer(x)
+        (second,) = mon.step()
+    assert first["input_scale"] == pytest.approx(448.0 / 1000.0) and first["input_saturation"] == 0.0
+    assert second["input_scale"] == pytest.approx(448.0 / 1000.0) and second["input_saturation"] == 0.0
 
 
 def test_warns_once_per_layer():

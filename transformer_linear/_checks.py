@@ -26,9 +26,18 @@ from typing import Optional
 
 import torch
 
-from transformer_linear.reference import E8M0_DTYPE
+from transformer_linear.reference import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES
 
-__all__ = ["check_linear_devices", "check_same_device", "check_scale_values", "check_tensor"]
+__all__ = [
+    "check_fp8_dtype",
+    "check_hp_dtype",
+    "check_linear_devices",
+    "check_margin",
+    "check_same_device",
+    "check_scale_values",
+    "check_tensor",
+    "gemm_out_shape",
+]
 
 # Below this a float32's reciprocal may round to inf; above it, it never does.
 _RECIPROCAL_SAFE = torch.finfo(torch.float32).tiny
@@ -123,3 +132,28 @@ def check_linear_devices(
         {"inp": inp, "weight": weight, "bias": bias, "weight.main_grad": main_grad},
         optional=("bias", "weight.main_grad"),
     )
+
+
+def check_fp8_dtype(op: str, name: str, dtype: torch.dtype) -> None:
+    """Raise a TypeError unless ``dtype`` is an FP8 format."""
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: argument '{name}' must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+
+
+def check_hp_dtype(op: str, name: str, dtype: torch.dtype) -> None:
+    """Raise a TypeError unless ``dtype`` is float32, bfloat16 or float16."""
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{op}: argument '{name}' must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+
+
+def check_margin(op: str, margin: int) -> None:
+    """Raise a ValueError unless ``margin`` is an integer in [0, 127)."""
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin < 127:
+        raise ValueError(f"{op}: argument 'margin' must be an integer in [0, 127), got {margin!r}")
+
+
+def gemm_out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """(M, N) of ``a @ b.T``; a ValueError unless both are 2-D."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_gemm: 'a' and 'b' must be 2-D, got shapes {list(a.shape)} and {list(b.shape)}")
+    return (a.shape[0], b.shape[0])

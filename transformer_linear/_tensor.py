@@ -11,8 +11,6 @@ from typing import Optional
 
 import torch
 
-from transformer_linear import _C
-
 # Must match tl::DType in csrc/include/transformer_linear/tensor.h.
 _DTYPE_CODES = {
     torch.float32: 0,
@@ -30,8 +28,6 @@ _DTYPE_CODES = {
 }
 _OTHER_DTYPE = 12
 _DEVICE_CODES = {"cpu": 0, "cuda": 1}
-
-_threads_set = -1
 
 
 def desc(t: Optional[torch.Tensor], op: str, name: str) -> Optional[tuple]:
@@ -56,17 +52,14 @@ def desc(t: Optional[torch.Tensor], op: str, name: str) -> Optional[tuple]:
 
 
 def stream_for(t: torch.Tensor) -> int:
-    """The raw CUDA stream to launch on for ``t`` (0 on the CPU).
+    """The launch argument of a kernel call on ``t``'s device.
 
-    Read on every call, so kernels follow ``torch.cuda.stream(...)`` contexts
-    and CUDA-graph capture.
+    On CUDA, the raw stream to launch on; read on every call, so kernels follow
+    ``torch.cuda.stream(...)`` contexts and CUDA-graph capture. On the CPU, the
+    thread count: ``torch.get_num_threads()`` of the calling thread, which the
+    kernels read once per call (another thread changing it cannot affect a
+    call in progress).
     """
     if t.device.type == "cuda":
         return torch.cuda.current_stream(t.device).cuda_stream
-    # Keep the CPU kernels' thread count equal to torch's.
-    global _threads_set
-    n = torch.get_num_threads()
-    if n != _threads_set:
-        _C.set_num_threads(n)
-        _threads_set = n
-    return 0
+    return torch.get_num_threads()

@@ -33,7 +33,7 @@ from transformer_linear import amax_reduction, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
 from transformer_linear.quantization import BlockQuantized
 from transformer_linear.reference import bias_grad, compute_scale, fp8_max
-from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update
+from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update, no_amax_yet
 
 __all__ = [
     "WGRAD_QUEUES",
@@ -105,11 +105,6 @@ def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Te
     return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
 
 
-def _history_empty(history: Tensor) -> list[bool]:
-    """Per column: the history holds no amax yet."""
-    return history.eq(0).all(0).tolist()
-
-
 @torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
 def _quantize_grad_output_op(
     g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
@@ -153,7 +148,7 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
     x2d = x2d.contiguous()
     if a.just_in_time and a.amax_history is not None:
-        x_empty, w_empty, g_empty = _history_empty(a.amax_history)
+        x_empty, w_empty, g_empty = no_amax_yet(a.amax_history, a.fwd_scale).tolist()
         group = a.amax_reduction_group
         if x_empty:
             x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)

@@ -22,12 +22,26 @@ __all__ = [
     "checked_fp8_state",
     "delayed_scaling_flush",
     "delayed_scaling_update",
+    "no_amax_yet",
     "update_delayed_scaling_",
 ]
 
 # Columns of the (history_len, 3) amax history and the (3,) scale.
 FP8_STATE_COLUMNS = {"input": 0, "weight": 1, "grad_output": 2}
 AMAX_ALGOS = ("max", "most_recent")
+
+
+def no_amax_yet(history: Tensor, scale: Tensor) -> Tensor:
+    """Per column (a bool tensor): no amax has produced a scale yet (an empty history and the initial scale 1).
+
+    Where this holds, ``DelayedScaling(first_step_just_in_time=True)``
+    quantizes with a just-in-time scale from the tensor's own amax.
+
+    The history alone cannot tell: an update clears the slot it just used, so
+    a one-row history is empty again after every step, while the scale that
+    step produced stays.
+    """
+    return history.eq(0).all(0) & scale.eq(1)
 
 
 def update_delayed_scaling_(

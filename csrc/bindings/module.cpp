@@ -5,7 +5,12 @@
 #include "transformer_linear/check.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "transformer_linear FP8 kernels (CPU, and CUDA when built with it)";
+  m.doc() =
+      "transformer_linear FP8 kernels (CPU, and CUDA when built with it). Internal: use\n"
+      "transformer_linear.ops. Descriptors are checked for dtype, device, shape, layout and\n"
+      "int64 overflow, but a raw data pointer cannot be checked: a forged one makes the\n"
+      "kernels read or write wherever it points. The last argument of each kernel is the\n"
+      "CUDA stream for CUDA tensors and the thread count (0: OpenMP's) for CPU tensors.";
   pybind11::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -44,6 +44,8 @@ struct type_caster<tl::TensorDesc> {
     value.device = device == 0 ? tl::DeviceType::kCPU
                                : (device == 1 ? tl::DeviceType::kCUDA : tl::DeviceType::kOther);
     value.device_index = t[5].cast<int32_t>();
+    // Kernels index in int64: element counts and offsets must not overflow.
+    tl::check_addressable(value);
     return true;
   }
 };

@@ -1,6 +1,7 @@
 // FP8 GEMM entry point: validate, then run the kernel of the operands' device.
 #include "transformer_linear/gemm.h"
 
+#include "../cpu/parallel.h"
 #include "backend.h"
 #include "validate.h"
 
@@ -63,6 +64,7 @@ void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDe
     fail_no_cuda(op);
 #endif
   }
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::fp8_gemm(p);
 }
 

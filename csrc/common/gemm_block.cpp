@@ -1,6 +1,7 @@
 // Block-scaled FP8 GEMM entry point: validate, then run the CPU kernel.
 #include <algorithm>
 
+#include "../cpu/parallel.h"
 #include "backend_block.h"
 #include "transformer_linear/block.h"
 #include "validate.h"
@@ -12,7 +13,6 @@ void fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
                         int64_t b_block_rows, int64_t b_block_cols, const TensorDesc& bias,
                         const TensorDesc& d, bool accumulate, Stream stream) {
   constexpr const char* op = "fp8_gemm";
-  (void)stream;
   const std::initializer_list<DType> kFp8 = {DType::kFloat8E4M3, DType::kFloat8E5M2};
   check_defined(op, "a", a);
   TL_CHECK_TYPE(a.device == DeviceType::kCPU, op,
@@ -56,6 +56,10 @@ void fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
     check_contiguous(op, "bias", bias);
     check_shape(op, "bias", bias, {p.n});
   }
+  check_disjoint(op, {{"d", &d}},
+                 {{"a", &a}, {"a_scale_inv", &a_scale_inv}, {"b", &b}, {"b_scale_inv", &b_scale_inv},
+                  {"bias", &bias}});
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::fp8_gemm_blockwise(p);
 }
 

@@ -1,6 +1,7 @@
 // Quantize-family entry points: validate, then run the kernel of the input's device.
 #include "transformer_linear/quantize.h"
 
+#include "../cpu/parallel.h"
 #include "backend.h"
 #include "validate.h"
 
@@ -41,7 +42,7 @@ void amax(const TensorDesc& input, const TensorDesc& amax_out, Stream stream) {
     fail_no_cuda(op);
 #endif
   }
-  (void)stream;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::amax(input, amax_out);
 }
 
@@ -108,6 +109,7 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
     fail_no_cuda(op);
 #endif
   }
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::quantize(p);
 }
 
@@ -129,7 +131,7 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
     fail_no_cuda(op);
 #endif
   }
-  (void)stream;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::dequantize(input, scale_inv, output);
 }
 

@@ -1,6 +1,7 @@
 // Blockwise quantize entry point: validate, then run the CPU kernel.
 #include <algorithm>
 
+#include "../cpu/parallel.h"
 #include "backend_block.h"
 #include "transformer_linear/block.h"
 #include "validate.h"
@@ -32,7 +33,6 @@ void quantize_blockwise(const TensorDesc& input, const TensorDesc& output,
                         int64_t block_rows_t, int64_t block_cols_t, bool power_2_scale,
                         bool e8m0_floor, Stream stream) {
   constexpr const char* op = "quantize_blockwise";
-  (void)stream;
   check_defined(op, "input", input);
   TL_CHECK_TYPE(input.device == DeviceType::kCPU, op,
                 ": argument 'input' must be on cpu (the GPU kernels are transformer_linear.triton), got ",
@@ -73,6 +73,11 @@ void quantize_blockwise(const TensorDesc& input, const TensorDesc& output,
   }
   TL_CHECK_TYPE(!(output.defined() && output_t.defined()) || scale_inv.dtype == scale_inv_t.dtype,
                 op, ": 'scale_inv' and 'scale_inv_t' must have the same dtype");
+  check_disjoint(op,
+                 {{"output", &output}, {"scale_inv", &scale_inv}, {"output_t", &output_t},
+                  {"scale_inv_t", &scale_inv_t}},
+                 {{"input", &input}});
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::quantize_blockwise(p);
 }
 

@@ -1,6 +1,11 @@
+#include "transformer_linear/tensor.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 
-#include "transformer_linear/tensor.h"
+#include "transformer_linear/check.h"
 
 namespace tl {
 
@@ -63,5 +68,58 @@ static std::string dims_str(const int64_t* dims, int n) {
 
 std::string shape_str(const TensorDesc& t) { return dims_str(t.shape, t.ndim); }
 std::string strides_str(const TensorDesc& t) { return dims_str(t.strides, t.ndim); }
+
+}  // namespace tl
+
+namespace tl {
+namespace {
+
+// No user-space address reaches this: x86-64 gives processes at most 2^56
+// bytes (5-level paging), AArch64 at most 2^52. Elsewhere, the wrap-around.
+#if defined(__x86_64__) || defined(__aarch64__)
+constexpr uintptr_t kAddressLimit = uintptr_t{1} << 57;
+#else
+constexpr uintptr_t kAddressLimit = std::numeric_limits<uintptr_t>::max();
+#endif
+
+}  // namespace
+
+void check_addressable(const TensorDesc& t) {
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) return;  // no element is ever addressed
+  }
+  int64_t numel = 1;
+  for (int i = 0; i < t.ndim; ++i) {
+    TL_CHECK(!__builtin_mul_overflow(numel, t.shape[i], &numel), "tensor descriptor: shape ",
+             shape_str(t), " has more elements than int64 can count");
+  }
+  // Furthest element offsets in elements, after and before `data` (strides
+  // of size-1 dimensions are never used: torch leaves them arbitrary).
+  int64_t after = 0, before = 0;
+  bool ok = true;
+  for (int i = 0; i < t.ndim && ok; ++i) {
+    if (t.shape[i] <= 1) continue;
+    const int64_t stride = t.strides[i];
+    int64_t& furthest = stride < 0 ? before : after;
+    int64_t span = 0;
+    ok = stride != std::numeric_limits<int64_t>::min() &&
+         !__builtin_mul_overflow(t.shape[i] - 1, stride < 0 ? -stride : stride, &span) &&
+         !__builtin_add_overflow(furthest, span, &furthest);
+  }
+  // Byte offsets of the last byte of the furthest elements.
+  const int64_t elem = element_size(t.dtype) > 0 ? element_size(t.dtype) : 1;
+  int64_t last_byte = 0, first_byte = 0;
+  ok = ok && !__builtin_mul_overflow(after, elem, &last_byte) &&
+       !__builtin_add_overflow(last_byte, elem - 1, &last_byte) &&
+       !__builtin_mul_overflow(before, elem, &first_byte);
+  TL_CHECK(ok, "tensor descriptor: shape ", shape_str(t), " with strides ", strides_str(t),
+           " reaches byte offsets beyond int64");
+  if (t.data == nullptr) return;  // the entry points reject a null pointer with elements
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  TL_CHECK(address >= static_cast<uintptr_t>(first_byte) &&
+               kAddressLimit - std::min(address, kAddressLimit) > static_cast<uintptr_t>(last_byte),
+           "tensor descriptor: shape ", shape_str(t), " with strides ", strides_str(t),
+           " at address ", t.data, " reaches past the end of the address space");
+}
 
 }  // namespace tl

@@ -1,5 +1,8 @@
 #include "cpu_features.h"
 
+#include <algorithm>
+#include <cctype>
+
 namespace tl {
 namespace cpu {
 
@@ -25,10 +28,12 @@ bool isa_supported(Isa isa) {
   return false;
 }
 
-Isa best_supported_isa() {
-  if (isa_supported(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
-  if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
-  return Isa::kGeneric;
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kGeneric, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (isa_supported(isa)) out.push_back(isa);
+  }
+  return out;
 }
 
 const char* isa_name(Isa isa) {
@@ -37,6 +42,24 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512: return "avx512";
     default: return "generic";
   }
+}
+
+bool parse_isa(const std::string& name, std::optional<Isa>* isa) {
+  const auto first = name.find_first_not_of(" \t"), last = name.find_last_not_of(" \t");
+  std::string key = first == std::string::npos ? "" : name.substr(first, last - first + 1);
+  std::transform(key.begin(), key.end(), key.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (key.empty() || key == "auto") {
+    isa->reset();
+    return true;
+  }
+  for (Isa candidate : {Isa::kGeneric, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (key == isa_name(candidate)) {
+      *isa = candidate;
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace cpu

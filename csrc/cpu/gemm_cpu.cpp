@@ -11,14 +11,20 @@
 //
 // Every FP8 value and every product of two is exact in fp32 (and FP8 values
 // in bf16), so all paths compute the same function up to summation order.
-// Paths (cpu::current_isa()): generic (portable C++, below), avx512 (fp32 FMA
-// micro-kernel), avx512_bf16 (AMX tiles where present, else vdpbf16ps).
+// Paths (cpu::current_isa(), measured or forced: isa_select.cpp): generic
+// (portable C++, below), avx512 (fp32 FMA micro-kernel), avx512_bf16 (AMX
+// tiles where present, else vdpbf16ps). Threads claim packing and compute
+// items one at a time (for_each_claimed), so a busy machine that deschedules
+// one thread does not leave the others idle at the end of each pass.
 #include "gemm_cpu.h"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -168,17 +174,34 @@ Partition partition(const KernelSet& ks, int64_t m, int64_t b_panels, int thread
   return part;
 }
 
+// Tiny products (tens of microseconds) run on one thread: waking the
+// others would cost more than it saves.
+int threads_for(const GemmParams& p) {
+  constexpr double kMinParallelFlops = 1 << 22;
+  return 2.0 * p.m * p.n * p.k < kMinParallelFlops ? 1 : get_num_threads();
+}
+
+// fn(item) for each item in [0, n) on up to `threads` threads, each claiming
+// the next unclaimed item: on a busy machine a thread the OS deschedules
+// holds the others up by one item at most, not by a fixed share of the work.
+template <typename Fn>
+void for_each_claimed(int64_t n, int threads, Fn&& fn) {
+  if (threads <= 1 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  parallel_for(std::min<int64_t>(threads, n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+  });
+}
+
 template <typename Out>
-void run(const GemmParams& p, const KernelSet& ks, float alpha) {
+void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   using T = typename Out::storage;
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int64_t m = p.m, n = p.n, k = p.k;
-  // Tiny products (tens of microseconds) run on one thread: waking the
-  // others would cost more than it saves.
-  constexpr double kMinParallelFlops = 1 << 22;
-  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
-  const int threads = serial ? 1 : get_num_threads();
 
   if (k == 0) {  // empty product: D = epilogue(0)
     std::vector<float> zeros(n, 0.0f);
@@ -214,44 +237,39 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
       const int64_t kb = std::min(ks.kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t j = jc + q * ks.nr;
-          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
-                    b_packed + q * b_panel_bytes);
-        }
+      for_each_claimed(b_panels, threads, [&](int64_t q) {
+        const int64_t j = jc + q * ks.nr;
+        ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
+                  b_packed + q * b_panel_bytes);
       });
 
       const Partition part = partition(ks, m, b_panels, threads);
       const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
       const int64_t work_items = part.m_blocks * part.n_splits;
-      parallel_for(work_items, serial ? work_items : 1, [&](int64_t w0, int64_t w1) {
+      for_each_claimed(work_items, threads, [&](int64_t w) {
         thread_local AlignedBuffer a_buffer;
         uint8_t* a_packed =
             static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
         alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-        for (int64_t w = w0; w < w1; ++w) {
-          const int64_t ic = (w / part.n_splits) * part.mc;
-          const int64_t split = w % part.n_splits;
-          const int64_t mb = std::min(part.mc, m - ic);
-          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
-          if (ks.prepare) ks.prepare();
-          const int64_t q_begin = split * b_panels / part.n_splits;
-          const int64_t q_end = (split + 1) * b_panels / part.n_splits;
-          for (int64_t q = q_begin; q < q_end; ++q) {
-            const int64_t j = q * ks.nr;  // within the NC block
-            const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
-            for (int64_t ir = 0; ir < mb; ir += ks.mr) {
-              const int64_t i = ic + ir;
-              float* partial = scratch ? scratch + i * nc + j : nullptr;
-              float* out = last ? tile : partial;
-              ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_packed + q * b_panel_bytes,
-                       first ? nullptr : partial, nc, out, last ? ks.nr : nc);
-              if (last) {
-                store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
-                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j,
-                                n);
-              }
+        const int64_t ic = (w / part.n_splits) * part.mc;
+        const int64_t split = w % part.n_splits;
+        const int64_t mb = std::min(part.mc, m - ic);
+        ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
+        if (ks.prepare) ks.prepare();
+        const int64_t q_begin = split * b_panels / part.n_splits;
+        const int64_t q_end = (split + 1) * b_panels / part.n_splits;
+        for (int64_t q = q_begin; q < q_end; ++q) {
+          const int64_t j = q * ks.nr;  // within the NC block
+          const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
+          for (int64_t ir = 0; ir < mb; ir += ks.mr) {
+            const int64_t i = ic + ir;
+            float* partial = scratch ? scratch + i * nc + j : nullptr;
+            float* out = last ? tile : partial;
+            ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_packed + q * b_panel_bytes,
+                     first ? nullptr : partial, nc, out, last ? ks.nr : nc);
+            if (last) {
+              store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
+                              bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
             }
           }
         }
@@ -260,7 +278,69 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha) {
   }
 }
 
+// The GEMM time_paths() runs: large enough that the micro-kernel dominates,
+// small enough (a few MFLOP) that even the portable path takes milliseconds.
+constexpr int64_t kProbeM = 96, kProbeN = 96, kProbeK = 256;
+
+TensorDesc matrix_desc(void* data, DType dtype, int64_t rows, int64_t cols) {
+  TensorDesc t;
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = 2;
+  t.shape[0] = rows;
+  t.shape[1] = cols;
+  t.strides[0] = cols;
+  t.strides[1] = 1;
+  t.device = DeviceType::kCPU;
+  t.device_index = 0;
+  return t;
+}
+
 }  // namespace
+
+const char* kernel_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return amx_usable() ? "amx-bf16" : "vdpbf16ps";
+    case Isa::kAvx512:
+      return "fp32-fma";
+    default:
+      return "portable";
+  }
+}
+
+std::string probe_shape() {
+  return std::to_string(kProbeM) + "x" + std::to_string(kProbeN) + "x" + std::to_string(kProbeK);
+}
+
+std::vector<double> time_paths(const std::vector<Isa>& paths, int rounds) {
+  // Row-major operands, as in the forward GEMM; FP8 patterns spread over
+  // several binades, none of them NaN (0x7f / 0xff in e4m3).
+  std::vector<uint8_t> a(kProbeM * kProbeK), b(kProbeN * kProbeK);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>((i * 37 + 11) & 0xf7);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>((i * 53 + 5) & 0xf7);
+  std::vector<float> d(kProbeM * kProbeN);
+  GemmParams p{};
+  p.a = matrix_desc(a.data(), DType::kFloat8E4M3, kProbeM, kProbeK);
+  p.b = matrix_desc(b.data(), DType::kFloat8E4M3, kProbeN, kProbeK);
+  p.d = matrix_desc(d.data(), DType::kFloat32, kProbeM, kProbeN);
+  p.m = kProbeM;
+  p.n = kProbeN;
+  p.k = kProbeK;
+  p.a_row = p.b_row = kProbeK;
+  p.a_col = p.b_col = 1;
+  std::vector<double> best(paths.size(), std::numeric_limits<double>::infinity());
+  for (int round = -1; round < rounds; ++round) {  // round -1 warms up (tables, scratch)
+    for (size_t i = 0; i < paths.size(); ++i) {
+      const KernelSet ks = kernels_for(paths[i]);
+      const auto start = std::chrono::steady_clock::now();
+      run<Float32>(p, ks, 1.0f, 1);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      if (round >= 0) best[i] = std::min(best[i], took.count());
+    }
+  }
+  return best;
+}
 
 const float* fp8_to_float_table(DType dtype) {
   static const std::array<float, 256> e4m3 = make_float_table<Float8E4M3>();
@@ -286,7 +366,9 @@ void fp8_gemm(const GemmParams& p) {
   const gemm::KernelSet ks = gemm::kernels_for(current_isa());
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
   dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",
-                          [&](auto out_tag) { gemm::run<decltype(out_tag)>(p, ks, alpha); });
+                          [&](auto out_tag) {
+                            gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::threads_for(p));
+                          });
 }
 
 }  // namespace cpu

@@ -14,7 +14,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
+#include "cpu_features.h"
 #include "transformer_linear/tensor.h"
 
 namespace tl {
@@ -73,6 +76,18 @@ KernelSet avx512_bf16_kernels();
 bool amx_usable();
 /*! \brief AMX-BF16 (tdpbf16ps) path of the avx512_bf16 ISA (gemm_cpu_amx_avx512.cpp). */
 KernelSet amx_kernels();
+
+/*! \brief The micro-kernel path `isa` runs on this CPU, e.g. "vdpbf16ps" or "amx-bf16". */
+const char* kernel_name(Isa isa);
+
+/*!
+ * \brief Best wall time (seconds) of one small single-threaded FP8 GEMM on each of `paths`,
+ *        over `rounds` rounds that take the paths in turn (after one warm-up round).
+ */
+std::vector<double> time_paths(const std::vector<Isa>& paths, int rounds);
+
+/*! \brief "MxNxK" of the GEMM time_paths() runs. */
+std::string probe_shape();
 
 /*!
  * \brief Pack bf16 pairs (kpack = 2) with `groups` k-pairs per panel, >= ceil(kc / 2);

@@ -2,6 +2,8 @@
 // output and bias gradient), dequantize. Element math: fp8_math.h.
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "../common/backend.h"
@@ -23,6 +25,20 @@ constexpr int64_t kStreamBytes = 8 << 20;
 
 bool use_avx512() { return current_isa() != Isa::kGeneric; }
 
+// Uninitialized scratch of a * b * c bytes, or std::bad_alloc (Python
+// MemoryError) when the size overflows or the memory cannot be had. nothrow
+// new plus a check, so that a failure is an exception under AddressSanitizer
+// as well (whose throwing operator new aborts instead).
+std::unique_ptr<uint8_t[]> allocate_scratch(int64_t a, int64_t b, int64_t c) {
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(a, b, &bytes) || __builtin_mul_overflow(bytes, c, &bytes)) {
+    throw std::bad_alloc();
+  }
+  std::unique_ptr<uint8_t[]> p(new (std::nothrow) uint8_t[static_cast<size_t>(bytes)]);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
 template <typename In>
 float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
   // Eight independent running maxima let the compiler vectorize the loop.
@@ -37,11 +53,13 @@ float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
   return r;
 }
 
+// Per-thread results are written to a slot per OpenMP thread, so the slots
+// are sized from the same `threads` that sizes the team (read once per call).
 template <typename In>
-float parallel_amax(const typename In::storage* x, int64_t n) {
-  std::vector<float> partial(std::max(1, get_num_threads()), 0.0f);
+float parallel_amax(const typename In::storage* x, int64_t n, int threads) {
+  std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
   const bool vec = use_avx512();
-  parallel_for(n, kGrain, [&](int64_t b, int64_t e) {
+  parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
     partial[static_cast<size_t>(omp_get_thread_num())] =
         vec ? avx512::amax(In::dtype, x, b, e) : amax_range<In>(x, b, e);
   });
@@ -119,10 +137,11 @@ void quantize_impl(const QuantizeParams& p) {
   const InT* x = p.input.ptr<InT>();
   const int64_t n = p.input.numel();
   float* scale_ptr = p.scale.ptr<float>();
+  const int threads = std::max(1, get_num_threads());
   float scale;
   float known_amax = 0.0f;
   if (p.current_scaling) {
-    known_amax = parallel_amax<In>(x, n);
+    known_amax = parallel_amax<In>(x, n, threads);
     scale = fp8::compute_scale(known_amax, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
     *scale_ptr = scale;
   } else {
@@ -131,13 +150,26 @@ void quantize_impl(const QuantizeParams& p) {
   uint8_t* q = p.output.defined() ? p.output.ptr<uint8_t>() : nullptr;
   uint8_t* qt = p.output_t.defined() ? p.output_t.ptr<uint8_t>() : nullptr;
 
-  std::vector<float> partial(std::max(1, get_num_threads()), 0.0f);
+  std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
   const bool vec = use_avx512();
   if (qt != nullptr) {
     const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
-    parallel_for(p.rows, row_grain, [&](int64_t r0, int64_t r1) {
-      partial[static_cast<size_t>(omp_get_thread_num())] =
-          vec ? avx512::cast_transpose(In::dtype, Out::dtype, x, q, qt, scale, p.rows, p.cols, r0, r1)
+    // The vector path casts a stripe of rows before transposing it; without a
+    // row-major output the stripe needs scratch, allocated here, outside the
+    // parallel region (an allocation failure inside would abort).
+    const int64_t stripe_rows = std::min(avx512::kTransposeStripeRows, p.rows);
+    std::unique_ptr<uint8_t[]> scratch;
+    int64_t stripe = 0;  // bytes per thread
+    if (vec && q == nullptr) {
+      scratch = allocate_scratch(stripe_rows, p.cols, threads);  // checks the products
+      stripe = stripe_rows * p.cols;
+    }
+    parallel_for(threads, p.rows, row_grain, [&](int64_t r0, int64_t r1) {
+      const int t = omp_get_thread_num();
+      partial[static_cast<size_t>(t)] =
+          vec ? avx512::cast_transpose(In::dtype, Out::dtype, x, q, qt,
+                                       scratch ? scratch.get() + t * stripe : nullptr, scale, p.rows,
+                                       p.cols, r0, r1)
               : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
     });
   } else {
@@ -145,7 +177,7 @@ void quantize_impl(const QuantizeParams& p) {
     // fuses it into the cast.
     const bool want_amax = p.amax.defined() && !p.current_scaling;
     const bool stream = n >= kStreamBytes;
-    parallel_for(n, kGrain, [&](int64_t b, int64_t e) {
+    parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
       partial[static_cast<size_t>(omp_get_thread_num())] =
           vec ? avx512::cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
               : cast_range<In, Out>(x, q, scale, b, e);
@@ -170,7 +202,8 @@ void quantize_impl(const QuantizeParams& p) {
 void amax(const TensorDesc& input, const TensorDesc& amax_out) {
   dispatch_high_precision(input.dtype, "amax: argument 'input'", [&](auto in_tag) {
     using In = decltype(in_tag);
-    *amax_out.ptr<float>() = parallel_amax<In>(input.ptr<typename In::storage>(), input.numel());
+    *amax_out.ptr<float>() = parallel_amax<In>(input.ptr<typename In::storage>(), input.numel(),
+                                               std::max(1, get_num_threads()));
   });
 }
 

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 #include "transformer_linear/dispatch.h"
 
@@ -24,7 +23,7 @@ namespace cpu {
 namespace avx512 {
 namespace {
 
-constexpr int64_t kTile = 64;  // rows per stripe of the cast+transpose
+constexpr int64_t kTile = kTransposeStripeRows;
 
 __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
@@ -198,13 +197,12 @@ inline void transpose16x16(__m128i* rows) {
 // scratch stripe when only qt is wanted); the stripe, still in L2, is then
 // written out transposed in 16x16 blocks.
 template <typename In, typename Out>
-float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, float scale,
-                          int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
-  std::vector<uint8_t> scratch(q == nullptr ? static_cast<size_t>(kTile * cols) : 0);
+float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
+                          float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
   float amax = 0.0f;
   for (int64_t rb = r0; rb < r1; rb += kTile) {
     const int64_t nr = std::min(r1, rb + kTile) - rb;
-    uint8_t* stripe = q != nullptr ? q + rb * cols : scratch.data();
+    uint8_t* stripe = q != nullptr ? q + rb * cols : scratch;
     amax = fp8::amax_update(amax, cast_range<In, Out, true, false>(x + rb * cols, stripe, scale, 0, nr * cols));
     for (int64_t c = 0; c < cols; c += 16) {
       const int64_t nc = std::min<int64_t>(16, cols - c);
@@ -322,12 +320,12 @@ float cast(DType in, DType out, const void* x, uint8_t* q, float scale, int64_t 
   });
 }
 
-float cast_transpose(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt, float scale,
-                     int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
+float cast_transpose(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
+                     float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
   return dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
     using In = decltype(in_tag);
     return cast_transpose_rows<In, decltype(out_tag)>(static_cast<const typename In::storage*>(x),
-                                                      q, qt, scale, rows, cols, r0, r1);
+                                                      q, qt, scratch, scale, rows, cols, r0, r1);
   });
 }
 

@@ -21,10 +21,15 @@ float amax(DType in, const void* x, int64_t begin, int64_t end);
 float cast(DType in, DType out, const void* x, uint8_t* q, float scale, int64_t begin, int64_t end,
            bool want_amax, bool stream);
 
+// Rows cast_transpose casts at a time before transposing them.
+constexpr int64_t kTransposeStripeRows = 64;
+
 // Rows [r0, r1) of the (rows, cols) input: q (row-major, may be null) and
-// qt (cols, rows). Returns max |x| over those rows.
-float cast_transpose(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt, float scale,
-                     int64_t rows, int64_t cols, int64_t r0, int64_t r1);
+// qt (cols, rows). Returns max |x| over those rows. When q is null, `scratch`
+// holds kTransposeStripeRows * cols bytes (the caller allocates it: this runs
+// inside parallel regions, where an allocation failure must not be possible).
+float cast_transpose(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
+                     float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1);
 
 // y[i] = store(load(q[i]) * scale_inv) for i in [begin, end).
 void dequantize(DType in, DType out, const uint8_t* q, float scale_inv, void* y, int64_t begin,

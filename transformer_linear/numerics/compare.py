@@ -26,7 +26,7 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.scaling import FP8_STATE_COLUMNS
+from transformer_linear.scaling import FP8_STATE_COLUMNS, no_amax_yet
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -220,8 +220,7 @@ def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], rec
     used = {}
     for name in names:
         layer = modules[name]
-        history = layer.fp8_amax_history[: recipe.amax_history_len]
-        empty = history.eq(0).all(0).tolist()
+        empty = no_amax_yet(layer.fp8_amax_history[: recipe.amax_history_len], layer.fp8_scale).tolist()
         used[name] = {
             k: layer.fp8_scale[c].clone()
             for k, c in FP8_STATE_COLUMNS.items()

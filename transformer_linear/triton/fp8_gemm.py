@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_linear.ops import resolve_gemm_scalings
+from transformer_linear.ops_blockwise import resolve_gemm_scalings
 from transformer_linear.reference import E8M0_DTYPE, HIGH_PRECISION_DTYPES
 from transformer_linear.triton._fp8_bits import e8m0_to_float
 from transformer_linear.triton.quantize_blockwise import INTERPRETED, _next_pow2

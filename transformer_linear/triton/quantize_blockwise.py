@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_linear.ops import (
+from transformer_linear.ops_blockwise import (
     BlockQuantizeOutput,
     blockwise_outputs,
     check_quantize_blockwise_args,

@@ -25,7 +25,7 @@ namespace tl {
  * \param use_split_accumulator  CUDA: promote partial sums to fp32 regularly
  *                     (slower, more exact); the CPU always accumulates in fp32.
  * \param workspace    CUDA: a uint8 scratch tensor for cuBLASLt, or undefined.
- * \param stream       CUDA stream (ignored on the CPU).
+ * \param stream       CUDA stream; on the CPU the thread count of this call (0: OpenMP's, of the calling thread).
  */
 void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
               const TensorDesc& b_scale_inv, const TensorDesc& bias, const TensorDesc& d,

@@ -17,7 +17,7 @@ namespace tl {
  * \brief amax = max |input|, NaN-propagating.
  * \param input  contiguous float32/bfloat16/float16 tensor, any shape (0 elements gives amax 0).
  * \param amax   1-element float32 output.
- * \param stream CUDA stream (ignored on the CPU).
+ * \param stream CUDA stream; on the CPU the thread count of this call (0: OpenMP's, of the calling thread).
  */
 void amax(const TensorDesc& input, const TensorDesc& amax, Stream stream);
 
@@ -41,7 +41,7 @@ void amax(const TensorDesc& input, const TensorDesc& amax, Stream stream);
  *                        (the bias gradient when input is grad_output), or undefined.
  * \param current_scaling compute scale = fp8_max / amax / 2^margin from this input first.
  * \param margin          the margin of the current-scaling formula (0 <= margin < 127).
- * \param stream          CUDA stream (ignored on the CPU).
+ * \param stream          CUDA stream; on the CPU the thread count of this call (0: OpenMP's, of the calling thread).
  */
 void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc& output,
               const TensorDesc& output_t, const TensorDesc& scale_inv, const TensorDesc& amax,
@@ -52,7 +52,7 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
  * \param input     contiguous FP8 tensor.
  * \param scale_inv 1-element float32.
  * \param output    contiguous float32/bfloat16/float16 tensor of the input's shape.
- * \param stream    CUDA stream (ignored on the CPU).
+ * \param stream    CUDA stream; on the CPU the thread count of this call (0: OpenMP's, of the calling thread).
  */
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output,
                 Stream stream);

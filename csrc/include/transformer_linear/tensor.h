@@ -82,6 +82,15 @@ struct TensorDesc {
   }
 };
 
+/*!
+ * \brief Throw a ValueError unless `t` is addressable: its element count, and
+ *        the byte offset of each of its elements from `data`, fit in int64, and
+ *        no element's address wraps around the address space. The binding
+ *        checks every descriptor it builds, so kernels may compute numel() and
+ *        element offsets in int64 without overflow.
+ */
+void check_addressable(const TensorDesc& t);
+
 /*! \brief Bytes per element of `dtype` (0 for kOther). */
 int element_size(DType dtype);
 
@@ -105,7 +114,11 @@ inline bool is_high_precision(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }
 
-/*! \brief Opaque CUDA stream handle (cudaStream_t); 0 is the legacy default stream. */
+/*!
+ * \brief The launch argument of every entry point: for CUDA tensors the stream
+ *        (cudaStream_t; 0 is the legacy default stream), for CPU tensors the
+ *        thread count of the call (0: OpenMP's count of the calling thread).
+ */
 using Stream = std::uintptr_t;
 
 }  // namespace tl

@@ -1,0 +1,330 @@
+"""Block-scaled FP8 ops: blockwise quantize, and the scaling inference and kernel of block-scaled GEMMs.
+
+A scale per block of the tensor instead of one per tensor: 1x128 / 128x128
+tiles (DeepSeek-V3, TE ``Float8BlockScaling``), 1x32 blocks with E8M0 scales
+(OCP MXFP8) and one scale per row (torchao's rowwise). Each op is a
+``torch.library`` custom op with a fake implementation; CPU tensors run the
+extension's kernels, CUDA tensors the Triton kernels of
+``transformer_linear.triton``. ``ops.fp8_gemm`` routes block scales here;
+the public functions are re-exported by ``ops``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from transformer_linear import _C
+from transformer_linear._checks import (
+    check_fp8_dtype,
+    check_hp_dtype,
+    check_scale_values,
+    check_tensor,
+    gemm_out_shape,
+)
+from transformer_linear._tensor import desc, stream_for
+from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, SCALE_DTYPES, scaling_types
+
+__all__ = [
+    "BlockQuantizeOutput",
+    "blockwise_outputs",
+    "check_quantize_blockwise_args",
+    "columnwise_block_shape",
+    "fp8_gemm_blockwise",
+    "fp8_gemm_scalings",
+    "quantize_blockwise",
+    "quantize_blockwise_fused",
+    "resolve_gemm_scalings",
+]
+
+
+# The (a, b) ScalingType pairs fp8_gemm runs, as torch's scaled_mm and cuBLASLt pair them.
+_GEMM_SCALING_PAIRS = (
+    ("TensorWise", "TensorWise"),
+    ("RowWise", "RowWise"),
+    ("BlockWise1x128", "BlockWise128x128"),
+    ("BlockWise128x128", "BlockWise1x128"),
+    ("BlockWise1x128", "BlockWise1x128"),
+    ("BlockWise1x32", "BlockWise1x32"),
+)
+
+
+def fp8_gemm_scalings() -> tuple[tuple[str, str], ...]:
+    """The (a, b) scalings :func:`fp8_gemm` accepts; anything else is a ValueError.
+
+    Each operand's scaling is read from its scale_inv (R: the operand's rows,
+    K: the inner dimension), following torch.nn.functional.scaled_mm's ScalingType:
+
+    ================  ==========================  ==================  =========
+    ScalingType       scale_inv shape             dtype               block
+    ================  ==========================  ==================  =========
+    TensorWise        1 element                   float32             R x K
+    RowWise           (R, 1)                      float32             1 x K
+    BlockWise1x128    (R, ceil(K/128))            float32             1 x 128
+    BlockWise128x128  (ceil(R/128), ceil(K/128))  float32             128 x 128
+    BlockWise1x32     (R, ceil(K/32))             float8_e8m0fnu      1 x 32
+    ================  ==========================  ==================  =========
+
+    Where a shape fits several rows (R = 1, K <= 128) they mean the same blocks.
+    """
+    return _GEMM_SCALING_PAIRS
+
+
+def resolve_gemm_scalings(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor
+) -> tuple[str, tuple[int, int], str, tuple[int, int]]:
+    """(a's ScalingType, a's block, b's ScalingType, b's block) of an fp8_gemm call.
+
+    Raises:
+        TypeError: an argument is not a tensor or not on a's device.
+        ValueError: the pair is not in fp8_gemm_scalings (the message names both).
+    """
+    op = "fp8_gemm"
+    for name, t in (("a", a), ("a_scale_inv", a_scale_inv), ("b", b), ("b_scale_inv", b_scale_inv)):
+        check_tensor(op, name, t, like=None if name == "a" else a)
+    gemm_out_shape(a, b)
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype not in SCALE_DTYPES:
+            raise TypeError(f"{op}: argument '{name}' must be torch.float32 or torch.float8_e8m0fnu, got {t.dtype}")
+    a_types = scaling_types(a_scale_inv, a.shape[0], a.shape[1])
+    b_types = scaling_types(b_scale_inv, b.shape[0], b.shape[1])
+    for a_type, b_type in _GEMM_SCALING_PAIRS:
+        if a_type in a_types and b_type in b_types:
+            return a_type, a_types[a_type], b_type, b_types[b_type]
+    def describe(t, found):
+        return f"{list(t.shape)} {t.dtype} ({' or '.join(found) if found else 'no scaling'})"
+
+    raise ValueError(
+        f"{op}: unsupported scaling combination: 'a_scale_inv' {describe(a_scale_inv, a_types)} for 'a' of shape "
+        f"{list(a.shape)}, 'b_scale_inv' {describe(b_scale_inv, b_types)} for 'b' of shape {list(b.shape)}; "
+        f"supported (a, b): {', '.join(f'({x}, {y})' for x, y in _GEMM_SCALING_PAIRS)} "
+        "(see ops.fp8_gemm_scalings)"
+    )
+
+
+def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales cross into the kernels as their uint8 bits."""
+    return t.view(torch.uint8) if t.dtype == E8M0_DTYPE else t
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm_blockwise", mutates_args=())
+def _fp8_gemm_blockwise_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    a_block: list[int],
+    b_block: list[int],
+) -> torch.Tensor:
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
+    if a.device.type == "cuda":
+        return _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
+    op = "fp8_gemm"
+    _C.fp8_gemm_blockwise(
+        desc(a, op, "a"),
+        desc(_kernel_scale(a_scale_inv), op, "a_scale_inv"),
+        desc(b, op, "b"),
+        desc(_kernel_scale(b_scale_inv), op, "b_scale_inv"),
+        a_block[0],
+        a_block[1],
+        b_block[0],
+        b_block[1],
+        desc(bias, op, "bias"),
+        desc(out, op, "d"),
+        False,
+        stream_for(a),
+    )
+    return out
+
+
+@_fp8_gemm_blockwise_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    return a.new_empty(gemm_out_shape(a, b), dtype=out_dtype)
+
+
+def fp8_gemm_blockwise(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    a_block: tuple[int, int],
+    b_block: tuple[int, int],
+) -> torch.Tensor:
+    """The block-scaled GEMM for scalings already resolved by :func:`resolve_gemm_scalings`.
+
+    ``ops.fp8_gemm`` is the public entry: it validates the operands and
+    infers ``a_block`` / ``b_block`` from the scale tensors.
+    """
+    return _fp8_gemm_blockwise_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block))
+
+
+def _triton_kernels():
+    """transformer_linear.triton, imported on first GPU use: triton is an optional dependency
+    (the ``cuda`` extra) and importing it costs seconds."""
+    import transformer_linear.triton as kernels  # noqa: PLC0415 (optional dependency)
+
+    return kernels
+
+
+def check_quantize_blockwise_args(
+    x: torch.Tensor, dtype: torch.dtype, block_shape: object, scale_dtype: torch.dtype, e8m0_rounding: str
+) -> tuple[int, int]:
+    """Validate quantize_blockwise's arguments (shared by the Triton kernels); returns (bm, bk)."""
+    op = "quantize_blockwise"
+    check_tensor(op, "x", x)
+    check_hp_dtype(op, "x", x.dtype)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: argument 'x' must be 2-D (M, K), got shape {list(x.shape)}")
+    check_fp8_dtype(op, "dtype", dtype)
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"{op}: argument 'scale_dtype' must be torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}")
+    if (
+        not isinstance(block_shape, (tuple, list))
+        or len(block_shape) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block_shape)
+    ):
+        raise ValueError(f"{op}: argument 'block_shape' must be two positive ints (rows, cols), got {block_shape!r}")
+    if e8m0_rounding not in E8M0_ROUNDINGS:
+        raise ValueError(f"{op}: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
+    return int(block_shape[0]), int(block_shape[1])
+
+
+def columnwise_block_shape(block_shape: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """The block of the columnwise (transposed, (K, M)) copy: the same block applied to x^T,
+    except that a block covering whole rows of x (bk >= K, rowwise scaling) covers whole
+    rows of x^T."""
+    bm, bk = block_shape
+    return (bm, max(rows, 1)) if bk >= cols else (bm, bk)
+
+
+def blockwise_outputs(
+    x: torch.Tensor, dtype: torch.dtype, block_shape, scale_dtype: torch.dtype, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate (q, scale_inv, q_t, scale_inv_t) of a blockwise quantize; unrequested ones are empty."""
+    m, k = x.shape
+    bt = columnwise_block_shape(block_shape, m, k)
+    empty = x.new_empty(0, dtype=dtype)
+    empty_scale = x.new_empty((0, 0), dtype=scale_dtype)
+
+    def grid(rows, cols, block):
+        return (-(-rows // block[0]), -(-cols // block[1]))
+
+    q = x.new_empty((m, k), dtype=dtype) if rowwise else empty
+    s = x.new_empty(grid(m, k, block_shape), dtype=scale_dtype) if rowwise else empty_scale
+    q_t = x.new_empty((k, m), dtype=dtype) if columnwise else empty.clone()
+    s_t = x.new_empty(grid(k, m, bt), dtype=scale_dtype) if columnwise else empty_scale.clone()
+    return q, s, q_t, s_t
+
+
+@torch.library.custom_op("transformer_linear::quantize_blockwise", mutates_args=())
+def _quantize_blockwise_op(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block_shape: list[int],
+    scale_dtype: torch.dtype,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
+    e8m0_floor: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if x.device.type == "cuda":
+        rounding = "floor" if e8m0_floor else "ceil"
+        return _triton_kernels().quantize_blockwise_fused(
+            x, dtype, tuple(block_shape), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
+            e8m0_rounding=rounding,
+        )
+    q, s, q_t, s_t = blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
+    bt = columnwise_block_shape(tuple(block_shape), *x.shape)
+    op = "quantize_blockwise"
+    _C.quantize_blockwise(
+        desc(x, op, "input"),
+        desc(q, op, "output") if rowwise else None,
+        desc(_kernel_scale(s), op, "scale_inv") if rowwise else None,
+        desc(q_t, op, "output_t") if columnwise else None,
+        desc(_kernel_scale(s_t), op, "scale_inv_t") if columnwise else None,
+        block_shape[0],
+        block_shape[1],
+        bt[0],
+        bt[1],
+        power_2_scale,
+        e8m0_floor,
+        stream_for(x),
+    )
+    return q, s, q_t, s_t
+
+
+@_quantize_blockwise_op.register_fake
+def _(x, dtype, block_shape, scale_dtype, power_2_scale, rowwise, columnwise, e8m0_floor):
+    return blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
+
+
+class BlockQuantizeOutput(NamedTuple):
+    """The outputs of one blockwise quantize pass (unrequested tensors are empty)."""
+
+    data: torch.Tensor
+    """FP8 (M, K)."""
+    scale_inv: torch.Tensor
+    """(ceil(M / bm), ceil(K / bk)) float32 or float8_e8m0fnu."""
+    data_t: torch.Tensor
+    """FP8 (K, M): x^T quantized with its own blocks (columnwise_block_shape)."""
+    scale_inv_t: torch.Tensor
+    """The scales of data_t."""
+
+
+def quantize_blockwise_fused(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block_shape: tuple[int, int],
+    scale_dtype: torch.dtype = torch.float32,
+    power_2_scale: bool = False,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    e8m0_rounding: str = "ceil",
+) -> BlockQuantizeOutput:
+    """Blockwise quantize producing the row-major and/or the transposed copy from one pass.
+
+    Numerics: reference.quantize_blockwise_ref. The transposed copy is
+    ``quantize_blockwise(x.t(), ...)`` with the block of columnwise_block_shape.
+
+    Args:
+        x: contiguous (M, K) float32, bfloat16 or float16.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        block_shape: (bm, bk): (1, 128), (128, 128), (1, 32), (1, K), ...
+        scale_dtype: torch.float32 or torch.float8_e8m0fnu (MX).
+        power_2_scale: round float32 scales down to powers of two.
+        rowwise: produce data / scale_inv.
+        columnwise: produce data_t / scale_inv_t.
+        e8m0_rounding: "ceil" (TE, cuBLAS; default) or "floor" (OCP MX spec).
+    """
+    bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize_blockwise: at least one of 'rowwise' and 'columnwise' must be True")
+    out = _quantize_blockwise_op(
+        x, dtype, [bm, bk], scale_dtype, bool(power_2_scale), rowwise, columnwise, e8m0_rounding == "floor"
+    )
+    return BlockQuantizeOutput(*out)
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block_shape: tuple[int, int],
+    scale_dtype: torch.dtype = torch.float32,
+    power_2_scale: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D ``x`` with one scale per ``block_shape`` block; returns ``(q, scale_inv)``.
+
+    scale_inv has shape (ceil(M / bm), ceil(K / bk)); partial edge blocks use
+    the amax of what they hold. Numerics: reference.quantize_blockwise_ref.
+    """
+    out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale)
+    return out.data, out.scale_inv
