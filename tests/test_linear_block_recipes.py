@@ -11,6 +11,7 @@ import torch._dynamo.testing
 
 import transformer_linear as tl
 from transformer_linear import recipe, reference
+from transformer_linear.numerics.compare import resolve_recipe
 from tolerances import assert_bitwise_equal, assert_close_to_reference, sqnr
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -238,3 +239,20 @@ def test_delay_wgrad_compute_and_fused_accumulation(name):
     assert_bitwise_equal(dx, expected[1], "dx")
     assert_bitwise_equal(delayed.weight.main_grad, expected[2], "main_grad")
     assert_bitwise_equal(delayed.bias.grad, expected[3], "dbias")
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8", "rowwise"])
+def test_numerics_tools_take_the_block_recipes(name):
+    """compare's names and the monitor's range statistics work for block recipes (per-block scales:
+    nothing saturates; the tiny elements of a block with a large amax underflow)."""
+    r, _ = RECIPES[name]
+    assert resolve_recipe(name) == r
+    x, w, b, _ = _data(rows=8)
+    x[:, 1] = 1e-30  # below e4m3's smallest subnormal at any scale a block of O(1) values gets
+    layer = _layer(r, w, b)
+    with tl.numerics.monitor(layer, every=1) as mon:
+        layer(x)
+        (record,) = mon.step()
+    assert record["input_saturation"] == 0.0
+    assert record["input_underflow"] == pytest.approx(8 / x.numel())
+    assert record["output_sqnr_db"] > SQNR_FLOOR_DB["out"]

@@ -15,7 +15,7 @@ from transformer_linear.autocast import autocast
 from transformer_linear.convert import conversion_plan, convert_to_fp8
 from transformer_linear.linear import Linear
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
-from transformer_linear.numerics.stats import block_range_stats, max_relative_error, range_stats, sqnr
+from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
 from transformer_linear.quantization import quantization_spec
 from transformer_linear.recipe import (
     CurrentScaling,
@@ -239,14 +239,10 @@ def _range_stats_for(recipe: Any, rec: dict, used: dict) -> dict[str, dict[str, 
             continue
         x = rec[key]
         quantizer = getattr(spec, key)
-        if quantizer.blockwise:  # the rowwise (forward / dgrad) layout
-            block = quantizer.block_for(x.shape[-1])
-            out[key] = block_range_stats(x, dtype, block, quantizer.scale_dtype, quantizer.power_2_scale)
-            continue
         scale = used.get(key)
-        if scale is None:
+        if scale is None and not quantizer.blockwise:
             scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)
-        out[key] = range_stats(x, dtype, scale)
+        out[key] = quantizer_range_stats(x, quantizer, scale)
     return out
 
 

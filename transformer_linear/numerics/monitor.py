@@ -33,7 +33,8 @@ from transformer_linear import reference
 from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.linear import Linear
 from transformer_linear.numerics.risk import RiskThresholds
-from transformer_linear.numerics.stats import range_stats, sqnr
+from transformer_linear.numerics.stats import quantizer_range_stats, sqnr
+from transformer_linear.quantization import quantization_spec
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.scaling import FP8_STATE_COLUMNS
 
@@ -160,15 +161,19 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
         if recipe is None:
             return None  # the layer ran in high precision
         dtype = recipe.fp8_format.fwd_dtype
+        spec = quantization_spec(recipe)
         w = layer.weight.detach()
-        if isinstance(recipe, DelayedScaling) and getattr(layer, "fp8_fwd_scale", None) is not None:
+        if spec.blockwise:
+            x_scale = w_scale = None  # per block, computed by quantizer_range_stats
+        elif isinstance(recipe, DelayedScaling) and getattr(layer, "fp8_fwd_scale", None) is not None:
             used = layer.fp8_fwd_scale  # the scales the last forward quantized with
             x_scale, w_scale = used[FP8_STATE_COLUMNS["input"]], used[FP8_STATE_COLUMNS["weight"]]
         else:
             fp8_max = reference.fp8_max(dtype)
             x_scale = reference.compute_scale(x_amax.float(), fp8_max, recipe.margin, 1.0)
             w_scale = reference.compute_scale(reference.amax(w), fp8_max, recipe.margin, 1.0)
-        xs, ws = range_stats(x, dtype, x_scale), range_stats(w, dtype, w_scale)
+        xs = quantizer_range_stats(x.reshape(-1, x.shape[-1]), spec.input, x_scale)
+        ws = quantizer_range_stats(w, spec.weight, w_scale)
         bias = layer.bias.detach().double() if layer.bias is not None else None
         exact = F.linear(x.double(), w.double(), bias)
         record: dict[str, Any] = {"step": self.steps, "layer": fqn, "recipe": type(recipe).__name__}

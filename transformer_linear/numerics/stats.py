@@ -11,6 +11,7 @@ import math
 import torch
 
 from transformer_linear import reference
+from transformer_linear.quantization import TensorQuantizer
 
 
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -69,6 +70,17 @@ def block_range_stats(
         "underflow": underflow,
         "saturation": 0.0,
     }
+
+
+def quantizer_range_stats(
+    x: torch.Tensor, quantizer: TensorQuantizer, scale: torch.Tensor | float | None
+) -> dict[str, float]:
+    """:func:`range_stats` of ``x`` as ``quantizer`` casts it: with ``scale`` when it is tensorwise,
+    else with its own block scales (:func:`block_range_stats`, the rowwise layout; ``scale`` unused)."""
+    if quantizer.blockwise:
+        block = quantizer.block_for(x.shape[-1])
+        return block_range_stats(x, quantizer.dtype, block, quantizer.scale_dtype, quantizer.power_2_scale)
+    return range_stats(x, quantizer.dtype, scale)
 
 
 def range_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float) -> dict[str, float]:
