@@ -10,7 +10,7 @@ import torch
 import torch._dynamo.testing
 
 import transformer_linear as tl
-from transformer_linear import recipe, reference
+from transformer_linear import linear_ops, recipe, reference
 from transformer_linear.numerics.compare import resolve_recipe
 from tolerances import assert_bitwise_equal, assert_close_to_reference, sqnr
 
@@ -256,3 +256,36 @@ def test_numerics_tools_take_the_block_recipes(name):
     assert record["input_saturation"] == 0.0
     assert record["input_underflow"] == pytest.approx(8 / x.numel())
     assert record["output_sqnr_db"] > SQNR_FLOOR_DB["out"]
+
+
+@pytest.fixture
+def _allclose_on_fp8(monkeypatch):
+    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
+    allclose = torch.allclose
+
+    def fp8_aware(a, b, *args, **kwargs):
+        if a.dtype in reference.FP8_DTYPES or a.dtype == E8M0:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", fp8_aware)
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("cached", [False, True])
+def test_opcheck_linear_fwd(name, cached):
+    """The block path's fake implementation (the forward itself, on fake tensors) agrees with it."""
+    r, _ = RECIPES[name]
+    x, w, b, _ = _data(rows=20, k=64, n=48)
+    layer = _layer(r, w, b)
+    if cached:
+        layer(x, is_first_microbatch=True)
+    args = layer._fwd_args(x.requires_grad_(), r, False if cached else None)
+    assert (args.weight_fp8 is not None) == cached
+    flat = linear_ops.linear_fwd.flatten(args)
+    op = linear_ops.linear_fwd.op
+    torch.library.opcheck(op, flat, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    # test_aot_dispatch_dynamic sums every output (no FP8 sum kernel): forward only, detached.
+    detached = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in flat)
+    torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")

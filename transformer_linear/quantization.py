@@ -85,7 +85,8 @@ class TensorQuantizer:
     def block_for(self, cols: int) -> tuple[int, int]:
         """The (bm, bk) block of a tensor with ``cols`` columns (rowwise: the whole row)."""
         bm, bk = self.block_shape
-        return bm, (bk if bk > 0 else max(cols, 1))
+        # int(): the ops take a concrete block; a Linear's row length (in/out_features) is static anyway.
+        return bm, (bk if bk > 0 else max(int(cols), 1))
 
     def quantize(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
         """Block-quantize a contiguous 2-D ``x`` into the requested layouts, in one pass.
