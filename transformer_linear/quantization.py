@@ -102,12 +102,14 @@ class TensorQuantizer:
         separate_t = columnwise and not square and self.block_shape[1] > 0 and block[1] >= x.shape[1]
         quantize = functools.partial(ops.quantize_blockwise_fused, dtype=self.dtype, scale_dtype=self.scale_dtype,
                                      power_2_scale=self.power_2_scale)
-        out = quantize(
-            x, block_shape=block, rowwise=rowwise or (columnwise and square),
-            columnwise=columnwise and not square and not separate_t,
-        )
+        rowwise_pass = rowwise or (columnwise and square)
+        columnwise_pass = columnwise and not square and not separate_t
+        if rowwise_pass or columnwise_pass:
+            out = quantize(x, block_shape=block, rowwise=rowwise_pass, columnwise=columnwise_pass)
         if separate_t:
             q_t, s_t, _, _ = quantize(x.t().contiguous(), block_shape=self.block_for(x.shape[0]))
+            if not rowwise_pass:  # the transpose alone: empty rowwise slots, as the fused pass leaves them
+                return BlockQuantized(q_t.new_empty(0), s_t.new_empty((0, 0)), q_t, s_t)
             out = out._replace(data_t=q_t, scale_inv_t=s_t)
         if columnwise and square:
             # Copies even where the transpose is already contiguous (a (1, n) grid): outputs of one op may
