@@ -103,7 +103,20 @@ MODELS = """
 def test_model_factory_with_synthetic_inputs(tmp_path, capsys, monkeypatch):
     _write_module(tmp_path, monkeypatch, MODELS)
     code, printed, _ = _run(capsys, "--model", "usermodels:mlp", "--input-shape", "4,8", "--out", "rep", "--max-gap", "100", *TINY)
-    assert code == 0, printed and (tmp_path / "rep" / "report.md").exists()
+    assert code == 0, printed
+    assert (tmp_path / "rep" / "report.md").exists()
+
+
+def test_model_factory_leaves_sys_path_as_it_was(tmp_path, capsys, monkeypatch):
+    """The current directory is importable only while the factory is imported and called: left on
+    sys.path, a source checkout's transformer_linear (no built extension) would shadow the installed
+    package in this process and in every process it spawns (multiprocessing copies sys.path)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delitem(sys.modules, "examples.fp8_check_model", raising=False)
+    before = list(sys.path)
+    code, printed, _ = _run(capsys, "--model", "examples.fp8_check_model:build", "--out", str(tmp_path), *TINY)
+    assert code == 0, printed
+    assert sys.path == before
 
 
 def test_exit_status_1_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp_path, capsys, monkeypatch):

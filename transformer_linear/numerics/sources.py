@@ -9,12 +9,13 @@ that are synthetic or read from a file (``--data``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -90,13 +91,30 @@ def synthetic_batches(
     return make_batch
 
 
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """Make the current directory importable while the user's factory is imported and called.
+
+    It goes last on ``sys.path`` (installed packages keep precedence: run from
+    a source checkout, the checkout's ``transformer_linear`` must not shadow
+    the installed, built one) and comes off again afterwards, so neither this
+    process nor the processes it spawns keep it.
+    """
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def _import_factory(spec: str) -> Callable[[], Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model: expected 'package.module:factory', got {spec!r}")
-    # Like `python -m`: the current directory is importable.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any failure of the user's module is reported on one line
@@ -124,11 +142,12 @@ def user_workload(
     ``(model, make_batch, loss_fn)``; without ``make_batch``,
     ``input_shape`` (and ``input_dtype``, ``vocab``) describe synthetic inputs.
     """
-    factory = _import_factory(spec)
-    try:
-        result = factory()
-    except Exception as e:  # the user's code: report it on one line (--traceback shows it all)
-        raise ValueError(f"--model: {spec}() raised {type(e).__name__}: {e}") from e
+    with _cwd_importable():
+        factory = _import_factory(spec)
+        try:
+            result = factory()
+        except Exception as e:  # the user's code: report it on one line (--traceback shows it all)
+            raise ValueError(f"--model: {spec}() raised {type(e).__name__}: {e}") from e
     parts = result if isinstance(result, tuple) else (result,)
     if not 1 <= len(parts) <= 3 or not isinstance(parts[0], nn.Module):
         raise ValueError(
