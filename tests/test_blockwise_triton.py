@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +21,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETED:
 
-    def test_triton_kernels_interpreted():
+    def test_triton_kernels_interpreted(tmp_path):
         pytest.importorskip("triton", reason="triton is in the 'test' extra")
+        # From an empty folder: `python -m` puts the current directory first on sys.path, and from the
+        # repository root the source tree's transformer_linear (no built extension) would shadow the
+        # installed package.
         result = subprocess.run(
             [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
             env={**os.environ, "TRITON_INTERPRET": "1"},
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=tmp_path,
             capture_output=True,
             text=True,
             timeout=900,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,11 @@ def run_fresh(env_isa: str | None, code: str = LOAD_EXTENSION_ONLY) -> tuple[dic
     env = {k: v for k, v in os.environ.items() if k != "TL_CPU_ISA"}
     if env_isa is not None:
         env["TL_CPU_ISA"] = env_isa
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # Not from the repository root: `python -c` puts the current directory first on sys.path, where the
+    # source tree's transformer_linear (no built extension) would shadow the installed package.
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
