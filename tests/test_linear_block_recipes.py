@@ -96,8 +96,10 @@ def _layer(r, w, b):
     return layer
 
 
-def _run(layer, x, dy, **kw):
+def _run(layer, x, dy, unbacked_rows=False, **kw):
     x = x.detach().clone().requires_grad_()
+    if unbacked_rows:
+        torch._dynamo.decorators.mark_unbacked(x, 0)
     out = layer(x, **kw)
     out.backward(dy)
     return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
@@ -173,6 +175,15 @@ def test_every_way_to_enable(name, enable):
         assert_bitwise_equal(a, e, what)
 
 
+# Batch sizes of one partial row block, exactly one block, one row past it, several blocks, and 2 rows.
+BATCH_ROWS = (7, 128, 129, 300, 2)
+
+
+def _zero_grads(*layers):
+    for layer in layers:
+        layer.zero_grad()
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_compile_equals_eager_without_recompiles(name):
     r, _ = RECIPES[name]
@@ -194,19 +205,43 @@ def test_compile_equals_eager_without_recompiles(name):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_export_equals_eager(name, tmp_path):
+def test_compile_unbacked_batch_one_graph(name):
+    """A batch dim marked unbacked (torch._dynamo.mark_unbacked) gives one graph for every size, 1 included:
+    nothing in the block path guards on the row count."""
     r, _ = RECIPES[name]
-    x, w, b, _ = _data(rows=200)
+    x, w, b, dy = _data(rows=300)
+    eager = _layer(r, w, b)
+    compiled_layer = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True)
+    for rows in (1,) + BATCH_ROWS:
+        xs, dys = x[:rows], dy[:rows]
+        _zero_grads(eager, compiled_layer)
+        got = _run(compiled, xs, dys, unbacked_rows=True)
+        for a, e, what in zip(got, _run(eager, xs, dys), ("out", "dx", "dw", "db")):
+            assert_bitwise_equal(a, e, f"{what} rows={rows}")
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("grad", [False], ids=["no_grad"])
+def test_export_dynamic_batch_equals_eager(name, grad, tmp_path):
+    """A dynamic batch and sequence (torch.export.Dim): one program for every size, saved, loaded and run
+    bitwise equal to eager (also sizes with a single row block, or a single row)."""
+    r, _ = RECIPES[name]
+    x, w, b, _ = _data(rows=300)
     layer = _layer(r, w, b)
-    # A static batch: with a dynamic one, ops.fp8_gemm's scaling inference compares the scale's
-    # shape with the row-block count (rows == ceil(rows / 128)), a guard export cannot prove.
-    program = torch.export.export(layer, (x,))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    example = x[:120].reshape(4, 30, -1)  # 120 rows: fewer than one 128-row block
+    with torch.set_grad_enabled(grad):
+        program = torch.export.export(layer, (example,), dynamic_shapes=({0: batch, 1: seq},))
     path = tmp_path / "linear.pt2"
     torch.export.save(program, path)
     loaded = torch.export.load(path).module()
-    for _ in range(2):
+    for shape in ((1, 1), (1, 7), (2, 64), (3, 43), (5, 60)):
+        xs = x[: shape[0] * shape[1]].reshape(*shape, -1)
         with torch.no_grad():
-            assert_bitwise_equal(loaded(x), layer(x))
+            assert_bitwise_equal(loaded(xs), layer(xs), f"shape={shape}")
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
