@@ -52,4 +52,4 @@ def test_gpt_final_loss_within_1_percent_of_fp32(name, workload):
     linears = [m for m in trained.modules() if isinstance(m, tl.Linear)]
     assert len(linears) == 5 and all(m.recipe == BLOCK_RECIPES[name] for m in linears)  # qkv, proj, fc1, fc2, head
     gap = abs(_final_loss(fp8) - _final_loss(fp32)) / _final_loss(fp32)
-    assert gap <= FINAL_LOSS_TOLERANCE, f"{name}: final loss {_final_loss(fp8):.4f} vs fp32 {_final_loss(fp32):.4f} ({gap:.2%})"
+    assert gap <= FINAL_LOSS_TOLERANCE, f"{name}: final {_final_loss(fp8):.4f} vs fp32 {_final_loss(fp32):.4f} ({gap:.2%})"

@@ -245,6 +245,39 @@ def test_export_dynamic_batch_equals_eager(name, grad, tmp_path):
             assert_bitwise_equal(loaded(xs), layer(xs), f"shape={shape}")
 
 
+class _Gemm(torch.nn.Module):
+    def forward(self, a, a_scale_inv, b, b_scale_inv):
+        return tl.ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "a_block, b_block, scale_dtype",
+    [
+        ((1, 128), (128, 128), torch.float32),
+        ((1, 128), (1, 128), torch.float32),
+        ((1, 32), (1, 32), E8M0),
+        (ROW, ROW, torch.float32),
+    ],
+    ids=["1x128_128x128", "1x128_1x128", "mxfp8", "rowwise"],
+)
+def test_fp8_gemm_export_with_dynamic_rows(a_block, b_block, scale_dtype):
+    """ops.fp8_gemm exported with a dynamic row count (a's and its scale's, one Dim): one program for
+    every M, 1 and 7 (one row block) included; a scale of other rows fails its run-time check."""
+    def operands(rows, k=160, n=48):
+        x, w = torch.randn(rows, k), torch.randn(n, k)
+        a = _quantize(x, E4M3, a_block, scale_dtype, False)
+        return (*a, *_quantize(w, E4M3, b_block, scale_dtype, False))
+
+    rows = torch.export.Dim("rows")
+    program = torch.export.export(_Gemm(), operands(200), dynamic_shapes=({0: rows}, {0: rows}, None, None))
+    for m in (1, 7, 129, 300):
+        args = operands(m)
+        assert_bitwise_equal(program.module()(*args), _Gemm()(*args), f"rows={m}")
+    a, a_scale_inv, b, b_scale_inv = operands(300)
+    with pytest.raises(AssertionError, match="a_scale_inv"):
+        program.module()(a, a_scale_inv[:100], b, b_scale_inv)
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_cached_weight_is_first_microbatch(name):
     """is_first_microbatch=False reuses the FP8 weight (both layouts): the same results as requantizing."""

@@ -252,7 +252,9 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
         w_t = _operand_t(a.weight, a.operands_transposed)
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
-        g_scale_inv = _scale_2d(a.grad_output_scale_inv, a.quantization.grad_output, a.grad_output, a.operands_transposed)
+        g_scale_inv = _scale_2d(
+            a.grad_output_scale_inv, a.quantization.grad_output, a.grad_output, a.operands_transposed
+        )
         dx = ops.fp8_gemm(a.grad_output, g_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True)
     return dx.reshape(a.input_shape)
 
@@ -301,7 +303,8 @@ def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     t = a.operands_transposed
     g_t, x_t = _operand_t(a.grad_output_t, t), _operand_t(a.inp, t)
     spec = a.quantization
-    return g_t, _scale_2d(a.grad_output_t_scale_inv, spec.grad_output, g_t, t), x_t, _scale_2d(a.inp_scale_inv, spec.input, x_t, t)
+    g_t_scale_inv = _scale_2d(a.grad_output_t_scale_inv, spec.grad_output, g_t, t)
+    return g_t, g_t_scale_inv, x_t, _scale_2d(a.inp_scale_inv, spec.input, x_t, t)
 
 
 @linear_wgrad.op.register_fake

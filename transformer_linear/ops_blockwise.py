@@ -82,18 +82,29 @@ def _shape_conditions(scale_inv: torch.Tensor, expected: Optional[tuple]) -> lis
     return [size == want for size, want in zip(scale_inv.shape, expected)]
 
 
-def _decided(conditions: list) -> Optional[bool]:
-    """True / False where the conditions are decided without a guard, None where they depend on symbolic sizes.
+def _holds_for_traced_sizes(c) -> bool:
+    """A condition's value for the sizes being traced, read from their hints (no guard); an unbacked
+    size has none, so the condition may hold."""
+    if isinstance(c, bool):
+        return c
+    hint = c.node.hint
+    return True if hint is None else bool(hint)
+
+
+def _match(conditions: list) -> Optional[bool]:
+    """True where the conditions hold for every size, None where they hold for the sizes being traced
+    but depend on them (to be checked at run time), False otherwise. Concrete sizes give True or False.
 
     Under torch.compile and torch.export the row count is symbolic and so is a row-block count
     (ceil(M / 128)); asking whether it equals the scale's rows, or 1, would guard (specialize the graph
-    or fail export) on a relation that holds or not depending on M. Only what is statically known counts.
+    or fail export) on a relation that holds or not depending on M. So no condition is evaluated with
+    a guard here.
     """
     if all(statically_known_true(c) for c in conditions):
         return True
     if any(statically_known_true(torch.sym_not(c)) for c in conditions):
         return False
-    return None
+    return None if all(_holds_for_traced_sizes(c) for c in conditions) else False
 
 
 def resolve_gemm_scalings(
@@ -104,8 +115,8 @@ def resolve_gemm_scalings(
     With concrete sizes the first pair of fp8_gemm_scalings whose shapes match. With symbolic ones
     (tracing) the first pair that matches for every size (a 1x128 scale of an operand contracting over
     M rows matches BlockWise1x128 for any M, RowWise only while M <= 128: the same blocks then); failing
-    that, the first pair that may match, its shapes checked at run time (torch._check). So a traced
-    graph serves every batch size without guarding on the row-block count.
+    that, the first pair that matches the traced sizes, its shapes checked at run time (torch._check).
+    So a traced graph serves every batch size without guarding on the row-block count.
 
     Raises:
         TypeError: an argument is not a tensor or not on a's device.
@@ -121,7 +132,7 @@ def resolve_gemm_scalings(
 
     def layouts(t: torch.Tensor, operand: torch.Tensor) -> dict[str, tuple[list, Optional[bool], tuple[int, int]]]:
         return {
-            name: (conditions, _decided(conditions), block)
+            name: (conditions, _match(conditions), block)
             for name, (shape, block) in scale_layouts(t.dtype, *operand.shape).items()
             for conditions in (_shape_conditions(t, shape),)
         }
@@ -131,13 +142,16 @@ def resolve_gemm_scalings(
         for a_type, b_type in _GEMM_SCALING_PAIRS:
             a_found, b_found = a_types.get(a_type), b_types.get(b_type)
             if a_found and b_found and a_found[1] in acceptable and b_found[1] in acceptable:
-                for (conditions, decided, _), name, t_type in ((a_found, "a_scale_inv", a_type), (b_found, "b_scale_inv", b_type)):
-                    for c in conditions if decided is None else ():
+                for (conditions, matched, _), name, t_type in (
+                    (a_found, "a_scale_inv", a_type),
+                    (b_found, "b_scale_inv", b_type),
+                ):
+                    for c in conditions if matched is None else ():
                         torch._check(c, lambda name=name, t_type=t_type: f"{op}: '{name}' does not have {t_type}'s shape")
                 return a_type, a_found[2], b_type, b_found[2]
 
     def describe(t, found):
-        names = [name for name, (_, decided, _) in found.items() if decided]
+        names = [name for name, (_, matched, _) in found.items() if matched]
         return f"{list(t.shape)} {t.dtype} ({' or '.join(names) if names else 'no scaling'})"
 
     raise ValueError(

@@ -15,6 +15,10 @@ tensor comes in two layouts: the rowwise copy (blocks along its last dim) and
 the columnwise copy, the transpose quantized from the high-precision tensor
 with the blocks along the other dim. A square block (128x128) covers the same
 elements either way, so that copy is the rowwise one transposed.
+
+Scales whose shape depends on the batch leave ops 1-D (``quantize_flat``, the
+``quantize_blockwise_flat`` op; ``scale_grid`` gives their 2-D shape back), so
+that a traced graph holds no tensor with a row-block count as a size.
 """
 
 from __future__ import annotations
@@ -102,9 +106,10 @@ class TensorQuantizer:
         rows) is 1 for some batch sizes, so a graph holding it would specialize on M <= 128. The 1-D
         scale has (columns x row blocks) elements, never 1 for a batch of 2 rows or more.
         """
-        return BlockQuantized(
-            *_quantize_flat_op(x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise)
+        out = _quantize_flat_op(
+            x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise
         )
+        return BlockQuantized(*out)
 
     def quantize(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
         """Block-quantize a contiguous 2-D ``x`` into the requested layouts, in one pass.
@@ -146,15 +151,23 @@ def flat(t: Tensor) -> Tensor:
 
 
 def _flat_scales(
-    x: Tensor, dtype: torch.dtype, block_shape: list[int], scale_dtype: torch.dtype, power_2_scale: bool,
-    rowwise: bool, columnwise: bool,
+    x: Tensor,
+    dtype: torch.dtype,
+    block_shape: list[int],
+    scale_dtype: torch.dtype,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """TensorQuantizer.quantize_flat's op: a quantizer's fields in, 1-D scales out."""
     q = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale).quantize(x, rowwise, columnwise)
     return q.data, flat(q.scale_inv), q.data_t, flat(q.scale_inv_t)
 
 
 # Made of custom ops and views only, so it is its own fake implementation.
-_quantize_flat_op = torch.library.custom_op("transformer_linear::quantize_blockwise_flat", mutates_args=())(_flat_scales)
+_quantize_flat_op = torch.library.custom_op("transformer_linear::quantize_blockwise_flat", mutates_args=())(
+    _flat_scales
+)
 _quantize_flat_op.register_fake(_flat_scales)
 
 

@@ -339,7 +339,9 @@ def quantize_blockwise_ref(
     return q, scale_inv
 
 
-def scale_layouts(dtype: torch.dtype, rows: int, cols: int) -> dict[str, tuple[Optional[tuple[int, ...]], tuple[int, int]]]:
+def scale_layouts(
+    dtype: torch.dtype, rows: int, cols: int
+) -> dict[str, tuple[Optional[tuple[int, ...]], tuple[int, int]]]:
     """The scaled_mm ScalingTypes a scale_inv of ``dtype`` can stand for on a (rows, cols) operand:
     ScalingType -> (the scale_inv's shape, the block); TensorWise's shape is None (any 1-element
     scale of at most 2 dims). The table of :func:`scaling_types`.
