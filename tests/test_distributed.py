@@ -251,6 +251,11 @@ class TestDDP:
     def test_block_recipe_matches_single_process(self, name):
         run_ranks(_ddp_rank, name, timeout=TIMEOUT)
 
+    # One block recipe: they share the ops (tests/test_linear_block_recipes.py compiles each).
+    @pytest.mark.parametrize("name", ["block"])
+    def test_compiled_ddp_model_block_recipe(self, name):
+        run_ranks(_ddp_rank, name, "aot_eager", timeout=TIMEOUT)
+
 
 # ---------------------------------------------------------------------------
 # FSDP2 and distributed checkpointing
@@ -404,6 +409,11 @@ class TestFSDP2:
     @pytest.mark.parametrize("name", list(BLOCK_RECIPES))
     def test_block_recipe_matches_single_process(self, name):
         run_ranks(_fsdp_rank, name, timeout=TIMEOUT)
+
+    # One block recipe: they share the ops (tests/test_linear_block_recipes.py compiles each).
+    @pytest.mark.parametrize("name", ["block"])
+    def test_compiled_fsdp2_model_block_recipe(self, name):
+        run_ranks(_fsdp_rank, name, "aot_eager", timeout=TIMEOUT)
 
     @pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
     def test_unsupported_wgrad_options_raise_at_wrap_time(self, option):
