@@ -151,13 +151,8 @@ def flat(t: Tensor) -> Tensor:
 
 
 def _flat_scales(
-    x: Tensor,
-    dtype: torch.dtype,
-    block_shape: list[int],
-    scale_dtype: torch.dtype,
-    power_2_scale: bool,
-    rowwise: bool,
-    columnwise: bool,
+    x: Tensor, dtype: torch.dtype, block_shape: list[int], scale_dtype: torch.dtype, power_2_scale: bool,
+    rowwise: bool, columnwise: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """TensorQuantizer.quantize_flat's op: a quantizer's fields in, 1-D scales out."""
     q = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale).quantize(x, rowwise, columnwise)
