@@ -12,6 +12,7 @@ import torch.utils.checkpoint
 
 import transformer_linear as tl
 from transformer_linear import linear_ops, recipe, reference
+from transformer_linear.linear_args import LinearBwdArgs
 from transformer_linear.numerics.compare import resolve_recipe
 from transformer_linear.quantization import quantization_spec
 from tolerances import assert_bitwise_equal, assert_close_to_reference, relative_error, sqnr
@@ -359,6 +360,38 @@ def test_opcheck_linear_fwd(name, cached):
     # test_aot_dispatch_dynamic sums every output (no FP8 sum kernel): forward only, detached.
     detached = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in flat)
     torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_opcheck_linear_dgrad_and_wgrad(name):
+    """The block path's backward ops, on what the backward hands them (1-D activation scales), agree with
+    their fake implementations and give the emulation's dx and dW."""
+    r, spec_tuple = RECIPES[name]
+    x, w, b, dy = _data(rows=20, k=64, n=48)
+    spec = quantization_spec(r)
+    qx = spec.input.quantize_flat(x, rowwise=False, columnwise=True)
+    qw = spec.weight.quantize(w, rowwise=False, columnwise=True)
+    qg = spec.grad_output.quantize_flat(dy, rowwise=True, columnwise=True)
+    args = LinearBwdArgs(
+        grad_output=qg.data,
+        grad_output_t=qg.data_t,
+        grad_output_scale_inv=qg.scale_inv,
+        grad_output_t_scale_inv=qg.scale_inv_t,
+        operands_transposed=True,
+        inp=qx.data_t,
+        inp_scale_inv=qx.scale_inv_t,
+        weight=qw.data_t,
+        weight_scale_inv=qw.scale_inv_t,
+        input_shape=list(x.shape),
+        dgrad_dtype=torch.float32,
+        wgrad_dtype=torch.float32,
+        quantization=spec,
+    )
+    _, e_dx, e_dw = _emulate(spec_tuple, x, w, b, dy)
+    for op, expected, what in ((linear_ops.linear_dgrad, e_dx, "dx"), (linear_ops.linear_wgrad, e_dw, "dw")):
+        torch.library.opcheck(op.op, op.flatten(args))
+        assert_close_to_reference(op(args), *expected, what=what)
 
 
 @pytest.mark.usefixtures("_allclose_on_fp8")
