@@ -187,11 +187,13 @@ def _zero_grads(*layers):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_compile_equals_eager_without_recompiles(name):
+# Rows shorter than a block (24 < 32 < 128) take the separately quantized transposes (quantization.py).
+@pytest.mark.parametrize("features", [(256, 192), (24, 16)], ids=["long_rows", "short_rows"])
+def test_compile_equals_eager_without_recompiles(name, features):
     """dynamic=True: one graph for every batch of 2 or more rows, however many row blocks it has;
     1 row compiles a second graph, as for torch.nn.Linear (torch specializes an input dim of size 1)."""
     r, _ = RECIPES[name]
-    x, w, b, dy = _data(rows=300)
+    x, w, b, dy = _data(300, *features)
     eager = _layer(r, w, b)
     compiled_layer = copy.deepcopy(eager)
     torch._dynamo.reset()  # graphs of earlier tests count towards the recompile limit
@@ -244,6 +246,33 @@ def test_export_dynamic_batch_equals_eager(name, grad, tmp_path):
         xs = x[: shape[0] * shape[1]].reshape(*shape, -1)
         with torch.no_grad():
             assert_bitwise_equal(loaded(xs), layer(xs), f"shape={shape}")
+
+
+class _TwiceCalled(torch.nn.Module):
+    """One block-scaled Linear called twice, then a head."""
+
+    def __init__(self, r):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.head = tl.Linear(64, 64, recipe=r), tl.Linear(64, 16, recipe=r)
+
+    def forward(self, x):
+        return self.head(self.inner(torch.relu(self.inner(x)) + 1.0))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_export_unflatten_same_linear_called_twice(name):
+    """torch.export.unflatten of a dynamic-batch program that calls one layer twice: the submodules come
+    back and every batch size runs bitwise equal to eager."""
+    model = _TwiceCalled(RECIPES[name][0])
+    example = torch.randn(150, 64)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    unflat = torch.export.unflatten(program)
+    assert any(fqn.startswith("inner") for fqn, _ in unflat.named_modules())
+    for rows in (1, 7, 130):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            assert_bitwise_equal(unflat(x), model(x), f"rows={rows}")
 
 
 class _Gemm(torch.nn.Module):

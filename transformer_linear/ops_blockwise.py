@@ -269,7 +269,6 @@ def blockwise_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate (q, scale_inv, q_t, scale_inv_t) of a blockwise quantize; unrequested ones are empty."""
     m, k = x.shape
-    bt = columnwise_block_shape(block_shape, m, k)
     empty = x.new_empty(0, dtype=dtype)
     empty_scale = x.new_empty((0, 0), dtype=scale_dtype)
 
@@ -278,8 +277,13 @@ def blockwise_outputs(
 
     q = x.new_empty((m, k), dtype=dtype) if rowwise else empty
     s = x.new_empty(grid(m, k, block_shape), dtype=scale_dtype) if rowwise else empty_scale
-    q_t = x.new_empty((k, m), dtype=dtype) if columnwise else empty.clone()
-    s_t = x.new_empty(grid(k, m, bt), dtype=scale_dtype) if columnwise else empty_scale.clone()
+    if columnwise:
+        # The columnwise block only where asked for: it compares the block with the row length, which
+        # for a transpose quantized on its own (rows of M, the batch) would guard on M while tracing.
+        q_t = x.new_empty((k, m), dtype=dtype)
+        s_t = x.new_empty(grid(k, m, columnwise_block_shape(block_shape, m, k)), dtype=scale_dtype)
+    else:
+        q_t, s_t = empty.clone(), empty_scale.clone()
     return q, s, q_t, s_t
 
 
