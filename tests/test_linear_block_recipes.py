@@ -189,22 +189,27 @@ def _zero_grads(*layers):
 @pytest.mark.parametrize("name", list(RECIPES))
 # Rows shorter than a block (24 < 32 < 128) take the separately quantized transposes (quantization.py).
 @pytest.mark.parametrize("features", [(256, 192), (24, 16)], ids=["long_rows", "short_rows"])
-def test_compile_equals_eager_without_recompiles(name, features):
-    """dynamic=True: one graph for every batch of 2 or more rows, however many row blocks it has;
-    1 row compiles a second graph, as for torch.nn.Linear (torch specializes an input dim of size 1)."""
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic_dynamic"])
+def test_compile_equals_eager_without_recompiles(name, features, dynamic):
+    """Exactly the graphs torch.nn.Linear gets over the same batch sizes: with dynamic=True one for every
+    batch of 2 or more rows, however many row blocks it has (1 row gets a second: torch specializes an
+    input size of 1); by default a static first graph, then one dynamic graph for the rest."""
     r, _ = RECIPES[name]
     x, w, b, dy = _data(300, *features)
     eager = _layer(r, w, b)
     compiled_layer = copy.deepcopy(eager)
     torch._dynamo.reset()  # graphs of earlier tests count towards the recompile limit
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True, dynamic=True)
+    counter, nn_counter = (torch._dynamo.testing.CompileCounterWithBackend("aot_eager") for _ in range(2))
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True, dynamic=dynamic)
+    nn_compiled = torch.compile(torch.nn.Linear(*features), backend=nn_counter, fullgraph=True, dynamic=dynamic)
     for rows in BATCH_ROWS + (1,):
         xs, dys = x[:rows], dy[:rows]
         _zero_grads(eager, compiled_layer)
         for a, e, what in zip(_run(compiled, xs, dys), _run(eager, xs, dys), ("out", "dx", "dw", "db")):
             assert_bitwise_equal(a, e, f"{what} rows={rows}")
-        assert counter.frame_count == (2 if rows == 1 else 1), f"rows={rows}: {counter.frame_count} graphs"
+        _run(nn_compiled, xs, dys)
+        assert counter.frame_count == nn_counter.frame_count, f"rows={rows}: {counter.frame_count} graphs"
+    assert counter.frame_count == (2 if dynamic else 3)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
