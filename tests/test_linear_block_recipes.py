@@ -4,6 +4,7 @@ reference.py, SQNR against fp32, torch.compile / torch.export, FP8 saved
 activations, and the weight-cache and wgrad options."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -280,12 +281,17 @@ def test_export_unflatten_same_linear_called_twice(name):
             assert_bitwise_equal(unflat(x), model(x), f"rows={rows}")
 
 
+def _gemm_operands(rows, a_block, b_block, scale_dtype, k=160, n=48):
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    return (*_quantize(x, E4M3, a_block, scale_dtype, False), *_quantize(w, E4M3, b_block, scale_dtype, False))
+
+
 class _Gemm(torch.nn.Module):
     def forward(self, a, a_scale_inv, b, b_scale_inv):
         return tl.ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32)
 
 
-@pytest.mark.parametrize(
+GEMM_SCALINGS = pytest.mark.parametrize(
     "a_block, b_block, scale_dtype",
     [
         ((1, 128), (128, 128), torch.float32),
@@ -295,14 +301,13 @@ class _Gemm(torch.nn.Module):
     ],
     ids=["1x128_128x128", "1x128_1x128", "mxfp8", "rowwise"],
 )
+
+
+@GEMM_SCALINGS
 def test_fp8_gemm_export_with_dynamic_rows(a_block, b_block, scale_dtype):
     """ops.fp8_gemm exported with a dynamic row count (a's and its scale's, one Dim): one program for
     every M, 1 and 7 (one row block) included; a scale of other rows fails its run-time check."""
-    def operands(rows, k=160, n=48):
-        x, w = torch.randn(rows, k), torch.randn(n, k)
-        a = _quantize(x, E4M3, a_block, scale_dtype, False)
-        return (*a, *_quantize(w, E4M3, b_block, scale_dtype, False))
-
+    operands = functools.partial(_gemm_operands, a_block=a_block, b_block=b_block, scale_dtype=scale_dtype)
     rows = torch.export.Dim("rows")
     program = torch.export.export(_Gemm(), operands(200), dynamic_shapes=({0: rows}, {0: rows}, None, None))
     for m in (1, 7, 129, 300):
@@ -311,6 +316,19 @@ def test_fp8_gemm_export_with_dynamic_rows(a_block, b_block, scale_dtype):
     a, a_scale_inv, b, b_scale_inv = operands(300)
     with pytest.raises(AssertionError, match="a_scale_inv"):
         program.module()(a, a_scale_inv[:100], b, b_scale_inv)
+
+
+@GEMM_SCALINGS
+def test_fp8_gemm_compiled_with_dynamic_rows(a_block, b_block, scale_dtype):
+    """ops.fp8_gemm in compiled code, its operands and scales graph inputs with dynamic sizes: one graph
+    for every M of 2 rows or more (one row block or several)."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_Gemm(), backend=counter, fullgraph=True, dynamic=True)
+    for rows in (200, 7, 300, 129):
+        args = _gemm_operands(rows, a_block, b_block, scale_dtype)
+        assert_bitwise_equal(compiled(*args), _Gemm()(*args), f"rows={rows}")
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from transformer_linear import _C
 from transformer_linear._checks import (
@@ -87,8 +87,15 @@ def _holds_for_traced_sizes(c) -> bool:
     size has none, so the condition may hold."""
     if isinstance(c, bool):
         return c
+    if torch.compiler.is_dynamo_compiling():
+        # Dynamo (fp8_gemm called in compiled code) reads no hints; its guard costs at most a recompile.
+        return guard_or_false(c)
     hint = c.node.hint
     return True if hint is None else bool(hint)
+
+
+def _negated(c):
+    return not c if isinstance(c, bool) else torch.sym_not(c)
 
 
 def _match(conditions: list) -> Optional[bool]:
@@ -102,7 +109,7 @@ def _match(conditions: list) -> Optional[bool]:
     """
     if all(statically_known_true(c) for c in conditions):
         return True
-    if any(statically_known_true(torch.sym_not(c)) for c in conditions):
+    if any(statically_known_true(_negated(c)) for c in conditions):
         return False
     return None if all(_holds_for_traced_sizes(c) for c in conditions) else False
 
