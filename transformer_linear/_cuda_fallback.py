@@ -115,28 +115,29 @@ def active(t: torch.Tensor) -> bool:
     return True
 
 
-def register_cuda_kernel(
-    op: torch.library.CustomOpDef,
-    extension: Callable,
-    fallback: Callable,
-    check: Optional[Callable] = None,
-) -> None:
-    """Register ``op``'s CUDA kernel: ``extension`` where the extension's CUDA kernels can run
-    on the first argument's GPU, else ``fallback`` (plain torch, warning once: :func:`active`).
+def cuda_kernel(extension: Callable, fallback: Callable, check: Optional[Callable] = None) -> Callable:
+    """An op's CUDA kernel: ``extension`` where the extension's CUDA kernels can run on the
+    first argument's GPU, else ``fallback`` (plain torch, warning once: :func:`active`).
 
     Args:
-        op: the custom op, whose CPU kernel is the extension's.
         extension: the extension's implementation, with the op's arguments.
         fallback: the torch implementation, with the op's arguments.
         check: argument checks of the op, run before either implementation.
     """
 
-    def cuda_kernel(*args):
+    def kernel(*args):
         if check is not None:
             check(*args)
         return (fallback if active(args[0]) else extension)(*args)
 
-    op.register_kernel("cuda", cuda_kernel)
+    return kernel
+
+
+def register_cuda_kernel(
+    op: torch.library.CustomOpDef, extension: Callable, fallback: Callable, check: Optional[Callable] = None
+) -> None:
+    """Register :func:`cuda_kernel` as ``op``'s CUDA kernel (its CPU kernel is the extension's)."""
+    op.register_kernel("cuda", cuda_kernel(extension, fallback, check))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
