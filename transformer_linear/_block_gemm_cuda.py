@@ -167,19 +167,11 @@ def cublaslt_scale(scale_inv: torch.Tensor, scaling: str, rows: int) -> torch.Te
     raise ValueError(f"fp8_gemm: cuBLASLt has no block-scaled matmul for {scaling} scales")
 
 
-def fp8_gemm_cublaslt(
-    a: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor],
-    a_block: list[int],
-    b_block: list[int],
-) -> Optional[torch.Tensor]:
+def fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block) -> Optional[torch.Tensor]:
     """The block-scaled GEMM through cuBLASLt, or None where it does not run (the caller runs Triton).
 
-    Arguments as the fp8_gemm_blockwise op's: CUDA tensors, blocks already resolved.
+    Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops_blockwise.py): CUDA
+    tensors, ``a_block`` / ``b_block`` the blocks resolve_gemm_scalings found.
     """
     k = a.shape[1]
     a_scaling = scaling_of(a_block, a_scale_inv.dtype, k)

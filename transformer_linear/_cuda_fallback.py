@@ -230,11 +230,7 @@ def fp8_gemm(
 
 
 def fp8_gemm_accumulate_(
-    a: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out: torch.Tensor,
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, out: torch.Tensor,
     use_split_accumulator: bool = True,
 ) -> None:
     """out += (a @ b.T) * a_scale_inv * b_scale_inv, summed in float32 (so use_split_accumulator has no effect)."""

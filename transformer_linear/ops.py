@@ -122,15 +122,8 @@ def _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     check_scale_values("quantize", {"scale": scale}, reciprocal=True)
 
 
-def _quantize_kernel(
-    x: torch.Tensor,
-    scale: Optional[torch.Tensor],
-    dtype: torch.dtype,
-    margin: int,
-    rowwise: bool,
-    columnwise: bool,
-    dbias_dtype: Optional[torch.dtype],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
+    """The extension's quantize (the op's arguments, checked by _quantize_checks)."""
     op = "quantize"
     q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
     current = scale is None
@@ -270,7 +263,7 @@ def _dequantize_checks(q, scale_inv, out_dtype):
     check_scale_values("dequantize", {"scale_inv": scale_inv})
 
 
-def _dequantize_kernel(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_kernel(q, scale_inv, out_dtype):
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     op = "dequantize"
     _C.dequantize(desc(q, op, "input"), desc(scale_inv, op, "scale_inv"), desc(out, op, "output"), stream_for(q))
@@ -330,15 +323,8 @@ def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_
     _check_gemm_scales(a_scale_inv, b_scale_inv)
 
 
-def _fp8_gemm_kernel(
-    a: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor],
-    use_split_accumulator: bool,
-) -> torch.Tensor:
+def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+    """The extension's GEMM (the op's arguments, checked by _fp8_gemm_checks)."""
     out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
     return out
