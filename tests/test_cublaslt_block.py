@@ -14,7 +14,7 @@ import torch
 
 from blockwise_cases import E4M3, E5M2, E8M0, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
 from tolerances import assert_bitwise_equal, assert_close_to_reference
-from transformer_linear import _C, _cuda_fallback, ops, reference
+from transformer_linear import _C, _block_gemm_cuda, _cuda_fallback, ops, reference
 from transformer_linear._tensor import desc
 from transformer_linear._block_gemm_cuda import (
     cublaslt_block_applies,
@@ -178,6 +178,73 @@ def test_rowwise_scales_are_a_column():
     assert torch.equal(cublaslt_scale(s, "RowWise", 5), s)
     with pytest.raises(ValueError, match="TensorWise"):
         cublaslt_scale(torch.ones(1), "TensorWise", 5)
+
+
+def lt_scale_reader(scale: torch.Tensor, scaling: str, rows: int, k: int):
+    """scale(r, kb) as cuBLASLt reads the buffer it is handed (the layouts of gemm_block_cuda.h),
+    written from the layout descriptions, independently of cublaslt_scale."""
+    flat = scale.reshape(-1)
+    if scaling == "RowWise":
+        return lambda r, kb: float(flat[r])
+    if scaling == "BlockWise1x128":
+        ld = -(-rows // 4) * 4
+        return lambda r, kb: float(flat[kb * ld + r])
+    if scaling == "BlockWise128x128":
+        ld = -(-(-(-k // 128)) // 4) * 4
+        return lambda r, kb: float(flat[(r // 128) * ld + kb])
+    tiles_per_row = -(-(-(-k // 32)) // 4)  # BlockWise1x32: 128x4 tiles of E8M0 bits
+    def read(r, kb):
+        tile = (r // 128) * tiles_per_row + kb // 4
+        return 2.0 ** (int(flat[tile * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + kb % 4]) - 127)
+    return read
+
+
+def fake_cublaslt(calls):
+    """A stand-in for _C.fp8_gemm_blockwise_cublaslt on CPU tensors: checks what it is handed and
+    computes D in float64 from the operands and the scales as cuBLASLt would read them."""
+
+    def run(a, a_scale, a_scaling, b, b_scale, b_scaling, bias, d, workspace, stream):
+        calls.append((a_scaling, b_scaling))
+        (m, k), n = a.shape, b.shape[0]
+        assert a_scale.is_contiguous() and b_scale.is_contiguous() and workspace.dtype == torch.uint8
+        width = {"RowWise": k, "BlockWise1x32": 32}.get
+        operands = []
+        for t, s, scaling, rows in ((a, a_scale, a_scaling, m), (b, b_scale, b_scaling, n)):
+            read, bk = lt_scale_reader(s, scaling, rows, k), width(scaling, 128)
+            grid = torch.tensor([[read(r, kb) for kb in range(-(-k // bk))] for r in range(rows)], dtype=torch.float64)
+            operands.append(t.double() * grid.repeat_interleave(bk, dim=1)[:, :k])
+        out = operands[0] @ operands[1].t()
+        d.copy_(out if bias is None else out + bias.double())
+        return True
+
+    return run
+
+
+@pytest.mark.parametrize("scaling", list(GEMM_SCALINGS))
+@pytest.mark.parametrize("m,n,k", [(136, 48, 384), (8, 16, 128), (264, 32, 96)], ids=str)
+def test_scales_handed_to_cublaslt_read_back_as_the_reference(monkeypatch, scaling, m, n, k):
+    """fp8_gemm_cublaslt on CPU tensors with a fake GPU and binding: the scales it hands over, read
+    with cuBLASLt's layouts, give the reference GEMM (layout and plumbing, no GPU needed)."""
+    a_scaling, b_scaling = PAIRS[scaling]
+    whole_blocks = a_scaling == "RowWise" or k % (32 if a_scaling == "BlockWise1x32" else 128) == 0
+    calls = []
+    gpu = (10, 0) if a_scaling == "BlockWise1x32" else (9, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
+    monkeypatch.setattr(_cuda_fallback, "_BUILD_INFO", build(V129, V129))
+    monkeypatch.setattr(_block_gemm_cuda, "desc", lambda t, op, name: t)
+    monkeypatch.setattr(_block_gemm_cuda, "stream_for", lambda t: 0)
+    monkeypatch.setattr(_block_gemm_cuda, "_C", type("FakeC", (), {"fp8_gemm_blockwise_cublaslt": fake_cublaslt(calls)}))
+    a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling, power_2=False)
+    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)  # as ops.fp8_gemm resolves them
+    bias = torch.randn(n)
+    d = _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_block, b_block)
+    if not whole_blocks:
+        assert d is None and not calls, "K not whole blocks is the Triton kernel's case"
+        return
+    # Where K is one 128-block, rowwise scales are also 1x128 ones: either name, the same blocks.
+    assert len(calls) == 1 and (calls[0] == (a_scaling, b_scaling) or k == 128)
+    expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
+    assert_close_to_reference(d, expected, dequantized_mm_fp32(a, sa, b, sb, torch.float32, bias), what=scaling)
 
 
 @pytest.mark.skipif(_C.built_with_cuda(), reason="a CPU-only build's binding")
