@@ -211,7 +211,8 @@ def fake_cublaslt(calls):
         operands = []
         for t, s, scaling, rows in ((a, a_scale, a_scaling, m), (b, b_scale, b_scaling, n)):
             read, bk = lt_scale_reader(s, scaling, rows, k), width(scaling, 128)
-            grid = torch.tensor([[read(r, kb) for kb in range(-(-k // bk))] for r in range(rows)], dtype=torch.float64)
+            grid = torch.tensor([[read(r, kb) for kb in range(-(-k // bk))] for r in range(rows)],
+                                dtype=torch.float64)
             operands.append(t.double() * grid.repeat_interleave(bk, dim=1)[:, :k])
         out = operands[0] @ operands[1].t()
         d.copy_(out if bias is None else out + bias.double())
@@ -225,24 +226,24 @@ def fake_cublaslt(calls):
 def test_scales_handed_to_cublaslt_read_back_as_the_reference(monkeypatch, scaling, m, n, k):
     """fp8_gemm_cublaslt on CPU tensors with a fake GPU and binding: the scales it hands over, read
     with cuBLASLt's layouts, give the reference GEMM (layout and plumbing, no GPU needed)."""
-    a_scaling, b_scaling = PAIRS[scaling]
-    whole_blocks = a_scaling == "RowWise" or k % (32 if a_scaling == "BlockWise1x32" else 128) == 0
     calls = []
-    gpu = (10, 0) if a_scaling == "BlockWise1x32" else (9, 0)
+    gpu = (10, 0) if scaling == "1x32_x_1x32_e8m0" else (9, 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
     monkeypatch.setattr(_cuda_fallback, "_BUILD_INFO", build(V129, V129))
     monkeypatch.setattr(_block_gemm_cuda, "desc", lambda t, op, name: t)
     monkeypatch.setattr(_block_gemm_cuda, "stream_for", lambda t: 0)
-    monkeypatch.setattr(_block_gemm_cuda, "_C", type("FakeC", (), {"fp8_gemm_blockwise_cublaslt": fake_cublaslt(calls)}))
+    fake_c = type("FakeC", (), {"fp8_gemm_blockwise_cublaslt": staticmethod(fake_cublaslt(calls))})
+    monkeypatch.setattr(_block_gemm_cuda, "_C", fake_c)
     a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling, power_2=False)
     _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)  # as ops.fp8_gemm resolves them
+    a_scaling = scaling_of(a_block, sa.dtype, k)  # K <= 128: rowwise and 1x128 scales are the same blocks
+    whole_blocks = a_scaling == "RowWise" or k % (32 if a_scaling == "BlockWise1x32" else 128) == 0
     bias = torch.randn(n)
     d = _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_block, b_block)
     if not whole_blocks:
         assert d is None and not calls, "K not whole blocks is the Triton kernel's case"
         return
-    # Where K is one 128-block, rowwise scales are also 1x128 ones: either name, the same blocks.
-    assert len(calls) == 1 and (calls[0] == (a_scaling, b_scaling) or k == 128)
+    assert calls == [(a_scaling, scaling_of(b_block, sb.dtype, k))]
     expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
     assert_close_to_reference(d, expected, dequantized_mm_fp32(a, sa, b, sb, torch.float32, bias), what=scaling)
 
