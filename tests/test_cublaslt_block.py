@@ -9,6 +9,9 @@ reference and torch._scaled_mm, and skip without a GPU and a CUDA build.
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 
@@ -374,3 +377,17 @@ class TestCublasltBlockGemm:
                 desc(a, "x", "a"), desc(b_scale, "x", "a"), "BlockWise128x128", desc(b, "x", "b"),
                 desc(b_scale, "x", "b"), "BlockWise128x128", None, desc(d, "x", "d"), None,
             )
+
+
+def test_bench_gpu_dry_run_lists_the_block_rows(capsys):
+    """benchmarks/bench_gpu.py runs without a GPU in --dry-run: the block rows and each one's path."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["all", "--dry-run", "--shapes", "256x256x256"]) == 0
+    out = capsys.readouterr().out
+    for name in bench.BLOCK_GEMMS:
+        assert f"{name} at 256x256x256: sm_90: " in out
+    for name in bench.BLOCK_QUANTIZE:
+        assert name in out
