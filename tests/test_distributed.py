@@ -43,6 +43,21 @@ RECIPES = {
     "delayed": recipe.DelayedScaling(amax_history_len=4),
     "current": recipe.CurrentScaling(),
 }
+# Block-scaled recipes: stateless like current scaling, with their own tests below.
+BLOCK_RECIPES = {
+    "block": recipe.Float8BlockScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+    "rowwise": recipe.Float8RowwiseScaling(),
+}
+_ALL_RECIPES = {**RECIPES, **BLOCK_RECIPES}
+# A rank's rows quantize as in the single process for the forward and dgrad (blocks along a row), but
+# the columnwise copies wgrad reads (xᵀ, grad_outputᵀ) have blocks along the rows, which on a rank hold
+# its half of the batch; tensor parallelism's weight blocks cover a shard. A block's scale can then
+# differ from the single process's, but these recipes' scales are powers of two (E8M0 for MXFP8), so
+# a different scale shifts exponents exactly: only an element in or out of the FP8 subnormal range
+# rounds differently, and what is left is fp32 summation order. Measured over the three recipes,
+# 3 steps: 2.2e-8 (DDP, FSDP2), 0 (TP); 1e-4 leaves room for an occasional subnormal rounding.
+BLOCK_SCALING_TOL = 1e-4
 
 
 # ---------------------------------------------------------------------------
@@ -123,8 +138,8 @@ def _assert_matches_reference(model, name, batches, world, what):
     """``model`` (trained) against the single-process run: parameters within the
     recipe's tolerance; delayed-scaling state bitwise (the amaxes reduced across
     ranks are the whole batch's / whole tensor's)."""
-    ref = _reference(RECIPES[name], batches, world)
-    tol = CURRENT_SCALING_TOL if name == "current" else FP32_ORDER_TOL
+    ref = _reference(_ALL_RECIPES[name], batches, world)
+    tol = {"current": CURRENT_SCALING_TOL, **dict.fromkeys(BLOCK_RECIPES, BLOCK_SCALING_TOL)}.get(name, FP32_ORDER_TOL)
     for (pname, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         err = relative_error(_full(p).detach(), p_ref.detach())
         assert err <= tol, f"{what} {pname}: relative error {err:.3e} vs single process exceeds {tol:.0e}"
@@ -214,7 +229,7 @@ class TestAmaxReduction:
 def _ddp_rank(rank, world, name, compile_backend=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    fp8_recipe = RECIPES[name]
+    fp8_recipe = _ALL_RECIPES[name]
     batches = _batches(STEPS)
     model = DDP(_mlp(fp8_recipe))
     if compile_backend is not None:
@@ -234,6 +249,15 @@ class TestDDP:
 
     @pytest.mark.parametrize("name", ["delayed", "current"])
     def test_compiled_ddp_model(self, name):
+        run_ranks(_ddp_rank, name, "aot_eager", timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", list(BLOCK_RECIPES))
+    def test_block_recipe_matches_single_process(self, name):
+        run_ranks(_ddp_rank, name, timeout=TIMEOUT)
+
+    # One block recipe: they share the ops (tests/test_linear_block_recipes.py compiles each).
+    @pytest.mark.parametrize("name", ["block"])
+    def test_compiled_ddp_model_block_recipe(self, name):
         run_ranks(_ddp_rank, name, "aot_eager", timeout=TIMEOUT)
 
 
@@ -256,7 +280,7 @@ def _fully_shard_mlp(fp8_recipe, mp_policy=None, **kwargs):
 def _fsdp_rank(rank, world, name, compile_backend=None):
     from torch.distributed.tensor import DTensor
 
-    fp8_recipe = RECIPES[name]
+    fp8_recipe = _ALL_RECIPES[name]
     batches = _batches(STEPS)
     model = _fully_shard_mlp(fp8_recipe)
     assert isinstance(model[0].weight, DTensor) and model[0].weight.to_local().shape == (32 // world, 16)
@@ -386,6 +410,15 @@ class TestFSDP2:
     def test_compiled_fsdp2_model(self, name):
         run_ranks(_fsdp_rank, name, "aot_eager", timeout=TIMEOUT)
 
+    @pytest.mark.parametrize("name", list(BLOCK_RECIPES))
+    def test_block_recipe_matches_single_process(self, name):
+        run_ranks(_fsdp_rank, name, timeout=TIMEOUT)
+
+    # One block recipe: they share the ops (tests/test_linear_block_recipes.py compiles each).
+    @pytest.mark.parametrize("name", ["block"])
+    def test_compiled_fsdp2_model_block_recipe(self, name):
+        run_ranks(_fsdp_rank, name, "aot_eager", timeout=TIMEOUT)
+
     @pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
     def test_unsupported_wgrad_options_raise_at_wrap_time(self, option):
         run_ranks(_fsdp_rejects_rank, option, timeout=TIMEOUT)
@@ -450,7 +483,7 @@ def _tp_mlp(fp8_recipe, **kwargs):
 def _tp_rank(rank, world, name, compile_backend=None):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    fp8_recipe = RECIPES[name]
+    fp8_recipe = _ALL_RECIPES[name]
     batches = _batches(STEPS)
     model = _tp_mlp(fp8_recipe)
     assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Shard(1),)
@@ -492,6 +525,10 @@ class TestTensorParallel:
 
     def test_compiled_tensor_parallel_mlp(self):
         run_ranks(_tp_rank, "delayed", "aot_eager", timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", list(BLOCK_RECIPES))
+    def test_block_recipe_matches_unsharded(self, name):
+        run_ranks(_tp_rank, name, timeout=TIMEOUT)
 
     def test_with_fsdp2_on_a_2d_mesh(self):
         run_ranks(_tp_fsdp2_rank, "delayed", world_size=4, timeout=TIMEOUT)

@@ -12,7 +12,9 @@ import torch.utils.checkpoint
 
 import transformer_linear as tl
 from transformer_linear import linear_ops, recipe, reference
+from transformer_linear.linear_args import LinearBwdArgs
 from transformer_linear.numerics.compare import resolve_recipe
+from transformer_linear.quantization import quantization_spec
 from tolerances import assert_bitwise_equal, assert_close_to_reference, relative_error, sqnr
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -96,8 +98,10 @@ def _layer(r, w, b):
     return layer
 
 
-def _run(layer, x, dy, **kw):
+def _run(layer, x, dy, unbacked_rows=False, **kw):
     x = x.detach().clone().requires_grad_()
+    if unbacked_rows:
+        torch._dynamo.decorators.mark_unbacked(x, 0)
     out = layer(x, **kw)
     out.backward(dy)
     return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
@@ -173,40 +177,140 @@ def test_every_way_to_enable(name, enable):
         assert_bitwise_equal(a, e, what)
 
 
+# Batch sizes of one partial row block, exactly one block, one row past it, several blocks, and 2 rows.
+BATCH_ROWS = (7, 128, 129, 300, 2)
+
+
+def _zero_grads(*layers):
+    for layer in layers:
+        layer.zero_grad()
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_compile_equals_eager_without_recompiles(name):
+# Rows shorter than a block (24 < 32 < 128) take the separately quantized transposes (quantization.py).
+@pytest.mark.parametrize("features", [(256, 192), (24, 16)], ids=["long_rows", "short_rows"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic_dynamic"])
+def test_compile_equals_eager_without_recompiles(name, features, dynamic):
+    """Exactly the graphs torch.nn.Linear gets over the same batch sizes: with dynamic=True one for every
+    batch of 2 or more rows, however many row blocks it has (1 row gets a second: torch specializes an
+    input size of 1); by default a static first graph, then one dynamic graph for the rest."""
     r, _ = RECIPES[name]
-    x, w, b, dy = _data(rows=200)
+    x, w, b, dy = _data(300, *features)
     eager = _layer(r, w, b)
     compiled_layer = copy.deepcopy(eager)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True, dynamic=True)
-    # New batch sizes reuse the one graph. They stay above 128 rows: a size whose count of row blocks
-    # is 1 (rows <= 128 for 128-row blocks, <= 32 for MXFP8's columnwise copies) recompiles once, as
-    # torch specializes any dimension of size 1 (a scale tensor's here).
-    for rows in (200, 131, 170):
+    torch._dynamo.reset()  # graphs of earlier tests count towards the recompile limit
+    counter, nn_counter = (torch._dynamo.testing.CompileCounterWithBackend("aot_eager") for _ in range(2))
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True, dynamic=dynamic)
+    nn_compiled = torch.compile(torch.nn.Linear(*features), backend=nn_counter, fullgraph=True, dynamic=dynamic)
+    for rows in BATCH_ROWS + (1,):
         xs, dys = x[:rows], dy[:rows]
-        eager.zero_grad()
-        compiled_layer.zero_grad()
+        _zero_grads(eager, compiled_layer)
         for a, e, what in zip(_run(compiled, xs, dys), _run(eager, xs, dys), ("out", "dx", "dw", "db")):
+            assert_bitwise_equal(a, e, f"{what} rows={rows}")
+        _run(nn_compiled, xs, dys)
+        assert counter.frame_count == nn_counter.frame_count, f"rows={rows}: {counter.frame_count} graphs"
+    assert counter.frame_count == (2 if dynamic else 3)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_compile_unbacked_batch_one_graph(name):
+    """A batch dim marked unbacked (torch._dynamo.mark_unbacked) gives one graph for every size, 1 included:
+    nothing in the block path guards on the row count."""
+    r, _ = RECIPES[name]
+    x, w, b, dy = _data(rows=300)
+    eager = _layer(r, w, b)
+    compiled_layer = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_layer, backend=counter, fullgraph=True)
+    for rows in (1,) + BATCH_ROWS:
+        xs, dys = x[:rows], dy[:rows]
+        _zero_grads(eager, compiled_layer)
+        got = _run(compiled, xs, dys, unbacked_rows=True)
+        for a, e, what in zip(got, _run(eager, xs, dys), ("out", "dx", "dw", "db")):
             assert_bitwise_equal(a, e, f"{what} rows={rows}")
     assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_export_equals_eager(name, tmp_path):
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_export_dynamic_batch_equals_eager(name, grad, tmp_path):
+    """A dynamic batch and sequence (torch.export.Dim): one program for every size, saved, loaded and run
+    bitwise equal to eager (also sizes with a single row block, or a single row)."""
     r, _ = RECIPES[name]
-    x, w, b, _ = _data(rows=200)
+    x, w, b, _ = _data(rows=300)
     layer = _layer(r, w, b)
-    # A static batch: with a dynamic one, ops.fp8_gemm's scaling inference compares the scale's
-    # shape with the row-block count (rows == ceil(rows / 128)), a guard export cannot prove.
-    program = torch.export.export(layer, (x,))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    example = x[:120].reshape(4, 30, -1)  # 120 rows: fewer than one 128-row block
+    with torch.set_grad_enabled(grad):
+        program = torch.export.export(layer, (example,), dynamic_shapes=({0: batch, 1: seq},))
     path = tmp_path / "linear.pt2"
     torch.export.save(program, path)
     loaded = torch.export.load(path).module()
-    for _ in range(2):
+    for shape in ((1, 1), (1, 7), (2, 64), (3, 43), (5, 60)):
+        xs = x[: shape[0] * shape[1]].reshape(*shape, -1)
         with torch.no_grad():
-            assert_bitwise_equal(loaded(x), layer(x))
+            assert_bitwise_equal(loaded(xs), layer(xs), f"shape={shape}")
+
+
+class _TwiceCalled(torch.nn.Module):
+    """One block-scaled Linear called twice, then a head."""
+
+    def __init__(self, r):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.head = tl.Linear(64, 64, recipe=r), tl.Linear(64, 16, recipe=r)
+
+    def forward(self, x):
+        return self.head(self.inner(torch.relu(self.inner(x)) + 1.0))
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_export_unflatten_same_linear_called_twice(name):
+    """torch.export.unflatten of a dynamic-batch program that calls one layer twice: the submodules come
+    back and every batch size runs bitwise equal to eager."""
+    model = _TwiceCalled(RECIPES[name][0])
+    example = torch.randn(150, 64)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    unflat = torch.export.unflatten(program)
+    assert any(fqn.startswith("inner") for fqn, _ in unflat.named_modules())
+    for rows in (1, 7, 130):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            assert_bitwise_equal(unflat(x), model(x), f"rows={rows}")
+
+
+class _Gemm(torch.nn.Module):
+    def forward(self, a, a_scale_inv, b, b_scale_inv):
+        return tl.ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "a_block, b_block, scale_dtype",
+    [
+        ((1, 128), (128, 128), torch.float32),
+        ((1, 128), (1, 128), torch.float32),
+        ((1, 32), (1, 32), E8M0),
+        (ROW, ROW, torch.float32),
+    ],
+    ids=["1x128_128x128", "1x128_1x128", "mxfp8", "rowwise"],
+)
+def test_fp8_gemm_export_with_dynamic_rows(a_block, b_block, scale_dtype):
+    """ops.fp8_gemm exported with a dynamic row count (a's and its scale's, one Dim): one program for
+    every M, 1 and 7 (one row block) included; a scale of other rows fails its run-time check."""
+    def operands(rows, k=160, n=48):
+        x, w = torch.randn(rows, k), torch.randn(n, k)
+        a = _quantize(x, E4M3, a_block, scale_dtype, False)
+        return (*a, *_quantize(w, E4M3, b_block, scale_dtype, False))
+
+    rows = torch.export.Dim("rows")
+    program = torch.export.export(_Gemm(), operands(200), dynamic_shapes=({0: rows}, {0: rows}, None, None))
+    for m in (1, 7, 129, 300):
+        args = operands(m)
+        assert_bitwise_equal(program.module()(*args), _Gemm()(*args), f"rows={m}")
+    a, a_scale_inv, b, b_scale_inv = operands(300)
+    with pytest.raises(AssertionError, match="a_scale_inv"):
+        program.module()(a, a_scale_inv[:100], b, b_scale_inv)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -290,6 +394,65 @@ def test_opcheck_linear_fwd(name, cached):
     # test_aot_dispatch_dynamic sums every output (no FP8 sum kernel): forward only, detached.
     detached = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in flat)
     torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_opcheck_linear_dgrad_and_wgrad(name):
+    """The block path's backward ops, on what the backward hands them (1-D activation scales), agree with
+    their fake implementations and give the emulation's dx and dW."""
+    r, spec_tuple = RECIPES[name]
+    x, w, b, dy = _data(rows=20, k=64, n=48)
+    spec = quantization_spec(r)
+    qx = spec.input.quantize_flat(x, rowwise=False, columnwise=True)
+    qw = spec.weight.quantize(w, rowwise=False, columnwise=True)
+    qg = spec.grad_output.quantize_flat(dy, rowwise=True, columnwise=True)
+    args = LinearBwdArgs(
+        grad_output=qg.data,
+        grad_output_t=qg.data_t,
+        grad_output_scale_inv=qg.scale_inv,
+        grad_output_t_scale_inv=qg.scale_inv_t,
+        operands_transposed=True,
+        inp=qx.data_t,
+        inp_scale_inv=qx.scale_inv_t,
+        weight=qw.data_t,
+        weight_scale_inv=qw.scale_inv_t,
+        input_shape=list(x.shape),
+        dgrad_dtype=torch.float32,
+        wgrad_dtype=torch.float32,
+        quantization=spec,
+    )
+    _, e_dx, e_dw = _emulate(spec_tuple, x, w, b, dy)
+    for op, expected, what in ((linear_ops.linear_dgrad, e_dx, "dx"), (linear_ops.linear_wgrad, e_dw, "dw")):
+        torch.library.opcheck(op.op, op.flatten(args))
+        assert_close_to_reference(op(args), *expected, what=what)
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("tensor", ["input", "weight", "grad_output"])
+@pytest.mark.parametrize("layouts", [(True, True), (True, False), (False, True)], ids=["both", "rowwise", "columnwise"])
+@pytest.mark.parametrize("shape", [(70, 256), (5, 20)])
+def test_quantize_flat_is_quantize_with_1d_scales(name, tensor, layouts, shape):
+    """The backward's grad_output quantize (one op, 1-D scales): the same tensors as quantize, scale_grid
+    restoring the scales' shapes; opcheck passes."""
+    quantizer = getattr(quantization_spec(RECIPES[name][0]), tensor)
+    x = torch.randn(shape)
+    flat, full = quantizer.quantize_flat(x, *layouts), quantizer.quantize(x, *layouts)
+    rows, cols = shape
+    for got, expected, grid, what in (
+        (flat.scale_inv, full.scale_inv, quantizer.scale_grid(rows, cols), "scale_inv"),
+        (flat.scale_inv_t, full.scale_inv_t, quantizer.scale_grid(cols, rows), "scale_inv_t"),
+    ):
+        assert got.dim() == 1
+        assert_bitwise_equal(got.view(torch.uint8), expected.reshape(-1).view(torch.uint8), what)
+        if expected.numel():
+            assert tuple(expected.shape) == grid, what
+    for got, expected, what in ((flat.data, full.data, "data"), (flat.data_t, full.data_t, "data_t")):
+        assert_bitwise_equal(got.view(torch.uint8), expected.view(torch.uint8), what)
+    op = torch.ops.transformer_linear.quantize_blockwise_flat.default
+    args = (x, quantizer.dtype, quantizer.block_shape, quantizer.scale_dtype, quantizer.power_2_scale, *layouts)
+    torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from transformer_linear.quantization import QuantizationSpec
+from transformer_linear.quantization import NO_QUANTIZATION, QuantizationSpec
 
 __all__ = ["ArgsOp", "LinearBwdArgs", "LinearBwdContext", "LinearFwdArgs", "LinearFwdOutputs", "args_op"]
 
@@ -116,6 +116,10 @@ class LinearBwdArgs:
     """The shape dgrad is returned in."""
     dgrad_dtype: torch.dtype
     wgrad_dtype: torch.dtype
+    # --- block scaling ---
+    quantization: QuantizationSpec = NO_QUANTIZATION
+    """Block scaling: the spec whose ``scale_grid`` gives the activation scales (which cross the graph
+    1-D, see TensorQuantizer.quantize_flat) back their 2-D shape."""
 
 
 class LinearFwdOutputs(NamedTuple):

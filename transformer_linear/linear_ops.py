@@ -31,7 +31,7 @@ from torch import Tensor
 
 from transformer_linear import amax_reduction, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
-from transformer_linear.quantization import BlockQuantized
+from transformer_linear.quantization import BlockQuantized, TensorQuantizer, flat
 from transformer_linear.reference import bias_grad, compute_scale, fp8_max
 from transformer_linear.scaling import (
     FP8_STATE_COLUMNS,
@@ -199,7 +199,8 @@ def _blockwise_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> Lin
     """The block-scaled forward: the input in both layouts (the columnwise copy is what wgrad reads and
     what autograd saves), the weight in both (dgrad reads the columnwise one), one block-scaled GEMM.
 
-    Made of custom ops and views only, so it is its own fake implementation.
+    Made of custom ops and views only, so it is its own fake implementation. The input's columnwise
+    scales leave it 1-D, as those of TensorQuantizer.quantize_flat (linear_wgrad reshapes them).
     """
     spec = a.quantization
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
@@ -217,7 +218,7 @@ def _blockwise_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> Lin
     return LinearFwdOutputs(
         out,
         inp_saved=qx.data_t,
-        inp_scale_inv=qx.scale_inv_t,
+        inp_scale_inv=flat(qx.scale_inv_t),  # 1-D across the graph: TensorQuantizer.quantize_flat
         weight_fp8=w_fp8,
         weight_fp8_t=w_fp8_t,
         weight_scale_inv=w_scale_inv,
@@ -254,6 +255,7 @@ def _(*values):
         "weight_scale_inv",
         "input_shape",
         "dgrad_dtype",
+        "quantization",
     ),
 )
 def linear_dgrad(a: LinearBwdArgs) -> Tensor:
@@ -264,9 +266,10 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
         w_t = _operand_t(a.weight, a.operands_transposed)
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
-        dx = ops.fp8_gemm(
-            a.grad_output, a.grad_output_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True
+        g_scale_inv = _scale_2d(
+            a.grad_output_scale_inv, a.quantization.grad_output, a.grad_output, a.operands_transposed
         )
+        dx = ops.fp8_gemm(a.grad_output, g_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True)
     return dx.reshape(a.input_shape)
 
 
@@ -280,7 +283,15 @@ def _(*values):
     "transformer_linear::linear_wgrad",
     LinearBwdArgs,
     Tensor,
-    fields=("grad_output_t", "grad_output_t_scale_inv", "operands_transposed", "inp", "inp_scale_inv", "wgrad_dtype"),
+    fields=(
+        "grad_output_t",
+        "grad_output_t_scale_inv",
+        "operands_transposed",
+        "inp",
+        "inp_scale_inv",
+        "wgrad_dtype",
+        "quantization",
+    ),
 )
 def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     """dW = grad_outputᵀ · x, (out_features, in_features) in the weight's dtype."""
@@ -296,10 +307,18 @@ def _operand_t(saved: Tensor, transposed: bool) -> Tensor:
     return saved if transposed else layout.transposed(saved)
 
 
+def _scale_2d(scale_inv: Tensor, quantizer: TensorQuantizer, operand: Tensor, blockwise: bool) -> Tensor:
+    """A block-scaled activation's scale_inv in its 2-D shape (it crosses the graph 1-D); others as they are."""
+    return scale_inv.reshape(quantizer.scale_grid(*operand.shape)) if blockwise else scale_inv
+
+
 def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_outputᵀ, its scale_inv, xᵀ, its scale_inv) as FP8 GEMM operands."""
     t = a.operands_transposed
-    return _operand_t(a.grad_output_t, t), a.grad_output_t_scale_inv, _operand_t(a.inp, t), a.inp_scale_inv
+    g_t, x_t = _operand_t(a.grad_output_t, t), _operand_t(a.inp, t)
+    spec = a.quantization
+    g_t_scale_inv = _scale_2d(a.grad_output_t_scale_inv, spec.grad_output, g_t, t)
+    return g_t, g_t_scale_inv, x_t, _scale_2d(a.inp_scale_inv, spec.input, x_t, t)
 
 
 @linear_wgrad.op.register_fake
@@ -367,7 +386,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         # dgrad reads the rowwise copy, wgrad the columnwise one: only what is needed, in one pass.
         g = g_t = g_scale_inv = None
         if c.input_requires_grad or c.weight_requires_grad:
-            g, g_scale_inv, g_t, g_t_scale_inv = c.quantization.grad_output.quantize(
+            g, g_scale_inv, g_t, g_t_scale_inv = c.quantization.grad_output.quantize_flat(
                 g2d, rowwise=c.input_requires_grad, columnwise=c.weight_requires_grad
             )
         dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
@@ -412,6 +431,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         input_shape=c.input_shape,
         dgrad_dtype=c.input_dtype,
         wgrad_dtype=c.weight_dtype,
+        quantization=c.quantization,
     )
     dgrad = linear_dgrad(b) if c.input_requires_grad else None
     wgrad = None

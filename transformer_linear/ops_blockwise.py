@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from transformer_linear import _C, _block_gemm_cuda
 from transformer_linear._checks import (
@@ -26,7 +27,7 @@ from transformer_linear._checks import (
     gemm_out_shape,
 )
 from transformer_linear._tensor import desc, stream_for
-from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, SCALE_DTYPES, scaling_types
+from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, SCALE_DTYPES, scale_layouts
 
 __all__ = [
     "BlockQuantizeOutput",
@@ -73,10 +74,51 @@ def fp8_gemm_scalings() -> tuple[tuple[str, str], ...]:
     return _GEMM_SCALING_PAIRS
 
 
+def _shape_conditions(scale_inv: torch.Tensor, expected: Optional[tuple]) -> list:
+    """The conditions (bools, or SymBools while tracing) for ``scale_inv`` to have the ``expected`` shape
+    of reference.scale_layouts (None: 1 element, at most 2 dims)."""
+    if expected is None:
+        return [scale_inv.dim() <= 2, scale_inv.numel() == 1]
+    if scale_inv.dim() != len(expected):
+        return [False]
+    return [size == want for size, want in zip(scale_inv.shape, expected)]
+
+
+def _holds_for_traced_sizes(c) -> bool:
+    """A condition's value for the sizes being traced, read from their hints (no guard); an unbacked
+    size has none, so the condition may hold."""
+    if isinstance(c, bool):
+        return c
+    hint = c.node.hint
+    return True if hint is None else bool(hint)
+
+
+def _match(conditions: list) -> Optional[bool]:
+    """True where the conditions hold for every size, None where they hold for the sizes being traced
+    but depend on them (to be checked at run time), False otherwise. Concrete sizes give True or False.
+
+    Under torch.compile and torch.export the row count is symbolic and so is a row-block count
+    (ceil(M / 128)); asking whether it equals the scale's rows, or 1, would guard (specialize the graph
+    or fail export) on a relation that holds or not depending on M. So no condition is evaluated with
+    a guard here.
+    """
+    if all(statically_known_true(c) for c in conditions):
+        return True
+    if any(statically_known_true(torch.sym_not(c)) for c in conditions):
+        return False
+    return None if all(_holds_for_traced_sizes(c) for c in conditions) else False
+
+
 def resolve_gemm_scalings(
     a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor
 ) -> tuple[str, tuple[int, int], str, tuple[int, int]]:
     """(a's ScalingType, a's block, b's ScalingType, b's block) of an fp8_gemm call.
+
+    With concrete sizes the first pair of fp8_gemm_scalings whose shapes match. With symbolic ones
+    (tracing) the first pair that matches for every size (a 1x128 scale of an operand contracting over
+    M rows matches BlockWise1x128 for any M, RowWise only while M <= 128: the same blocks then); failing
+    that, the first pair that matches the traced sizes, its shapes checked at run time (torch._check).
+    So a traced graph serves every batch size without guarding on the row-block count.
 
     Raises:
         TypeError: an argument is not a tensor or not on a's device.
@@ -89,13 +131,30 @@ def resolve_gemm_scalings(
     for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
         if t.dtype not in SCALE_DTYPES:
             raise TypeError(f"{op}: argument '{name}' must be torch.float32 or torch.float8_e8m0fnu, got {t.dtype}")
-    a_types = scaling_types(a_scale_inv, a.shape[0], a.shape[1])
-    b_types = scaling_types(b_scale_inv, b.shape[0], b.shape[1])
-    for a_type, b_type in _GEMM_SCALING_PAIRS:
-        if a_type in a_types and b_type in b_types:
-            return a_type, a_types[a_type], b_type, b_types[b_type]
+
+    def layouts(t: torch.Tensor, operand: torch.Tensor) -> dict[str, tuple[list, Optional[bool], tuple[int, int]]]:
+        return {
+            name: (conditions, _match(conditions), block)
+            for name, (shape, block) in scale_layouts(t.dtype, *operand.shape).items()
+            for conditions in (_shape_conditions(t, shape),)
+        }
+
+    a_types, b_types = layouts(a_scale_inv, a), layouts(b_scale_inv, b)
+    for acceptable in ((True,), (True, None)):
+        for a_type, b_type in _GEMM_SCALING_PAIRS:
+            a_found, b_found = a_types.get(a_type), b_types.get(b_type)
+            if a_found and b_found and a_found[1] in acceptable and b_found[1] in acceptable:
+                for (conditions, matched, _), name, t_type in (
+                    (a_found, "a_scale_inv", a_type),
+                    (b_found, "b_scale_inv", b_type),
+                ):
+                    for c in conditions if matched is None else ():
+                        torch._check(c, lambda name=name, t_type=t_type: f"{op}: '{name}' does not have {t_type}'s shape")
+                return a_type, a_found[2], b_type, b_found[2]
+
     def describe(t, found):
-        return f"{list(t.shape)} {t.dtype} ({' or '.join(found) if found else 'no scaling'})"
+        names = [name for name, (_, matched, _) in found.items() if matched]
+        return f"{list(t.shape)} {t.dtype} ({' or '.join(names) if names else 'no scaling'})"
 
     raise ValueError(
         f"{op}: unsupported scaling combination: 'a_scale_inv' {describe(a_scale_inv, a_types)} for 'a' of shape "
@@ -211,7 +270,7 @@ def columnwise_block_shape(block_shape: tuple[int, int], rows: int, cols: int) -
     except that a block covering whole rows of x (bk >= K, rowwise scaling) covers whole
     rows of x^T."""
     bm, bk = block_shape
-    return (bm, max(rows, 1)) if bk >= cols else (bm, bk)
+    return (bm, torch.sym_max(rows, 1)) if bk >= cols else (bm, bk)
 
 
 def blockwise_outputs(
@@ -219,7 +278,6 @@ def blockwise_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate (q, scale_inv, q_t, scale_inv_t) of a blockwise quantize; unrequested ones are empty."""
     m, k = x.shape
-    bt = columnwise_block_shape(block_shape, m, k)
     empty = x.new_empty(0, dtype=dtype)
     empty_scale = x.new_empty((0, 0), dtype=scale_dtype)
 
@@ -228,8 +286,13 @@ def blockwise_outputs(
 
     q = x.new_empty((m, k), dtype=dtype) if rowwise else empty
     s = x.new_empty(grid(m, k, block_shape), dtype=scale_dtype) if rowwise else empty_scale
-    q_t = x.new_empty((k, m), dtype=dtype) if columnwise else empty.clone()
-    s_t = x.new_empty(grid(k, m, bt), dtype=scale_dtype) if columnwise else empty_scale.clone()
+    if columnwise:
+        # The columnwise block only where asked for: it compares the block with the row length, which
+        # for a transpose quantized on its own (rows of M, the batch) would guard on M while tracing.
+        q_t = x.new_empty((k, m), dtype=dtype)
+        s_t = x.new_empty(grid(k, m, columnwise_block_shape(block_shape, m, k)), dtype=scale_dtype)
+    else:
+        q_t, s_t = empty.clone(), empty_scale.clone()
     return q, s, q_t, s_t
 
 

@@ -15,6 +15,10 @@ tensor comes in two layouts: the rowwise copy (blocks along its last dim) and
 the columnwise copy, the transpose quantized from the high-precision tensor
 with the blocks along the other dim. A square block (128x128) covers the same
 elements either way, so that copy is the rowwise one transposed.
+
+Scales whose shape depends on the batch leave ops 1-D (``quantize_flat``, the
+``quantize_blockwise_flat`` op; ``scale_grid`` gives their 2-D shape back), so
+that a traced graph holds no tensor with a row-block count as a size.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from transformer_linear.recipe import (
 )
 from transformer_linear.reference import E8M0_DTYPE, FP8_DTYPES
 
-__all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "quantization_spec"]
+__all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "flat", "quantization_spec"]
 
 
 class BlockQuantized(NamedTuple):
@@ -88,6 +92,25 @@ class TensorQuantizer:
         # int(): the ops take a concrete block; a Linear's row length (in/out_features) is static anyway.
         return bm, (bk if bk > 0 else max(int(cols), 1))
 
+    def scale_grid(self, rows: int, cols: int) -> tuple[int, int]:
+        """The 2-D shape of the scale_inv of a (rows, cols) tensor quantized rowwise with these blocks
+        (a columnwise copy is such a tensor too: the transpose, with blocks along its rows)."""
+        bm, bk = self.block_for(cols)
+        return -(-rows // bm), -(-cols // bk)
+
+    def quantize_flat(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
+        """:meth:`quantize` with 1-D scales (``scale_grid`` gives them back their shape), as one op.
+
+        What a traced graph holds between ops: torch guards every size of a graph tensor against 1
+        (its contiguity metadata), and a 2-D scale's row-block count (ceil(M / 128) for a batch of M
+        rows) is 1 for some batch sizes, so a graph holding it would specialize on M <= 128. The 1-D
+        scale has (columns x row blocks) elements, never 1 for a batch of 2 rows or more.
+        """
+        out = _quantize_flat_op(
+            x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise
+        )
+        return BlockQuantized(*out)
+
     def quantize(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
         """Block-quantize a contiguous 2-D ``x`` into the requested layouts, in one pass.
 
@@ -119,6 +142,28 @@ class TensorQuantizer:
 
             out = out._replace(data_t=transposed_copy(out.data), scale_inv_t=transposed_copy(out.scale_inv))
         return BlockQuantized(*out)
+
+
+def flat(t: Tensor) -> Tensor:
+    """A contiguous ``t`` as a 1-D view. Not ``reshape`` / ``view``: on symbolic sizes those check
+    contiguity, which guards on each size being 1 (see TensorQuantizer.quantize_flat)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _flat_scales(
+    x: Tensor, dtype: torch.dtype, block_shape: list[int], scale_dtype: torch.dtype, power_2_scale: bool,
+    rowwise: bool, columnwise: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """TensorQuantizer.quantize_flat's op: a quantizer's fields in, 1-D scales out."""
+    q = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale).quantize(x, rowwise, columnwise)
+    return q.data, flat(q.scale_inv), q.data_t, flat(q.scale_inv_t)
+
+
+# Made of custom ops and views only, so it is its own fake implementation.
+_quantize_flat_op = torch.library.custom_op("transformer_linear::quantize_blockwise_flat", mutates_args=())(
+    _flat_scales
+)
+_quantize_flat_op.register_fake(_flat_scales)
 
 
 @dataclasses.dataclass(frozen=True)

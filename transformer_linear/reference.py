@@ -339,6 +339,29 @@ def quantize_blockwise_ref(
     return q, scale_inv
 
 
+def scale_layouts(
+    dtype: torch.dtype, rows: int, cols: int
+) -> dict[str, tuple[Optional[tuple[int, ...]], tuple[int, int]]]:
+    """The scaled_mm ScalingTypes a scale_inv of ``dtype`` can stand for on a (rows, cols) operand:
+    ScalingType -> (the scale_inv's shape, the block); TensorWise's shape is None (any 1-element
+    scale of at most 2 dims). The table of :func:`scaling_types`.
+
+    ``rows`` and ``cols`` may be symbolic (torch.SymInt): nothing here branches on them.
+    """
+    block_rows, block_cols = torch.sym_max(rows, 1), torch.sym_max(cols, 1)
+    if dtype == E8M0_DTYPE:
+        return {"BlockWise1x32": ((rows, -(-cols // 32)), (1, 32))}
+    if dtype != torch.float32:
+        return {}
+    c128 = -(-cols // 128)
+    return {
+        "TensorWise": (None, (block_rows, block_cols)),
+        "RowWise": ((rows, 1), (1, block_cols)),
+        "BlockWise1x128": ((rows, c128), (1, 128)),
+        "BlockWise128x128": ((-(-rows // 128), c128), (128, 128)),
+    }
+
+
 def scaling_types(scale_inv: torch.Tensor, rows: int, cols: int) -> dict[str, tuple[int, int]]:
     """The scaled_mm ScalingTypes a scale_inv can stand for on a (rows, cols) operand, with their blocks.
 
@@ -358,21 +381,11 @@ def scaling_types(scale_inv: torch.Tensor, rows: int, cols: int) -> dict[str, tu
     give the same blocks of that operand. Returns {} when none matches.
     """
     shape = tuple(scale_inv.shape)
-    r128, c128, c32 = -(-rows // 128), -(-cols // 128), -(-cols // 32)
-    if scale_inv.dtype == E8M0_DTYPE:
-        return {"BlockWise1x32": (1, 32)} if shape == (rows, c32) else {}
-    if scale_inv.dtype != torch.float32:
-        return {}
-    found = {}
-    if scale_inv.numel() == 1 and scale_inv.dim() <= 2:
-        found["TensorWise"] = (max(rows, 1), max(cols, 1))
-    if shape == (rows, 1):
-        found["RowWise"] = (1, max(cols, 1))
-    if shape == (rows, c128):
-        found["BlockWise1x128"] = (1, 128)
-    if shape == (r128, c128):
-        found["BlockWise128x128"] = (128, 128)
-    return found
+    return {
+        name: block
+        for name, (expected, block) in scale_layouts(scale_inv.dtype, rows, cols).items()
+        if (scale_inv.numel() == 1 and scale_inv.dim() <= 2 if expected is None else shape == expected)
+    }
 
 
 def block_shape_of(scale_inv: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
