@@ -172,7 +172,9 @@ def test_cuda_build_info_matches_the_build():
     assert (info is None) == (not _C.built_with_cuda())
     if info is not None:
         assert info["runtime_version"] >= 12000 and info["archs"]
-    assert set(_C.cuda_gemm_path_counts()) == {"cublaslt", "padded", "fallback", "cached_algos"}
+    assert set(_C.cuda_gemm_path_counts()) == {"cublaslt", "padded", "fallback", "cached_algos", "cublaslt_block"}
+    if info is not None:
+        assert info["cublas_header_version"] >= 120000 and info["cublaslt_version"] >= 120000
 
 
 @pytest.mark.parametrize(

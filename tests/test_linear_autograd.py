@@ -38,6 +38,11 @@ def _fp32_baseline(x, w, grad, r, scale):
     return x32 @ w32.t(), g32 @ w32, g32.t() @ x32
 
 
+def _scales(layer):
+    """The delayed scales of [input, weight, grad_output]: the forward state's, then the backward state's."""
+    return torch.cat([layer.fp8_scale, layer.fp8_grad_scale])
+
+
 class TestAgainstReference:
     @pytest.mark.parametrize("name", list(RECIPES))
     @pytest.mark.parametrize("shape", SHAPES)
@@ -53,7 +58,7 @@ class TestAgainstReference:
         if isinstance(r, recipe.DelayedScaling):  # a step first, so the scales are not all 1
             _run(layer, x * 3, grad / 5)
             layer.weight.grad = None
-            scale = layer.fp8_scale.clone()
+            scale = _scales(layer)
         y, dx = _run(layer, x, grad)
 
         fmt, m, w, f64 = r.fp8_format, r.margin, layer.weight.detach(), torch.float64
@@ -86,8 +91,9 @@ class TestAgainstReference:
         window = torch.stack(amaxes[-3:])  # the current amax and history_len - 1 earlier ones
         fp8_max = torch.tensor([448.0, 448.0, 57344.0])
         expected = torch.div(fp8_max, window.amax(0)) * 0.5  # margin 1
-        assert_bitwise_equal(layer.fp8_scale, expected, "scale")
-        assert_bitwise_equal(layer.fp8_amax_history[0], torch.zeros(3), "cleared slot")
+        assert_bitwise_equal(_scales(layer), expected, "scale")
+        assert_bitwise_equal(layer.fp8_amax_history[0], torch.zeros(2), "cleared forward slot")
+        assert_bitwise_equal(layer.fp8_grad_amax_history[0], torch.zeros(1), "cleared backward slot")
 
 
 class TestFirstStep:
@@ -112,7 +118,7 @@ class TestFirstStep:
         amax = torch.stack([reference.amax(x), reference.amax(layer.weight), reference.amax(grad)])
         assert_bitwise_equal(used[:2], reference.compute_scale(amax, 448.0, 1)[:2], "just-in-time forward scales")
         # The history update computes the same scales from the recorded amaxes.
-        assert_bitwise_equal(layer.fp8_scale, torch.div(fp8_max, amax) * 0.5, "scales after the step")
+        assert_bitwise_equal(_scales(layer), torch.div(fp8_max, amax) * 0.5, "scales after the step")
         w = layer.weight.detach()
         s = torch.cat([reference.compute_scale(amax[i : i + 1], float(m), 1) for i, m in enumerate(fp8_max)])
         expected = reference.linear_dgrad(grad, w, torch.float8_e5m2, torch.float8_e4m3fn, s[2:], s[1:2], 1, torch.float64)

@@ -235,11 +235,12 @@ def test_autocast_state_is_guarded_under_compile():
 
 
 @pytest.mark.parametrize("keep_mutations", [True, False])
-def test_custom_aot_autograd_backend_needs_kept_input_mutations(keep_mutations):
-    """Delayed scaling updates the same buffers in forward (input, weight) and
-    backward (grad_output). A backend built on aot_autograd must keep input
-    mutations in the graphs, as aot_eager and inductor do; without it AOT
-    autograd cannot place the forward's buffer updates (README "The FP8 Linear")."""
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+def test_custom_aot_autograd_backend(keep_mutations, input_requires_grad):
+    """A backend built on aot_autograd compiles delayed scaling with or without
+    keep_inference_input_mutations: forward updates only the forward state and
+    backward only the grad_output state, so AOT autograd never has to place one
+    buffer's updates in both graphs (README "The FP8 Linear")."""
     def compiler(gm, example_inputs):
         return make_boxed_func(gm.forward)
 
@@ -248,16 +249,19 @@ def test_custom_aot_autograd_backend_needs_kept_input_mutations(keep_mutations):
     layer = tl.Linear(16, 8, recipe=RECIPES["delayed"])
     eager = copy.deepcopy(layer)
     compiled = torch.compile(layer, backend=backend, fullgraph=True)
-    x = torch.randn(4, 16)
-    if not keep_mutations:
-        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="was invalid, but is output"):
-            compiled(x).sum().backward()
-        return
-    for _ in range(2):
-        compiled(x).sum().backward()
-        eager(x).sum().backward()
-    assert_bitwise_equal(layer.fp8_amax_history, eager.fp8_amax_history, "history")
-    assert_bitwise_equal(layer.fp8_scale, eager.fp8_scale, "scale")
+    for step in range(3):
+        x = torch.randn(4, 16, requires_grad=input_requires_grad)
+        x_ref = x.detach().clone().requires_grad_(input_requires_grad)
+        out, out_ref = compiled(x), eager(x_ref)
+        assert_bitwise_equal(out, out_ref, f"step {step} output")
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+        assert_bitwise_equal(layer.weight.grad, eager.weight.grad, f"step {step} weight grad")
+        if input_requires_grad:
+            assert_bitwise_equal(x.grad, x_ref.grad, f"step {step} input grad")
+    for name, buf in eager.named_buffers():
+        assert_bitwise_equal(getattr(layer, name), buf, name)
+    assert not bool(layer.fp8_grad_amax_history.eq(0).all()), "backward recorded no grad_output amax"
 
 
 def test_autocast_history_longer_than_the_layers():
@@ -273,8 +277,8 @@ def test_autocast_history_longer_than_the_layers():
         eager = copy.deepcopy(layer)
         for _ in range(2):
             assert_bitwise_equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), eager(x))
-    assert layer.fp8_amax_history.shape == (2048, 3)
+    assert layer.fp8_amax_history.shape == (2048, 2) and layer.fp8_grad_amax_history.shape == (2048, 1)
     grown = tl.Linear(16, 8)
     with tl.autocast(recipe=long):
         grown(x)  # eagerly, the history grows
-    assert grown.fp8_amax_history.shape == (2048, 3)
+    assert grown.fp8_amax_history.shape == (2048, 2) and grown.fp8_grad_amax_history.shape == (2048, 1)

@@ -3,7 +3,8 @@
 The matrix: how FP8 is enabled {a per-module recipe, ``convert_to_fp8(recipe=)``,
 ``tl.autocast`` around the call, ``tl.autocast`` inside ``forward``} x {cold,
 warmed by one eager step} x {eager, aot_eager, inductor, torch.export + save/load,
-unflatten} x {DelayedScaling, CurrentScaling} x {input requires grad or not}.
+unflatten} x {DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling} x
+{input requires grad or not}.
 Each compiled or exported run is compared with an eager copy of the same model
 over several calls: outputs, gradients and the delayed-scaling state.
 ``aot_eager`` and export are bitwise; inductor is bitwise too on these shapes
@@ -27,6 +28,8 @@ RECIPES = {
     # history) use its leading rows, the others are built with it.
     "delayed": recipe.DelayedScaling(amax_history_len=4),
     "current": recipe.CurrentScaling(),
+    "block": recipe.Float8BlockScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
 }
 ENABLES = ("module_recipe", "convert", "autocast_around", "autocast_inside")
 STEPS = 3

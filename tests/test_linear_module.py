@@ -74,13 +74,24 @@ class TestRecipes:
             assert get_fp8_recipe() == recipe.DelayedScaling()
 
 
+FP8_KEYS = ("fp8_amax_history", "fp8_scale", "fp8_grad_amax_history", "fp8_grad_scale")
+"""A tl.Linear's delayed-scaling state_dict keys: the forward state, then the backward state."""
+
+
+def _assert_fresh(layer, rows):
+    assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(rows, 2), "fresh forward history")
+    assert_bitwise_equal(layer.fp8_scale, torch.ones(2), "fresh forward scales")
+    assert_bitwise_equal(layer.fp8_grad_amax_history, torch.zeros(rows, 1), "fresh backward history")
+    assert_bitwise_equal(layer.fp8_grad_scale, torch.ones(1), "fresh backward scale")
+
+
 class TestDropIn:
     def test_same_init_names_and_state_dict_keys(self):
         ref, layer = _pair()
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach(), "weight")
         assert_bitwise_equal(layer.bias.detach(), ref.bias.detach(), "bias")
         # nn.Linear's keys, then the delayed-scaling state every layer owns.
-        assert list(layer.state_dict()) == [*ref.state_dict(), "fp8_amax_history", "fp8_scale"]
+        assert list(layer.state_dict()) == [*ref.state_dict(), *FP8_KEYS]
 
     @pytest.mark.parametrize("bias", [True, False])
     def test_state_dict_loads_both_ways(self, bias):
@@ -88,7 +99,7 @@ class TestDropIn:
         layer = tl.Linear(8, 4, bias=bias)
         layer.load_state_dict(ref.state_dict(), strict=True)
         result = nn.Linear(8, 4, bias=bias).load_state_dict(layer.state_dict(), strict=False)
-        assert result.unexpected_keys == ["fp8_amax_history", "fp8_scale"] and not result.missing_keys
+        assert result.unexpected_keys == list(FP8_KEYS) and not result.missing_keys
         assert_bitwise_equal(layer.weight.detach(), ref.weight.detach())
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -110,7 +121,8 @@ class TestDropIn:
         assert type(model[0]) is tl.Linear and type(model[2]) is nn.Linear
         assert model[0].weight is weights[0] and model[0].recipe == recipe.CurrentScaling()
         layer = tl.Linear.from_linear(nn.Linear(8, 4), recipe=recipe.DelayedScaling(amax_history_len=2))
-        assert layer.fp8_amax_history.device.type == "cpu" and layer.fp8_amax_history.shape == (2, 3)
+        assert layer.fp8_amax_history.device.type == "cpu" and layer.fp8_amax_history.shape == (2, 2)
+        assert layer.fp8_grad_amax_history.shape == (2, 1)
         with pytest.raises(TypeError, match="nn.Linear"):
             tl.Linear.from_linear(nn.Conv1d(1, 1, 1))
 
@@ -122,7 +134,7 @@ class TestFP8State:
         for _ in range(2):
             _fwd_bwd(layer, torch.randn(5, 16))
         state = layer.state_dict()
-        assert set(state) == {"weight", "bias", "fp8_amax_history", "fp8_scale"}
+        assert set(state) == {"weight", "bias", *FP8_KEYS}
         buffer = io.BytesIO()
         torch.save(state, buffer)
         buffer.seek(0)
@@ -131,15 +143,14 @@ class TestFP8State:
         x = torch.randn(5, 16)
         for module in (layer, resumed):
             _fwd_bwd(module, x)
-        assert_bitwise_equal(resumed.fp8_scale, layer.fp8_scale, "scale after resume")
-        assert_bitwise_equal(resumed.fp8_amax_history, layer.fp8_amax_history, "history after resume")
+        for key in FP8_KEYS:
+            assert_bitwise_equal(getattr(resumed, key), getattr(layer, key), f"{key} after resume")
 
     def test_state_dict_without_state_starts_fresh(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
         _fwd_bwd(layer, torch.randn(5, 16))
         layer.load_state_dict(nn.Linear(16, 8).state_dict(), strict=True)
-        assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(3, 3), "fresh history")
-        assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "fresh scales")
+        _assert_fresh(layer, rows=3)
 
     def test_to_deepcopy_pickle_keep_fp32_state(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
@@ -162,9 +173,7 @@ def test_meta_init_then_to_empty_starts_the_state_fresh(r):
         layer = tl.Linear(16, 8, recipe=r)
     layer.to_empty(device="cpu")
     layer.reset_parameters()
-    rows = 4 if r is not None else 1024
-    assert_bitwise_equal(layer.fp8_amax_history, torch.zeros(rows, 3), "history")
-    assert_bitwise_equal(layer.fp8_scale, torch.ones(3), "scale")
+    _assert_fresh(layer, rows=4 if r is not None else 1024)
     with tl.autocast(recipe=recipe.DelayedScaling(amax_history_len=4)):
         y, _ = _fwd_bwd(layer, torch.randn(5, 16))
     assert torch.isfinite(y).all()
@@ -182,29 +191,35 @@ class TestLoadFP8State:
     @pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.bfloat16, torch.float64])
     def test_cast_to_float32(self, dtype):
         state = self._trained().state_dict()
-        state["fp8_scale"] = torch.tensor([2, 4, 8]).to(dtype)
-        state["fp8_amax_history"] = state["fp8_amax_history"].to(dtype)
+        state["fp8_scale"] = torch.tensor([2, 4]).to(dtype)
+        state["fp8_grad_scale"] = torch.tensor([8]).to(dtype)
+        for key in ("fp8_amax_history", "fp8_grad_amax_history"):
+            state[key] = state[key].to(dtype)
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
         layer.load_state_dict(state)
-        assert layer.fp8_scale.dtype == layer.fp8_amax_history.dtype == torch.float32
-        assert_bitwise_equal(layer.fp8_scale, torch.tensor([2.0, 4.0, 8.0]))
+        assert all(getattr(layer, key).dtype == torch.float32 for key in FP8_KEYS)
+        assert_bitwise_equal(layer.fp8_scale, torch.tensor([2.0, 4.0]))
+        assert_bitwise_equal(layer.fp8_grad_scale, torch.tensor([8.0]))
         y, _ = _fwd_bwd(layer, torch.randn(5, 16))
         assert torch.isfinite(y).all()
 
     @pytest.mark.parametrize(
         "key, value, message",
         [
-            ("fp8_scale", torch.ones(2), r"'fp8_scale' must have shape \(3,\)"),
-            ("fp8_scale", torch.ones(1, 3), r"'fp8_scale' must have shape \(3,\)"),
-            ("fp8_amax_history", torch.zeros(3), r"'fp8_amax_history' must have shape \(history_len >= 1, 3\)"),
-            ("fp8_amax_history", torch.zeros(4, 2), r"'fp8_amax_history' must have shape"),
-            ("fp8_amax_history", torch.zeros(0, 3), r"'fp8_amax_history' must have shape"),
-            ("fp8_scale", torch.tensor([1.0, float("nan"), 1.0]), "'fp8_scale' must hold finite positive scales"),
-            ("fp8_scale", torch.tensor([1.0, 1.0, float("inf")]), "'fp8_scale' must hold finite positive scales"),
-            ("fp8_scale", torch.tensor([0.0, 1.0, 1.0]), "'fp8_scale' must hold finite positive scales"),
-            ("fp8_scale", torch.tensor([1.0, -2.0, 1.0]), "'fp8_scale' must hold finite positive scales"),
-            ("fp8_scale", torch.tensor([1e5, 1.0, 1.0], dtype=torch.float16), "finite positive"),  # inf in fp16
-            ("fp8_scale", torch.ones(3, dtype=torch.bool), "'fp8_scale' must be a real tensor"),
+            ("fp8_scale", torch.ones(1), r"'fp8_scale' must have shape \(2,\)"),
+            ("fp8_scale", torch.ones(1, 2), r"'fp8_scale' must have shape \(2,\)"),
+            ("fp8_grad_scale", torch.ones(2), r"'fp8_grad_scale' must have shape \(1,\)"),
+            ("fp8_amax_history", torch.zeros(3), r"'fp8_amax_history' must have shape \(history_len >= 1, 2\)"),
+            ("fp8_amax_history", torch.zeros(4, 1), r"'fp8_amax_history' must have shape"),
+            ("fp8_amax_history", torch.zeros(0, 2), r"'fp8_amax_history' must have shape"),
+            ("fp8_grad_amax_history", torch.zeros(4, 2), r"'fp8_grad_amax_history' must have shape \(history_len"),
+            ("fp8_scale", torch.tensor([1.0, float("nan")]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([1.0, float("inf")]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([0.0, 1.0]), "'fp8_scale' must hold finite positive scales"),
+            ("fp8_grad_scale", torch.tensor([-2.0]), "'fp8_grad_scale' must hold finite positive scales"),
+            ("fp8_scale", torch.tensor([1e5, 1.0], dtype=torch.float16), "finite positive"),  # inf in fp16
+            ("fp8_scale", torch.ones(2, dtype=torch.bool), "'fp8_scale' must be a real tensor"),
+            ("fp8_grad_amax_history", "history", "'fp8_grad_amax_history' must be a real tensor"),
         ],
     )
     def test_rejects_bad_state_naming_the_key(self, key, value, message):
@@ -221,8 +236,23 @@ class TestLoadFP8State:
     def test_other_history_length_loads(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
         layer.load_state_dict(self._trained(rows=5).state_dict())
-        assert layer.fp8_amax_history.shape == (5, 3)
+        assert layer.fp8_amax_history.shape == (5, 2) and layer.fp8_grad_amax_history.shape == (5, 1)
         _fwd_bwd(layer, torch.randn(5, 16))  # uses the leading 3 rows
+
+    def test_three_column_checkpoint_loads_split(self):
+        """A checkpoint of the earlier layout, one (rows, 3) history and (3,) scale with columns
+        [input, weight, grad_output], loads into the forward and backward states."""
+        trained = self._trained()
+        state = trained.state_dict()
+        history = torch.cat([state.pop("fp8_amax_history"), state.pop("fp8_grad_amax_history")], dim=1)
+        scale = torch.cat([state.pop("fp8_scale"), state.pop("fp8_grad_scale")])
+        state["fp8_amax_history"], state["fp8_scale"] = history, scale
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=3))
+        assert not layer.load_state_dict(state, strict=True).missing_keys
+        for key in FP8_KEYS:
+            assert_bitwise_equal(getattr(layer, key), getattr(trained, key), key)
+        with pytest.raises(ValueError, match=r"'fp8_scale' must hold finite positive scales"):
+            layer.load_state_dict({**state, "fp8_scale": torch.tensor([1.0, 1.0, 0.0])})
 
 
 class TestInferenceMode:

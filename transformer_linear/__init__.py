@@ -5,6 +5,10 @@ ops; ``transformer_linear.reference`` defines their numerics in plain torch.
 """
 
 from transformer_linear import ops, reference
+from transformer_linear._compile_cache import tag_compile_caches
+
+# Compiled graphs cached by another version of the package are not reused (_compile_cache.py).
+tag_compile_caches()
 
 __version__ = "0.1.0"
 

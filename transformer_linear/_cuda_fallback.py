@@ -8,12 +8,16 @@ sm_75 with the default architectures). Each custom op in ``ops.py`` asks
 torch on the GPU (the ``reference`` definitions, and ``torch._scaled_mm`` for
 the GEMM where it applies). The first such call warns once, naming the reason
 and the remedy.
+
+Each custom op of ``ops.py`` registers the extension's kernel for the CPU and,
+through :func:`register_cuda_kernel`, a CUDA kernel that picks the extension
+or this fallback per call (:func:`active`).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,6 +29,11 @@ BUILD_HINT = f"pip install nvidia-cublas && {REBUILD}"
 _BUILD_INFO: Optional[dict] = _C.cuda_build_info()
 _warned = False
 _problems: dict[int, Optional[str]] = {}
+
+
+def build_info() -> Optional[dict]:
+    """``_C.cuda_build_info()`` of this build: None for a CPU-only build."""
+    return _BUILD_INFO
 
 
 def driver_supports(runtime_version: int, driver_version: int) -> bool:
@@ -104,6 +113,31 @@ def active(t: torch.Tensor) -> bool:
         _warned = True
         warnings.warn(problem, UserWarning, stacklevel=3)
     return True
+
+
+def cuda_kernel(extension: Callable, fallback: Callable, check: Optional[Callable] = None) -> Callable:
+    """An op's CUDA kernel: ``extension`` where the extension's CUDA kernels can run on the
+    first argument's GPU, else ``fallback`` (plain torch, warning once: :func:`active`).
+
+    Args:
+        extension: the extension's implementation, with the op's arguments.
+        fallback: the torch implementation, with the op's arguments.
+        check: argument checks of the op, run before either implementation.
+    """
+
+    def kernel(*args):
+        if check is not None:
+            check(*args)
+        return (fallback if active(args[0]) else extension)(*args)
+
+    return kernel
+
+
+def register_cuda_kernel(
+    op: torch.library.CustomOpDef, extension: Callable, fallback: Callable, check: Optional[Callable] = None
+) -> None:
+    """Register :func:`cuda_kernel` as ``op``'s CUDA kernel (its CPU kernel is the extension's)."""
+    op.register_kernel("cuda", cuda_kernel(extension, fallback, check))
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +230,8 @@ def fp8_gemm(
 
 
 def fp8_gemm_accumulate_(
-    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, out: torch.Tensor
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, out: torch.Tensor,
+    use_split_accumulator: bool = True,
 ) -> None:
-    """out += (a @ b.T) * a_scale_inv * b_scale_inv, summed in float32."""
+    """out += (a @ b.T) * a_scale_inv * b_scale_inv, summed in float32 (so use_split_accumulator has no effect)."""
     out.copy_(out.float() + _dequantized_product(a, a_scale_inv, b, b_scale_inv))

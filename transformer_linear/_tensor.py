@@ -63,3 +63,13 @@ def stream_for(t: torch.Tensor) -> int:
     if t.device.type == "cuda":
         return torch.cuda.current_stream(t.device).cuda_stream
     return torch.get_num_threads()
+
+
+# cuBLASLt's recommended workspace on Hopper and newer.
+CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+def cublas_workspace(device: torch.device) -> torch.Tensor:
+    """A cuBLASLt workspace on ``device``, from torch's caching allocator (stream-ordered, so
+    CUDA-graph capturable); it must stay referenced until the kernel call has returned."""
+    return torch.empty(CUBLAS_WORKSPACE_BYTES, dtype=torch.uint8, device=device)

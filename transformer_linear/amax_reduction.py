@@ -16,15 +16,19 @@ When the reduction
 ------------------
 The ``transformer_linear::delayed_scaling_update`` custom op launches the
 all-reduce asynchronously and returns; ``delayed_scaling_flush`` applies it
-(wait, record, update the scales) at the start of the layer's next forward,
-the first point that reads the scales. The updated scales are the same as a
-blocking reduction's, but no rank waits for the others in the middle of
+(wait, record, update the scales) before the state is next updated: the
+forward state (input, weight) at the start of the layer's next forward, the
+grad_output state at the start of its next backward (each direction's state
+is mutated by that direction only, see linear.py). The next forward reads
+the grad_output scale its backward will use with the pending updates
+applied to a copy (:func:`peek_amax_reductions`). The scales are the same as
+a blocking reduction's, but no rank waits for the others in the middle of
 forward or backward (on a GPU, the compute stream does not wait behind the
 gradient collectives queued on the same group). Until then the layer's
-``fp8_amax_history`` / ``fp8_scale`` lag by the pending updates:
-``state_dict()`` applies them first, and so does
-``tl.distributed.finish_amax_reductions``. Both ops are opaque to torch.compile, so
-eager and compiled runs issue the same collectives.
+state buffers lag by the pending updates: ``state_dict()`` applies them
+first, and so does ``tl.distributed.finish_amax_reductions``. The ops are
+opaque to torch.compile, so eager and compiled runs issue the same
+collectives.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = [
     "discard_amax_reductions",
     "group_key",
     "launch_amax_reduction",
+    "peek_amax_reductions",
     "pop_amax_reductions",
     "reduces_amax",
 ]
@@ -93,31 +98,44 @@ def reduces_amax(key: int) -> bool:
 
 
 # A layer's launched, not yet applied reductions, in launch order:
-# (work, amax being reduced, *the update's arguments after amax*).
+# (work, amax being reduced, direction, *the update's arguments after amax).
 _PENDING: dict[int, list[tuple[Any, ...]]] = {}
 
+DIRECTIONS = ("forward", "backward")
+"""Which of a layer's two delayed-scaling states an update is for (linear.py)."""
 
-def launch_amax_reduction(amax: Tensor, key: int, layer_key: int, *update_args: Any) -> bool:
+
+def launch_amax_reduction(amax: Tensor, key: int, layer_key: int, direction: str, *update_args: Any) -> bool:
     """Start an async MAX all-reduce of a copy of ``amax``; False (nothing started) without a live group.
 
     ``update_args`` are kept for :func:`pop_amax_reductions`'s caller, which
-    applies the update once the reduction is done.
+    applies the update to the ``direction`` state once the reduction is done.
     """
     group = _resolve(key)
     if group is None:
         return False
     reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
     work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _PENDING.setdefault(layer_key, []).append((work, reduced, *update_args))
+    _PENDING.setdefault(layer_key, []).append((work, reduced, direction, *update_args))
     return True
 
 
-def pop_amax_reductions(layer_key: int) -> list[tuple[Any, ...]]:
-    """The layer's launched reductions as (reduced amax, *update_args), waited for, in launch order."""
-    pending = _PENDING.pop(layer_key, [])
+def peek_amax_reductions(layer_key: int, direction: str) -> list[tuple[Any, ...]]:
+    """The layer's launched reductions for ``direction`` as (reduced amax, *update_args), waited for, in
+    launch order; they stay pending."""
+    pending = [entry for entry in _PENDING.get(layer_key, []) if entry[2] == direction]
     for work, *_ in pending:
         work.wait()
-    return [tuple(rest) for _, *rest in pending]
+    return [(reduced, *rest) for _, reduced, _, *rest in pending]
+
+
+def pop_amax_reductions(layer_key: int, direction: str) -> list[tuple[Any, ...]]:
+    """:func:`peek_amax_reductions`, and those reductions are no longer pending."""
+    done = peek_amax_reductions(layer_key, direction)
+    rest = [entry for entry in _PENDING.pop(layer_key, []) if entry[2] != direction]
+    if rest:
+        _PENDING[layer_key] = rest
+    return done
 
 
 def discard_amax_reductions(layer_key: int) -> None:

@@ -5,15 +5,21 @@ Same parameters, default initialization and ``state_dict`` keys as
 ``F.linear``: outputs and gradients are bitwise ``nn.Linear``'s. With one, the
 forward and backward go through the custom ops of linear_ops.py.
 
-Delayed scaling keeps its state in two float32 buffers that every layer owns
-from construction, ``fp8_amax_history`` (rows, 3) and ``fp8_scale`` (3,),
-columns [input, weight, grad_output]: nothing is created on first use, so a
-cold ``torch.compile`` or ``torch.export`` sees them as real buffers and
-records their updates. ``rows`` is the layer's own recipe's
-``amax_history_len``, else ``DelayedScaling``'s default (1024); a recipe with
-a shorter history uses the leading rows. They are saved in ``state_dict``,
-and a ``state_dict`` without them (an ``nn.Linear``'s) loads with
-``strict=True`` and starts the state fresh.
+Delayed scaling keeps its state in float32 buffers that every layer owns
+from construction: the forward state ``fp8_amax_history`` (rows, 2) and
+``fp8_scale`` (2,), columns [input, weight], which only forward updates, and
+the backward state ``fp8_grad_amax_history`` (rows, 1) and
+``fp8_grad_scale`` (1,), grad_output's, which only backward updates (forward
+reads it). Nothing is created on first use, so a cold ``torch.compile`` or
+``torch.export`` sees them as real buffers and records their updates; and as
+no buffer is updated by both forward and backward, AOT autograd can place
+every update in its own graph, whatever backend settings compile it.
+``rows`` is the layer's own recipe's ``amax_history_len``, else
+``DelayedScaling``'s default (1024); a recipe with a shorter history uses the
+leading rows. They are saved in ``state_dict`` (a checkpoint in the earlier
+layout, one (rows, 3) history and (3,) scale, loads too), and a
+``state_dict`` without them (an ``nn.Linear``'s) loads with ``strict=True``
+and starts the state fresh.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from transformer_linear.quantization import NO_QUANTIZATION, quantization_spec
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.scaling import (
     FP8_STATE_COLUMNS,
+    FP8_STATES,
     checked_fp8_state,
     delayed_scaling_flush,
     delayed_scaling_update,
@@ -42,7 +49,8 @@ from transformer_linear.scaling import (
 
 __all__ = ["Linear"]
 
-_FP8_STATE = ("fp8_amax_history", "fp8_scale")
+_HISTORIES = tuple(state.history_key for state in FP8_STATES.values())
+_FP8_STATE = (*_HISTORIES, *(state.scale_key for state in FP8_STATES.values()))
 _FWD_SCALE = "fp8_fwd_scale"
 _DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 _FWD_COLUMN = FP8_STATE_COLUMNS["input"]
@@ -149,14 +157,18 @@ class Linear(nn.Module):
         device = self.weight.device
         # Normal tensors even under inference_mode: training updates them in place later.
         with torch.inference_mode(False):
-            self.register_buffer("fp8_amax_history", torch.zeros(rows, 3, dtype=torch.float32, device=device))
-            self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+            for state in FP8_STATES.values():
+                width = len(state.columns)
+                self.register_buffer(state.history_key, torch.zeros(rows, width, dtype=torch.float32, device=device))
+                self.register_buffer(state.scale_key, torch.ones(width, dtype=torch.float32, device=device))
             # Not state: what the last forward quantized with (activation checkpointing's recompute reads it).
-            self.register_buffer(_FWD_SCALE, torch.ones(3, dtype=torch.float32, device=device), persistent=False)
+            columns = len(FP8_STATE_COLUMNS)
+            self.register_buffer(_FWD_SCALE, torch.ones(columns, dtype=torch.float32, device=device), persistent=False)
 
-    def _fp8_state(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor, Tensor]:
-        """The (amax_history, scale, fwd_scale) the recipe uses: the history's leading ``amax_history_len`` rows."""
-        rows, wanted = self.fp8_amax_history.shape[0], recipe.amax_history_len
+    def _fp8_histories(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
+        """The forward and backward histories the recipe uses: their leading ``amax_history_len`` rows."""
+        wanted = recipe.amax_history_len
+        rows = min(self._buffers[name].shape[0] for name in _HISTORIES)  # loaded ones may differ
         if wanted > rows:
             if torch.compiler.is_compiling():
                 raise RuntimeError(
@@ -165,19 +177,21 @@ class Linear(nn.Module):
                     f"layer that recipe (tl.Linear(..., recipe=...), tl.convert_to_fp8(model, recipe=...)), call "
                     f"layer.reset_fp8_state(amax_history_len={wanted}), or run one eager step first"
                 )
-            self._grow_history(wanted)
-        history = self.fp8_amax_history
-        if wanted < rows:
-            history = history[:wanted]
-        return history, self.fp8_scale, getattr(self, _FWD_SCALE)
+            self._grow_histories(wanted)
+        histories = (self._buffers[name] for name in _HISTORIES)
+        return tuple(h[:wanted] if wanted < h.shape[0] else h for h in histories)
 
-    def _grow_history(self, rows: int) -> None:
-        """Eagerly: a longer history keeping the recorded rows on top (pending reductions still apply)."""
-        old = self.fp8_amax_history
-        with torch.inference_mode(False):  # a normal tensor, as in reset_fp8_state
-            history = old.new_zeros(rows, old.shape[1])
-            history[: old.shape[0]].copy_(old)
-        self.register_buffer("fp8_amax_history", history)
+    def _grow_histories(self, rows: int) -> None:
+        """Eagerly: histories of at least ``rows`` rows, keeping the recorded rows on top (pending
+        reductions still apply)."""
+        for name in _HISTORIES:
+            old = self._buffers[name]
+            if old.shape[0] >= rows:
+                continue
+            with torch.inference_mode(False):  # a normal tensor, as in reset_fp8_state
+                history = old.new_zeros(rows, old.shape[1])
+                history[: old.shape[0]].copy_(old)
+            self.register_buffer(name, history)
 
     def __del__(self, _discard=amax_reduction.discard_amax_reductions) -> None:
         # Pending reductions are keyed by id(self): a later layer given the
@@ -187,26 +201,25 @@ class Linear(nn.Module):
 
     def finish_amax_reductions(self) -> None:
         """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
-        delayed_scaling_flush(self.fp8_amax_history, self.fp8_scale, id(self))
+        for direction, state in FP8_STATES.items():
+            delayed_scaling_flush(self._buffers[state.history_key], self._buffers[state.scale_key], id(self), direction)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         amax_reduction.discard_amax_reductions(id(self))  # updates of the state being replaced
-        keys = {name: prefix + name for name in _FP8_STATE}
-        history, scale = checked_fp8_state(*(state_dict.get(key) for key in keys.values()), prefix=prefix)
         # load_state_dict passes its own copy of the dict: the checked float32
-        # tensors replace what was given.
-        for key, t in zip(keys.values(), (history, scale)):
-            if t is not None:
-                state_dict[key] = t
-        if history is not None:  # a history of any length loads: the buffer takes its shape
-            with torch.inference_mode(False):
-                self._buffers["fp8_amax_history"] = torch.empty_like(history, device=self.weight.device)
+        # tensors (split from the earlier layout) replace what was given.
+        present = checked_fp8_state(state_dict, prefix)
+        for name in _HISTORIES:
+            history = state_dict.get(prefix + name)
+            if history is not None:  # a history of any length loads: the buffer takes its shape
+                with torch.inference_mode(False):
+                    self._buffers[name] = torch.empty_like(history, device=self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if history is None and scale is None:
+        if not present:
             # A state without the FP8 keys (an nn.Linear's) starts the state fresh.
-            for key in keys.values():
-                if key in missing_keys:
-                    missing_keys.remove(key)
+            for name in _FP8_STATE:
+                if prefix + name in missing_keys:
+                    missing_keys.remove(prefix + name)
             self.reset_fp8_state()
 
     def _apply(self, fn, recurse=True):
@@ -217,7 +230,7 @@ class Linear(nn.Module):
         for name, t in state.items():
             if t.is_meta and device.type != "meta":
                 # to_empty() after meta-device init: a meta state holds no data, start it fresh.
-                fresh = torch.zeros if name == "fp8_amax_history" else torch.ones
+                fresh = torch.zeros if name in _HISTORIES else torch.ones
                 self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
             else:
                 self._buffers[name] = t.to(device=device)
@@ -260,14 +273,13 @@ class Linear(nn.Module):
         # it quantizes with fwd_scale as the original forward left it and
         # records no amax a second time.
         recompute = delayed and _run_by_backward()
-        fwd_scale = args.fwd_scale
         if delayed and not recompute:
             if args.amax_reduction_layer_key != -1:
                 delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
-            args.fwd_scale = args.scale  # a forward quantizes with the current scales
+            args.fwd_scale = None  # a forward quantizes with the current scales
         o = linear_fwd(args)
         if delayed and not recompute:
-            fwd_scale.copy_(o.fwd_scales)  # just-in-time ones included
+            getattr(self, _FWD_SCALE).copy_(o.fwd_scales)  # just-in-time ones included
             delayed_scaling_update(
                 args.amax_history,
                 args.scale,
@@ -307,7 +319,7 @@ class Linear(nn.Module):
         fp8 = recipe is not None
         fmt = recipe.fp8_format if fp8 else None
         delayed = isinstance(recipe, DelayedScaling)
-        history, scale, fwd_scale = self._fp8_state(recipe) if delayed else (None, None, None)
+        history, grad_history = self._fp8_histories(recipe) if delayed else (None, None)
         # Across ranks, amax reductions run in the background until the next forward.
         layer_key = id(self) if delayed and amax_reduction.reduces_amax(self.amax_reduction_group) else -1
         cache = self._weight_cache if fp8 and is_first_microbatch is False else None
@@ -337,9 +349,11 @@ class Linear(nn.Module):
             fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
             bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
             margin=getattr(recipe, "margin", 0),  # block recipes have no margin: their scales are per block
-            scale=scale,
-            fwd_scale=fwd_scale,
+            scale=self.fp8_scale if delayed else None,
+            fwd_scale=getattr(self, _FWD_SCALE) if delayed else None,
             amax_history=history,
+            grad_scale=self.fp8_grad_scale if delayed else None,
+            grad_amax_history=grad_history,
             amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
             amax_reduction_group=self.amax_reduction_group if delayed else amax_reduction.NO_GROUP,
             amax_reduction_layer_key=layer_key,

@@ -59,14 +59,19 @@ class LinearFwdArgs:
     bwd_dtype: torch.dtype
     margin: int
     scale: Optional[Tensor]
-    """Delayed scaling: (3,) float32 scales of [input, weight, grad_output], updated after forward and
-    backward; None: current scaling."""
+    """Delayed scaling: (2,) float32 scales of [input, weight], updated after forward; None: current
+    scaling."""
     fwd_scale: Optional[Tensor]
-    """Delayed scaling: what forward quantizes with: ``scale`` itself in a forward; in activation
-    checkpointing's recompute (during backward, when ``scale`` has moved on) the copy of the scales the
-    original forward used, which the module records from linear_fwd's last output."""
+    """Delayed scaling: (3,) what forward quantizes [input, weight, grad_output] with; None in a forward
+    (``scale`` and ``grad_scale`` as they are); in activation checkpointing's recompute (during backward,
+    when the scales have moved on) the copy of the scales the original forward used, which the module
+    records from linear_fwd's last output."""
     amax_history: Optional[Tensor]
-    """Delayed scaling: (history_len, 3); backward records grad_output's amax in it."""
+    """Delayed scaling: (history_len, 2), the forward state's history."""
+    grad_scale: Optional[Tensor]
+    """Delayed scaling: (1,) grad_output's scale; only backward updates it (forward reads it)."""
+    grad_amax_history: Optional[Tensor]
+    """Delayed scaling: (history_len, 1); backward records grad_output's amax in it."""
     amax_compute_algo: str
     amax_reduction_group: int
     """Delayed scaling: amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
@@ -163,8 +168,8 @@ class LinearBwdContext:
     bias_dtype: Optional[torch.dtype]
     wgrad_queue: int
     amax_history: Optional[Tensor]
-    """Delayed scaling: the state backward updates, by reference (the forward's own update would trip the
-    saved-tensor version check); None otherwise."""
+    """Delayed scaling: grad_output's history and scale, the state backward updates, by reference (not
+    saved: its updates would trip the saved-tensor version check); None otherwise."""
     scale: Optional[Tensor]
     main_grad: Optional[Tensor]
 
@@ -188,8 +193,8 @@ class LinearBwdContext:
             weight_dtype=a.weight.dtype,
             bias_dtype=a.bias.dtype if a.bias is not None else None,
             wgrad_queue=a.wgrad_queue,
-            amax_history=a.amax_history if delayed else None,
-            scale=a.scale if delayed else None,
+            amax_history=a.grad_amax_history if delayed else None,
+            scale=a.grad_scale if delayed else None,
             main_grad=a.main_grad,
         )
 

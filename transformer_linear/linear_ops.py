@@ -33,7 +33,13 @@ from transformer_linear import amax_reduction, layout, ops
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
 from transformer_linear.quantization import BlockQuantized, TensorQuantizer, flat
 from transformer_linear.reference import bias_grad, compute_scale, fp8_max
-from transformer_linear.scaling import FP8_STATE_COLUMNS, delayed_scaling_update, no_amax_yet
+from transformer_linear.scaling import (
+    FP8_STATE_COLUMNS,
+    delayed_scaling_flush,
+    delayed_scaling_update,
+    flushed_state,
+    no_amax_yet,
+)
 
 __all__ = [
     "WGRAD_QUEUES",
@@ -145,18 +151,27 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
         return LinearFwdOutputs(out, *_fwd_side_outputs_like(a))
     if a.quantization.blockwise:
         return _blockwise_fwd(a, x2d.contiguous(), bias)
-    x_scale, w_scale, grad_scale = (_column(a.fwd_scale, name) for name in FP8_STATE_COLUMNS)
     x2d = x2d.contiguous()
-    if a.just_in_time and a.amax_history is not None:
-        x_empty, w_empty, g_empty = no_amax_yet(a.amax_history, a.fwd_scale).tolist()
+    delayed = a.scale is not None
+    if delayed:
+        # Only backward updates the grad_output state; this reads it as its pending updates will leave it.
+        grad_history, grad_state_scale = flushed_state(
+            a.grad_amax_history, a.grad_scale, a.amax_reduction_layer_key, "backward"
+        )
+        used = a.fwd_scale if a.fwd_scale is not None else torch.cat([a.scale, grad_state_scale])
+    else:
+        used = None
+    x_scale, w_scale, grad_scale = (_column(used, name) for name in FP8_STATE_COLUMNS)
+    grad_scale_out = grad_scale
+    if delayed and a.just_in_time:
+        x_empty, w_empty = no_amax_yet(a.amax_history, used[: a.scale.numel()]).tolist()
         group = a.amax_reduction_group
         if x_empty:
             x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)
         if w_empty and a.weight_fp8 is None:
             w_scale = _just_in_time_scale(weight, a.fwd_dtype, a.margin, w_scale, group)
-    grad_scale_out = grad_scale
-    if a.just_in_time and a.amax_history is not None and g_empty:
-        grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
+        if no_amax_yet(grad_history, grad_scale).item():
+            grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
     qx = _quantize(x2d, a.fwd_dtype, x_scale, a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
     if a.weight_fp8 is None:
@@ -169,7 +184,6 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
         w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
     w_outputs += (inp.new_empty(0, dtype=f32),)  # weight_scale_inv_t: block scaling only
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
-    delayed = a.fwd_scale is not None
     return LinearFwdOutputs(
         out,
         layout.saved_form(qx.data, qx.data_t),
@@ -377,22 +391,25 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             )
         dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
     elif c.fp8:
+        if c.scale is not None and c.amax_reduction_layer_key != -1:
+            # The updates this layer's last backward launched, before this one records its own.
+            delayed_scaling_flush(c.amax_history, c.scale, c.amax_reduction_layer_key, "backward")
         if c.scale is not None and c.just_in_time:
             qg = quantize_grad_output(g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype, c.amax_reduction_group)
         else:
             qg = _quantize(g2d, c.bwd_dtype, grad_scale, c.margin, dbias_dtype=dbias_dtype)
         if c.scale is not None:
-            column = FP8_STATE_COLUMNS["grad_output"]
             delayed_scaling_update(
                 c.amax_history,
                 c.scale,
                 qg.amax,
-                column,
+                0,  # the backward state's one column
                 c.bwd_dtype,
                 c.margin,
                 c.amax_compute_algo,
                 c.amax_reduction_group,
                 c.amax_reduction_layer_key,
+                "backward",
             )
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
         g_t_scale_inv = g_scale_inv

@@ -1,8 +1,10 @@
 """The FP8 kernels as ``torch.library`` custom ops (namespace ``transformer_linear``).
 
 Each kernel is registered once, with a fake (meta) implementation, so the ops
-trace under ``torch.compile(fullgraph=True)`` and ``torch.export``. The
-implementation dispatches on the tensors' device inside the extension.
+trace under ``torch.compile(fullgraph=True)`` and ``torch.export``. Each op
+registers the extension's kernel for the CPU and a CUDA kernel that picks the
+extension or, where its CUDA kernels cannot run, the torch fallback
+(``_cuda_fallback.register_cuda_kernel``).
 
 Public functions::
 
@@ -38,7 +40,7 @@ from transformer_linear._checks import (
     gemm_out_shape,
 )
 from transformer_linear._checks import check_tensor as _check_tensor
-from transformer_linear._tensor import desc, stream_for
+from transformer_linear._tensor import cublas_workspace, desc, stream_for
 from transformer_linear.ops_blockwise import (
     BlockQuantizeOutput,
     blockwise_outputs,
@@ -71,10 +73,6 @@ __all__ = [
     "quantize_with_amax",
 ]
 
-# cuBLASLt's recommended workspace on Hopper and newer.
-_CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
-
-
 def _scalar(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=like.device)
 
@@ -89,13 +87,14 @@ def _transposed_shape(x: torch.Tensor) -> tuple[int, int]:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("transformer_linear::amax", mutates_args=())
-def _amax_op(x: torch.Tensor) -> torch.Tensor:
-    if _cuda_fallback.active(x):
-        return _cuda_fallback.amax(x)
+def _amax_kernel(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)
     _C.amax(desc(x, "amax", "input"), desc(out, "amax", "amax"), stream_for(x))
     return out
+
+
+_amax_op = torch.library.custom_op("transformer_linear::amax", _amax_kernel, mutates_args=(), device_types="cpu")
+_cuda_fallback.register_cuda_kernel(_amax_op, _amax_kernel, _cuda_fallback.amax)
 
 
 @_amax_op.register_fake
@@ -118,21 +117,14 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("transformer_linear::quantize", mutates_args=())
-def _quantize_op(
-    x: torch.Tensor,
-    scale: Optional[torch.Tensor],
-    dtype: torch.dtype,
-    margin: int,
-    rowwise: bool,
-    columnwise: bool,
-    dbias_dtype: Optional[torch.dtype],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    op = "quantize"
+def _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
-    check_scale_values(op, {"scale": scale}, reciprocal=True)
-    if _cuda_fallback.active(x):
-        return _cuda_fallback.quantize(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
+    check_scale_values("quantize", {"scale": scale}, reciprocal=True)
+
+
+def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
+    """The extension's quantize (the op's arguments, checked by _quantize_checks)."""
+    op = "quantize"
     q, q_t, scale_inv, x_amax, dbias = _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
     current = scale is None
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
@@ -150,6 +142,23 @@ def _quantize_op(
         stream_for(x),
     )
     return q, q_t, scale_inv, x_amax, dbias
+
+
+@torch.library.custom_op("transformer_linear::quantize", mutates_args=(), device_types="cpu")
+def _quantize_op(
+    x: torch.Tensor,
+    scale: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    margin: int,
+    rowwise: bool,
+    columnwise: bool,
+    dbias_dtype: Optional[torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
+    return _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
+
+
+_cuda_fallback.register_cuda_kernel(_quantize_op, _quantize_kernel, _cuda_fallback.quantize, _quantize_checks)
 
 
 def _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype):
@@ -249,16 +258,25 @@ def quantize_current(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("transformer_linear::dequantize", mutates_args=())
-def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_checks(q, scale_inv, out_dtype):
     check_hp_dtype("dequantize", "out_dtype", out_dtype)
     check_scale_values("dequantize", {"scale_inv": scale_inv})
-    if _cuda_fallback.active(q):
-        return _cuda_fallback.dequantize(q, scale_inv, out_dtype)
+
+
+def _dequantize_kernel(q, scale_inv, out_dtype):
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     op = "dequantize"
     _C.dequantize(desc(q, op, "input"), desc(scale_inv, op, "scale_inv"), desc(out, op, "output"), stream_for(q))
     return out
+
+
+@torch.library.custom_op("transformer_linear::dequantize", mutates_args=(), device_types="cpu")
+def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    _dequantize_checks(q, scale_inv, out_dtype)
+    return _dequantize_kernel(q, scale_inv, out_dtype)
+
+
+_cuda_fallback.register_cuda_kernel(_dequantize_op, _dequantize_kernel, _cuda_fallback.dequantize, _dequantize_checks)
 
 
 @_dequantize_op.register_fake
@@ -285,9 +303,7 @@ def _check_gemm_scales(a_scale_inv, b_scale_inv):
 
 def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_accumulator):
     op = "fp8_gemm"
-    workspace = None
-    if a.device.type == "cuda":
-        workspace = torch.empty(_CUBLAS_WORKSPACE_BYTES, dtype=torch.uint8, device=a.device)
+    workspace = cublas_workspace(a.device) if a.device.type == "cuda" else None
     _C.fp8_gemm(
         desc(a, op, "a"),
         desc(a_scale_inv, op, "a_scale_inv"),
@@ -302,7 +318,19 @@ def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_a
     )
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm", mutates_args=())
+def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    _check_gemm_scales(a_scale_inv, b_scale_inv)
+
+
+def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+    """The extension's GEMM (the op's arguments, checked by _fp8_gemm_checks)."""
+    out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
+    _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
+    return out
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm", mutates_args=(), device_types="cpu")
 def _fp8_gemm_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -312,13 +340,11 @@ def _fp8_gemm_op(
     bias: Optional[torch.Tensor],
     use_split_accumulator: bool,
 ) -> torch.Tensor:
-    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
-    _check_gemm_scales(a_scale_inv, b_scale_inv)
-    if _cuda_fallback.active(a):
-        return _cuda_fallback.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
-    out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
-    _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
-    return out
+    _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
+    return _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
+
+
+_cuda_fallback.register_cuda_kernel(_fp8_gemm_op, _fp8_gemm_kernel, _cuda_fallback.fp8_gemm, _fp8_gemm_checks)
 
 
 @_fp8_gemm_op.register_fake
@@ -327,7 +353,15 @@ def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
     return a.new_empty(gemm_out_shape(a, b), dtype=out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm_accumulate", mutates_args=("out",))
+def _fp8_gemm_accumulate_checks(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
+    _check_gemm_scales(a_scale_inv, b_scale_inv)
+
+
+def _fp8_gemm_accumulate_kernel(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
+    _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm_accumulate", mutates_args=("out",), device_types="cpu")
 def _fp8_gemm_accumulate_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -336,10 +370,14 @@ def _fp8_gemm_accumulate_op(
     out: torch.Tensor,
     use_split_accumulator: bool,
 ) -> None:
-    _check_gemm_scales(a_scale_inv, b_scale_inv)
-    if _cuda_fallback.active(a):
-        return _cuda_fallback.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)
-    _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
+    _fp8_gemm_accumulate_checks(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
+    _fp8_gemm_accumulate_kernel(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
+
+
+_cuda_fallback.register_cuda_kernel(
+    _fp8_gemm_accumulate_op, _fp8_gemm_accumulate_kernel, _cuda_fallback.fp8_gemm_accumulate_,
+    _fp8_gemm_accumulate_checks,
+)
 
 
 @_fp8_gemm_accumulate_op.register_fake

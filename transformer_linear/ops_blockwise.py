@@ -5,8 +5,10 @@ tiles (DeepSeek-V3, TE ``Float8BlockScaling``), 1x32 blocks with E8M0 scales
 (OCP MXFP8) and one scale per row (torchao's rowwise). Each op is a
 ``torch.library`` custom op with a fake implementation; CPU tensors run the
 extension's kernels, CUDA tensors the Triton kernels of
-``transformer_linear.triton``. ``ops.fp8_gemm`` routes block scales here;
-the public functions are re-exported by ``ops``.
+``transformer_linear.triton`` (block-scaled GEMMs: cuBLASLt's block-scaled
+matmul where the GPU and build have it, see ``_block_gemm_cuda``), each
+registered for its device. ``ops.fp8_gemm`` routes block scales here; the
+public functions are re-exported by ``ops``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-from transformer_linear import _C
+from transformer_linear import _C, _block_gemm_cuda
 from transformer_linear._checks import (
     check_fp8_dtype,
     check_hp_dtype,
@@ -174,7 +176,7 @@ def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == E8M0_DTYPE else t
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm_blockwise", mutates_args=())
+@torch.library.custom_op("transformer_linear::fp8_gemm_blockwise", mutates_args=(), device_types="cpu")
 def _fp8_gemm_blockwise_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -187,8 +189,6 @@ def _fp8_gemm_blockwise_op(
 ) -> torch.Tensor:
     check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
-    if a.device.type == "cuda":
-        return _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     op = "fp8_gemm"
     _C.fp8_gemm_blockwise(
@@ -205,6 +205,15 @@ def _fp8_gemm_blockwise_op(
         False,
         stream_for(a),
     )
+    return out
+
+
+@_fp8_gemm_blockwise_op.register_kernel("cuda")
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    out = _block_gemm_cuda.fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block)
+    if out is None:
+        out = _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     return out
 
 
@@ -294,7 +303,7 @@ def blockwise_outputs(
     return q, s, q_t, s_t
 
 
-@torch.library.custom_op("transformer_linear::quantize_blockwise", mutates_args=())
+@torch.library.custom_op("transformer_linear::quantize_blockwise", mutates_args=(), device_types="cpu")
 def _quantize_blockwise_op(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -305,12 +314,6 @@ def _quantize_blockwise_op(
     columnwise: bool,
     e8m0_floor: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if x.device.type == "cuda":
-        rounding = "floor" if e8m0_floor else "ceil"
-        return _triton_kernels().quantize_blockwise_fused(
-            x, dtype, tuple(block_shape), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
-            e8m0_rounding=rounding,
-        )
     q, s, q_t, s_t = blockwise_outputs(x, dtype, block_shape, scale_dtype, rowwise, columnwise)
     bt = columnwise_block_shape(tuple(block_shape), *x.shape)
     op = "quantize_blockwise"
@@ -329,6 +332,15 @@ def _quantize_blockwise_op(
         stream_for(x),
     )
     return q, s, q_t, s_t
+
+
+@_quantize_blockwise_op.register_kernel("cuda")
+def _(x, dtype, block_shape, scale_dtype, power_2_scale, rowwise, columnwise, e8m0_floor):
+    rounding = "floor" if e8m0_floor else "ceil"
+    return _triton_kernels().quantize_blockwise_fused(
+        x, dtype, tuple(block_shape), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
+        e8m0_rounding=rounding,
+    )
 
 
 @_quantize_blockwise_op.register_fake

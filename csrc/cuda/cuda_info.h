@@ -15,6 +15,7 @@ struct GemmPathCounts {
   uint64_t fallback = 0;  // the tiled kernel of gemm_fallback_cuda.cu
   uint64_t padded = 0;    // of the cuBLASLt runs, those on zero-padded operand copies
   uint64_t cached_algos = 0;  // entries in the (bounded) cuBLASLt algorithm cache
+  uint64_t cublaslt_block = 0;  // block-scaled GEMMs run by cuBLASLt (gemm_block_cuda.cpp)
 };
 
 GemmPathCounts gemm_path_counts();

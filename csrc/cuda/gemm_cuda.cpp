@@ -8,57 +8,17 @@
 // Our M is cuBLAS's n, which FP8 does not need aligned: any token count takes
 // cuBLASLt. N must be a multiple of 16; K and the leading dimensions must be
 // too, or the operands are copied zero-padded (run_cublaslt_padded).
-#include <cublasLt.h>
-
-#include <array>
 #include <atomic>
-#include <list>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <unordered_map>
 
+#include "cublaslt_utils.h"
 #include "cuda_info.h"
+#include "gemm_block_cuda.h"
 #include "cuda_utils.h"
 #include "launchers.h"
 
 namespace tl {
 namespace cuda {
 namespace {
-
-cudaDataType_t cuda_type(DType d) {
-  switch (d) {
-    case DType::kFloat8E4M3: return CUDA_R_8F_E4M3;
-    case DType::kFloat8E5M2: return CUDA_R_8F_E5M2;
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
-// One handle per thread and device. Handles are leaked on purpose: destroying
-// them from thread_local destructors at process exit can run after the CUDA
-// runtime has been torn down.
-cublasLtHandle_t handle() {
-  thread_local std::unordered_map<int, cublasLtHandle_t> handles;
-  int device = 0;
-  TL_CHECK_CUDA(cudaGetDevice(&device));
-  auto it = handles.find(device);
-  if (it != handles.end()) return it->second;
-  cublasLtHandle_t h = nullptr;
-  TL_CHECK_CUBLAS(cublasLtCreate(&h));
-  handles.emplace(device, h);
-  return h;
-}
-
-// Largest power of two (<= 256) dividing the address: what the heuristic must
-// assume of each buffer.
-uint32_t alignment_of(const void* p) {
-  uint32_t a = 256;
-  while (a > 1 && !aligned(p, static_cast<int>(a))) a >>= 1;
-  return a;
-}
 
 // What cuBLASLt's FP8 matmul needs on every FP8-capable GPU (sm_89+) that no
 // copy of the operands can change.
@@ -76,76 +36,6 @@ bool operands_fit(const GemmParams& p) {
          aligned(p.b.data, 16);
 }
 
-template <typename T, cublasStatus_t (*Destroy)(T)>
-struct LtDeleter {
-  void operator()(T p) const { Destroy(p); }
-};
-using MatmulDesc = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>,
-                                   LtDeleter<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>>;
-using Layout = std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>,
-                               LtDeleter<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>>;
-using Preference = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
-                                   LtDeleter<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>>;
-
-Layout make_layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
-  cublasLtMatrixLayout_t l = nullptr;
-  TL_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
-  return Layout(l);
-}
-
-template <typename V>
-void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
-  TL_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
-}
-
-// Heuristic results per problem: the same key always describes the same
-// descriptors, so the first answer is reused (nullopt: cuBLASLt has none).
-// Bounded (least recently used out): under dynamic shapes every token count
-// is a new key, and the cache must not grow with the length of training.
-using AlgoKey = std::array<int64_t, 17>;
-using CachedAlgo = std::optional<cublasLtMatmulAlgo_t>;
-
-class AlgoCache {
- public:
-  static constexpr size_t kCapacity = 1024;
-
-  /*! \brief The cached answer for `key` (marked most recent), or nothing. */
-  std::optional<CachedAlgo> find(const AlgoKey& key) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = index_.find(key);
-    if (it == index_.end()) return std::nullopt;
-    order_.splice(order_.begin(), order_, it->second);
-    return it->second->second;
-  }
-
-  size_t size() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return order_.size();
-  }
-
-  /*! \brief Records (or replaces) the answer for `key`, dropping the least recent beyond capacity. */
-  void put(const AlgoKey& key, const CachedAlgo& algo) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = index_.find(key);
-    if (it != index_.end()) {
-      it->second->second = algo;
-      order_.splice(order_.begin(), order_, it->second);
-      return;
-    }
-    order_.emplace_front(key, algo);
-    index_.emplace(key, order_.begin());
-    if (order_.size() > kCapacity) {
-      index_.erase(order_.back().first);
-      order_.pop_back();
-    }
-  }
-
- private:
-  std::mutex mutex_;
-  std::list<std::pair<AlgoKey, CachedAlgo>> order_;  // most recent first
-  std::map<AlgoKey, std::list<std::pair<AlgoKey, CachedAlgo>>::iterator> index_;
-};
-
 AlgoCache algo_cache;
 
 // How many GEMMs each path ran (tests assert the path; see cuda_info.h).
@@ -157,84 +47,37 @@ std::atomic<uint64_t> padded_runs{0};
 bool run_cublaslt(const GemmParams& p, cudaStream_t stream) {
   const bool has_bias = p.bias.defined();
   const bool fast_accum = !p.use_split_accumulator;
-  const cudaDataType_t d_type = cuda_type(p.d.dtype);
   void* workspace = p.workspace.defined() ? p.workspace.data : nullptr;
   const uint64_t workspace_bytes = p.workspace.defined() ? static_cast<uint64_t>(p.workspace.numel()) : 0;
 
-  cublasLtMatmulDesc_t raw_desc = nullptr;
-  TL_CHECK_CUBLAS(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  MatmulDesc desc(raw_desc);
-  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  const MatmulDesc desc = make_matmul_desc();
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
   // Fast accumulation keeps partial sums in the tensor cores' reduced
   // precision; split accumulation promotes them to fp32 (dgrad / wgrad).
-  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum));
   // Device pointers: the scales are never read on the host.
-  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(p.b_scale_inv.data));
-  set_attr(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(p.a_scale_inv.data));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(p.b_scale_inv.data));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(p.a_scale_inv.data));
   if (has_bias) {
-    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(p.bias.data));
-    set_attr(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(p.bias.dtype));
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(p.bias.data));
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(p.bias.dtype));
   }
   const Layout a_layout = make_layout(cuda_type(p.b.dtype), p.k, p.n, p.b_row);
   const Layout b_layout = make_layout(cuda_type(p.a.dtype), p.k, p.m, p.a_row);
-  const Layout d_layout = make_layout(d_type, p.n, p.m, p.n);
+  const Layout d_layout = make_layout(cuda_type(p.d.dtype), p.n, p.m, p.n);
 
   int device = 0;
   TL_CHECK_CUDA(cudaGetDevice(&device));
-  const uint32_t align_a = alignment_of(p.b.data), align_b = alignment_of(p.a.data);
-  const uint32_t align_d = alignment_of(p.d.data);
-  const AlgoKey key = {device, p.m, p.n, p.k, p.a_row, p.b_row, static_cast<int64_t>(p.a.dtype),
-                       static_cast<int64_t>(p.b.dtype), static_cast<int64_t>(p.d.dtype), has_bias,
-                       p.accumulate, fast_accum, static_cast<int64_t>(workspace_bytes), align_a,
-                       align_b, align_d, has_bias ? alignment_of(p.bias.data) : 0};
-  std::optional<cublasLtMatmulAlgo_t> algo;
-  if (const std::optional<CachedAlgo> cached = algo_cache.find(key)) {
-    if (!*cached) return false;
-    algo = *cached;
-  }
-  if (!algo) {
-    cublasLtMatmulPreference_t raw_pref = nullptr;
-    TL_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_pref));
-    Preference pref(raw_pref);
-    auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value) {
-      TL_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &value, sizeof(value)));
-    };
-    set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
-    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
-    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
-    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
-    set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle(), raw_desc, a_layout.get(), b_layout.get(), d_layout.get(),
-                                       d_layout.get(), raw_pref, 1, &result, &found);
-    // NOT_SUPPORTED / INVALID_VALUE here mean "no FP8 kernel for this
-    // combination" (e.g. a bias type): the tiled kernel takes it.
-    if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
-      algo = result.algo;
-    } else if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED &&
-               status != CUBLAS_STATUS_INVALID_VALUE) {
-      TL_CHECK_CUBLAS(status);
-    }
-    algo_cache.put(key, algo);
-    if (!algo) return false;
-  }
-
-  const float alpha = 1.0f;
-  const float beta = p.accumulate ? 1.0f : 0.0f;  // C is D itself: wgrad accumulates into main_grad
-  const cublasStatus_t status =
-      cublasLtMatmul(handle(), raw_desc, &alpha, p.b.data, a_layout.get(), p.a.data, b_layout.get(),
-                     &beta, p.d.data, d_layout.get(), p.d.data, d_layout.get(), &*algo, workspace,
-                     workspace_bytes, stream);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
-    algo_cache.put(key, std::nullopt);
-    return false;
-  }
-  TL_CHECK_CUBLAS(status);
-  return true;
+  const AlgoCache::Key key = {device, p.m, p.n, p.k, p.a_row, p.b_row, static_cast<int64_t>(p.a.dtype),
+                              static_cast<int64_t>(p.b.dtype), static_cast<int64_t>(p.d.dtype), has_bias,
+                              p.accumulate, fast_accum, static_cast<int64_t>(workspace_bytes),
+                              alignment_of(p.b.data), alignment_of(p.a.data), alignment_of(p.d.data),
+                              has_bias ? alignment_of(p.bias.data) : 0};
+  const LtMatmul mm{desc.get(), p.b.data, a_layout.get(), p.a.data, b_layout.get(), p.d.data, d_layout.get(),
+                    p.accumulate ? 1.0f : 0.0f, workspace, workspace_bytes};
+  return run_lt_matmul(algo_cache, key, mm, stream);
 }
 
 // cuBLASLt with the bias: its FP8 bias epilogue takes no fp32 bias, so an
@@ -301,13 +144,14 @@ void fp8_gemm(const GemmParams& p) {
 
 GemmPathCounts gemm_path_counts() {
   return {cublaslt_runs.load(std::memory_order_relaxed), fallback_runs.load(std::memory_order_relaxed),
-          padded_runs.load(std::memory_order_relaxed), algo_cache.size()};
+          padded_runs.load(std::memory_order_relaxed), algo_cache.size(), cublaslt_block_runs()};
 }
 
 void reset_gemm_path_counts() {
   cublaslt_runs.store(0, std::memory_order_relaxed);
   fallback_runs.store(0, std::memory_order_relaxed);
   padded_runs.store(0, std::memory_order_relaxed);
+  reset_cublaslt_block_runs();
 }
 
 }  // namespace cuda

@@ -26,7 +26,7 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.scaling import FP8_STATE_COLUMNS, no_amax_yet
+from transformer_linear.scaling import FP8_STATES, no_amax_yet
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -220,12 +220,13 @@ def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], rec
     used = {}
     for name in names:
         layer = modules[name]
-        empty = no_amax_yet(layer.fp8_amax_history[: recipe.amax_history_len], layer.fp8_scale).tolist()
-        used[name] = {
-            k: layer.fp8_scale[c].clone()
-            for k, c in FP8_STATE_COLUMNS.items()
-            if not (recipe.first_step_just_in_time and empty[c])
-        }
+        used[name] = {}
+        for state in FP8_STATES.values():
+            history, scale = getattr(layer, state.history_key), getattr(layer, state.scale_key)
+            empty = no_amax_yet(history[: recipe.amax_history_len], scale).tolist()
+            for c, tensor in enumerate(state.columns):
+                if not (recipe.first_step_just_in_time and empty[c]):
+                    used[name][tensor] = scale[c].clone()
     return used
 
 

@@ -1,0 +1,203 @@
+"""cuBLASLt's own block-scaled FP8 matmul for CUDA block-scaled GEMMs, where the GPU and the build have it.
+
+``ops.fp8_gemm`` on CUDA tensors with block scales runs cuBLASLt's block-scaled
+matmul (csrc/cuda/gemm_block_cuda.cpp) when all of these hold, and the Triton
+kernel (``transformer_linear.triton.fp8_gemm``) otherwise:
+
+==============================================  =========  ===========================
+scaling pair (a, b)                             GPU        cuBLAS (headers and library)
+==============================================  =========  ===========================
+(BlockWise1x32, BlockWise1x32): MXFP8, E8M0     sm_100+    >= 12.8
+(BlockWise1x128, BlockWise128x128), reversed,   sm_90      >= 12.9
+(BlockWise1x128, BlockWise1x128)
+(RowWise, RowWise)                              sm_90      >= 12.9
+==============================================  =========  ===========================
+
+- the extension's CUDA kernels run on this GPU (``_cuda_fallback.kernel_problem``);
+- FP8 tensor-core layout: both operands K-major (row-major ``a`` (M, K) and
+  ``b`` (N, K)), K, N and the leading dimensions multiples of 16, 16-byte
+  aligned addresses, not e5m2 x e5m2;
+- K a multiple of the block width (32 or 128), and M a multiple of 8 when
+  ``a`` has 1x128 blocks (TE's outer-dimension rule).
+
+cuBLASLt reads the scales in its own layouts (csrc/cuda/gemm_block_cuda.h);
+:func:`cublaslt_scale` converts the package's row-major scale matrices to them.
+When cuBLASLt still declines (no algorithm from its heuristic) the Triton
+kernel runs. Without a GPU none of this runs; the decision and the layouts
+are unit-tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from transformer_linear import _C, _cuda_fallback
+from transformer_linear._tensor import cublas_workspace, desc, stream_for
+from transformer_linear.reference import E8M0_DTYPE
+
+__all__ = [
+    "CUBLASLT_BLOCK_PAIRS",
+    "cublaslt_block_applies",
+    "cublaslt_operands_fit",
+    "cublaslt_scale",
+    "fp8_gemm_cublaslt",
+    "scaling_of",
+]
+
+
+def _sm90(capability: tuple[int, int]) -> bool:
+    return capability[0] == 9
+
+
+def _sm100_and_newer(capability: tuple[int, int]) -> bool:
+    return capability >= (10, 0)
+
+
+# (a, b) ScalingType pair -> (minimum cuBLAS version, GPUs cuBLASLt runs it on).
+CUBLASLT_BLOCK_PAIRS: dict[tuple[str, str], tuple[int, Callable[[tuple[int, int]], bool]]] = {
+    ("BlockWise1x32", "BlockWise1x32"): (120800, _sm100_and_newer),
+    ("BlockWise1x128", "BlockWise128x128"): (120900, _sm90),
+    ("BlockWise128x128", "BlockWise1x128"): (120900, _sm90),
+    ("BlockWise1x128", "BlockWise1x128"): (120900, _sm90),
+    ("RowWise", "RowWise"): (120900, _sm90),
+}
+
+# Block width along K of each block scaling.
+_BLOCK_K = {"BlockWise1x32": 32, "BlockWise1x128": 128, "BlockWise128x128": 128}
+
+
+def scaling_of(block: tuple[int, int] | list[int], scale_dtype: torch.dtype, k: int) -> str:
+    """The ScalingType name of an operand's resolved block (see ops.fp8_gemm_scalings).
+
+    A (1, w) block with w >= K and a (1, 128) block with K <= 128 describe the
+    same blocks; the first is named RowWise, the second BlockWise1x128.
+    """
+    rows, cols = block
+    if scale_dtype == E8M0_DTYPE:
+        return "BlockWise1x32"
+    if (rows, cols) == (128, 128):
+        return "BlockWise128x128"
+    if (rows, cols) == (1, 128):
+        return "BlockWise1x128"
+    if rows == 1 and cols >= k:
+        return "RowWise"
+    return "TensorWise"
+
+
+def cublaslt_block_applies(
+    a_scaling: str, b_scaling: str, capability: tuple[int, int], build_info: Optional[dict]
+) -> bool:
+    """Whether this build's cuBLASLt runs the scaling pair on a GPU of ``capability`` (the table above).
+
+    Args:
+        a_scaling, b_scaling: ScalingType names of a and b.
+        capability: the GPU's compute capability (major, minor).
+        build_info: ``_C.cuda_build_info()``: None for a CPU-only build; its
+            ``cublas_header_version`` and ``cublaslt_version`` are CUBLAS_VERSION
+            encodings (major * 10000 + minor * 100 + patch).
+    """
+    rule = CUBLASLT_BLOCK_PAIRS.get((a_scaling, b_scaling))
+    if rule is None or build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
+        return False
+    min_version, gpu_has_it = rule
+    versions = (build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
+    return min(versions) >= min_version and gpu_has_it(capability)
+
+
+def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: str) -> bool:
+    """Whether the operands meet cuBLASLt's block-scaled layout rules (the list above)."""
+    (m, k), n = a.shape, b.shape[0]
+    both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
+    k_major = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+    blocks_whole = all(k % _BLOCK_K.get(s, 1) == 0 for s in (a_scaling, b_scaling))
+    outer = a_scaling != "BlockWise1x128" or m % 8 == 0
+    return not both_e5m2 and k_major and k > 0 and k % 16 == 0 and n % 16 == 0 and blocks_whole and outer
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _mx_swizzle(bits: torch.Tensor) -> torch.Tensor:
+    """The (rows, cols) uint8 matrix in cuBLAS's 128x4-tile layout, flat.
+
+    Rows padded to 128 and columns to 4 (zeros); tiles in row-major order; in a
+    tile, element (r, c) at 16 * (r % 32) + 4 * (r // 32) + c.
+    """
+    rows, cols = bits.shape
+    padded_rows, padded_cols = _round_up(rows, 128), _round_up(cols, 4)
+    padded = bits.new_zeros(padded_rows, padded_cols)
+    padded[:rows, :cols] = bits
+    # [tile row, r // 32, r % 32, tile col, c] -> [tile row, tile col, r % 32, r // 32, c]
+    tiles = padded.view(padded_rows // 128, 4, 32, padded_cols // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1)
+
+
+def cublaslt_scale(scale_inv: torch.Tensor, scaling: str, rows: int) -> torch.Tensor:
+    """An operand's scales in the layout cuBLASLt's block-scaled matmul reads (gemm_block_cuda.h).
+
+    Args:
+        scale_inv: the package's scales of an operand with ``rows`` rows:
+            (rows, 1) RowWise, (rows, Kb) BlockWise1x128 or E8M0 BlockWise1x32,
+            (ceil(rows / 128), Kb) BlockWise128x128.
+        scaling: the ScalingType name.
+        rows: the operand's rows (M for a, N for b).
+
+    Returns:
+        A new contiguous tensor: RowWise (rows, 1); BlockWise1x128
+        (Kb, round_up(rows, 4)), rows fastest; BlockWise128x128
+        (ceil(rows / 128), round_up(Kb, 4)); BlockWise1x32 uint8 E8M0 bits
+        in 128x4 tiles, flat.
+    """
+    if scaling == "RowWise":
+        return scale_inv.reshape(rows, 1).contiguous()
+    if scaling == "BlockWise1x128":
+        blocks = scale_inv.shape[1]
+        out = scale_inv.new_zeros(blocks, _round_up(rows, 4))
+        out[:, :rows] = scale_inv.t()
+        return out
+    if scaling == "BlockWise128x128":
+        out = scale_inv.new_zeros(scale_inv.shape[0], _round_up(scale_inv.shape[1], 4))
+        out[:, : scale_inv.shape[1]] = scale_inv
+        return out
+    if scaling == "BlockWise1x32":
+        return _mx_swizzle(scale_inv.view(torch.uint8))
+    raise ValueError(f"fp8_gemm: cuBLASLt has no block-scaled matmul for {scaling} scales")
+
+
+def fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block) -> Optional[torch.Tensor]:
+    """The block-scaled GEMM through cuBLASLt, or None where it does not run (the caller runs Triton).
+
+    Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops_blockwise.py): CUDA
+    tensors, ``a_block`` / ``b_block`` the blocks resolve_gemm_scalings found.
+    """
+    k = a.shape[1]
+    a_scaling = scaling_of(a_block, a_scale_inv.dtype, k)
+    b_scaling = scaling_of(b_block, b_scale_inv.dtype, k)
+    capability = torch.cuda.get_device_capability(a.device)
+    if not (
+        cublaslt_block_applies(a_scaling, b_scaling, capability, _cuda_fallback.build_info())
+        and cublaslt_operands_fit(a, b, a_scaling, b_scaling)
+    ):
+        return None
+    # Named: each tensor must outlive the call (a temporary's memory could go to the next allocation).
+    a_scale_lt = cublaslt_scale(a_scale_inv, a_scaling, a.shape[0])
+    b_scale_lt = cublaslt_scale(b_scale_inv, b_scaling, b.shape[0])
+    workspace = cublas_workspace(a.device)
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    op = "fp8_gemm"
+    ran = _C.fp8_gemm_blockwise_cublaslt(
+        desc(a, op, "a"),
+        desc(a_scale_lt, op, "a_scale_inv"),
+        a_scaling,
+        desc(b, op, "b"),
+        desc(b_scale_lt, op, "b_scale_inv"),
+        b_scaling,
+        desc(bias, op, "bias"),
+        desc(out, op, "d"),
+        desc(workspace, op, "workspace"),
+        stream_for(a),
+    )
+    return out if ran else None
