@@ -205,12 +205,12 @@ class Quantizer {
   const int emax_;
 };
 
-// Runs fn(tile, scratch) over a grid of h x w tiles in parallel.
+// Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads.
 template <typename Fn>
-void for_each_tile(int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
+void for_each_tile(int threads, int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
   const int64_t tr = ceil_div(m, h), tc = ceil_div(k, w);
   const int64_t grain = std::max<int64_t>(1, kTileElems / 2 / (h * w));
-  parallel_for(tr * tc, grain, [&](int64_t t0, int64_t t1) {
+  parallel_for(threads, tr * tc, grain, [&](int64_t t0, int64_t t1) {
     thread_local Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = (t / tc) * h, c0 = (t % tc) * w;
@@ -227,7 +227,7 @@ void Quantizer::one_pass() const {
   if (col) h = grow(h, kMinTransposeRows, p_.m);
   w = grow(w, kTileElems / h, p_.k);
   h = grow(h, kTileElems / w, p_.m);
-  for_each_tile(p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
+  for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
     if (row) rowwise(t, s, nullptr);
     if (col) columnwise(t, s);
   });
@@ -236,11 +236,12 @@ void Quantizer::one_pass() const {
 void Quantizer::two_pass() const {
   const bool row = p_.output.defined();
   const int64_t k = p_.k;
-  // Pass 1: row-major blocks and per-thread column amaxes over chunks of whole rows.
-  const int threads = get_num_threads();
-  std::vector<float> partial(static_cast<size_t>(std::max(threads, 1)) * k, 0.0f);
+  // Pass 1: row-major blocks and per-thread column amaxes over chunks of whole rows
+  // (no more threads, and so amax rows, than chunks).
   const int64_t h = grow(row ? p_.block.rows : 1, kTileElems / k, p_.m);
-  for_each_tile(p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
+  const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p_.m, h), 1, get_num_threads()));
+  std::vector<float> partial(static_cast<size_t>(threads) * k, 0.0f);
+  for_each_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
     float* col_amax = partial.data() + static_cast<int64_t>(omp_get_thread_num()) * k;
     if (row) return rowwise(t, s, col_amax);
     for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
@@ -253,7 +254,7 @@ void Quantizer::two_pass() const {
   column_scales(partial.data(), 0, k, 0, scale.data());
   // Pass 2: cast and transpose.
   const int64_t w = grow(1, kTileElems / kMinTransposeRows, k);
-  for_each_tile(p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
+  for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
     cast_transposed(t, scale.data() + t.c0, 0, p_.m, s);
   });
 }
