@@ -203,30 +203,46 @@ inline void transpose16x16(__m128i (&rows)[16]) {
 }
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16
-// byte blocks transposed in registers (full blocks without masks).
+// byte blocks transposed in registers into a buffer of 16 output rows x 128
+// bytes, which then goes out row by row in whole 64-byte stores. Storing each
+// block's 16 rows straight to `dst` would touch 16 lines one row stride apart
+// per block, and with a power-of-two stride (4096-row inputs) they all fall
+// into one L1 set: more lines than its ways, evicted before they fill.
 inline void transpose_bytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols,
                             uint8_t* dst, int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;  // output bytes per row and buffer pass
+  alignas(64) uint8_t buffer[16 * kChunk];
   for (int64_t c = 0; c < cols; c += 16) {
     const int64_t nc = std::min<int64_t>(16, cols - c);
     const __mmask16 col_mask = tail_mask(nc);
-    for (int64_t r = 0; r < rows; r += 16) {
-      const int64_t nrows = std::min<int64_t>(16, rows - r);
-      __m128i block[16];
-      if (nc == 16 && nrows == 16) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        __m128i block[16];
+        if (nc == 16 && nrows == 16) {
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r + i) * ld_src + c));
+          for (int i = 0; i < 16; ++i) {
+            block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + r + i) * ld_src + c));
+          }
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, src + (r0 + r + i) * ld_src + c) : _mm_setzero_si128();
+          }
         }
         transpose16x16(block);
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + j) * ld_dst + r), block[j]);
-        continue;
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
       }
-      for (int64_t i = 0; i < 16; ++i) {
-        block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, src + (r + i) * ld_src + c) : _mm_setzero_si128();
+      for (int64_t j = 0; j < nc; ++j) {
+        const uint8_t* row = buffer + j * kChunk;
+        uint8_t* out = dst + (c + j) * ld_dst + r0;
+        for (int64_t b = 0; b < nr0; b += 64) {
+          const int64_t n = std::min<int64_t>(64, nr0 - b);
+          const __mmask64 m = n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+          _mm512_mask_storeu_epi8(out + b, m, _mm512_load_si512(row + b));
+        }
       }
-      transpose16x16(block);
-      for (int64_t j = 0; j < nc; ++j) _mm_mask_storeu_epi8(dst + (c + j) * ld_dst + r, tail_mask(nrows), block[j]);
     }
   }
 }
