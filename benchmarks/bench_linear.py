@@ -1,16 +1,19 @@
 """Forward+backward time and saved-activation memory of tl.Linear vs nn.Linear and torchao.
 
 Rows: nn.Linear fp32 / bf16, tl.Linear under each recipe (eager and
-torch.compile'd), and torchao's Float8Linear(emulate=True) (eager and
+torch.compile'd): the tensorwise ones (current, delayed) and the block-scaled
+ones (Float8BlockScaling 1x128/128x128, MXFP8BlockScaling 1x32 E8M0,
+Float8RowwiseScaling), and torchao's Float8Linear(emulate=True) (eager and
 compiled) when torchao is installed. Columns: median fwd+bwd time, its ratio
 to nn.Linear fp32 and to nn.Linear bf16 (what a CPU user would pick instead),
 and the bytes autograd saves for backward (parameters excluded; peak memory
 is reported on CUDA only). The variants are timed in interleaved rounds, so
 on a shared machine every one sees the same background load. A tiny shape
 measures the eager per-call overhead. The CPU path of the FP8 kernels, and
-why it was chosen, is printed first.
+why it was chosen, is printed first, with the command and the CPU model.
 
     python benchmarks/bench_linear.py                       # all shapes
+    python benchmarks/bench_linear.py --shapes 1024 --recipes current,block,mxfp8,rowwise
     python benchmarks/bench_linear.py --shapes 512,1024 --iters 3 --no-compile
     python benchmarks/bench_linear.py --shapes 2048,4096x1024x4096   # M x K x N
 """
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 import statistics
+import sys
 import time
 from typing import Callable, Optional
 
@@ -27,12 +32,21 @@ import torch
 from torch import nn
 
 import transformer_linear as tl
+from bench_kernels import cpu_model
 from transformer_linear import _C, recipe
 
 # (tokens M, in_features K, out_features N)
 SQUARE = {f"{n}": (n, n, n) for n in (512, 1024, 2048, 4096)}
 LLM = {"llama-qkv 2048x4096x12288": (2048, 4096, 12288), "llama-mlp-down 2048x11008x4096": (2048, 11008, 4096)}
 TINY = {"tiny 16x64x64": (16, 64, 64)}
+# Row name -> recipe of the tl.Linear rows: tensorwise, then block-scaled.
+RECIPES = {
+    "current": recipe.CurrentScaling(),
+    "delayed": recipe.DelayedScaling(),
+    "block": recipe.Float8BlockScaling(),
+    "mxfp8": recipe.MXFP8BlockScaling(),
+    "rowwise": recipe.Float8RowwiseScaling(),
+}
 
 
 def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:
@@ -45,14 +59,16 @@ def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:
     return model[0]
 
 
-def _variants(base: nn.Linear, compile_: bool) -> dict[str, Optional[Callable[[], nn.Module]]]:
+def _variants(
+    base: nn.Linear, compile_: bool, recipes: list[str]
+) -> dict[str, Optional[Callable[[], nn.Module]]]:
     """name -> factory of a module with ``base``'s parameters (None: not available)."""
     variants: dict[str, Optional[Callable[[], nn.Module]]] = {
         "nn.Linear fp32": lambda: copy.deepcopy(base),
         "nn.Linear bf16": lambda: copy.deepcopy(base).to(torch.bfloat16),
     }
-    recipes = {"current": recipe.CurrentScaling(), "delayed": recipe.DelayedScaling()}
-    for name, r in recipes.items():
+    for name in recipes:
+        r = RECIPES[name]
         variants[f"tl.Linear {name}"] = lambda r=r: tl.Linear.from_linear(copy.deepcopy(base), recipe=r)
     has_torchao = _torchao_float8(copy.deepcopy(base)) is not None
     variants["torchao emulate"] = (lambda: _torchao_float8(copy.deepcopy(base))) if has_torchao else None
@@ -112,7 +128,7 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     print("| variant | fwd+bwd ms | vs nn.Linear fp32 | vs nn.Linear bf16 | saved bytes | vs nn.Linear fp32 | peak MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     steps, saved, missing = {}, {}, []
-    for name, make in _variants(base, not args.no_compile).items():
+    for name, make in _variants(base, not args.no_compile, args.recipes).items():
         if make is None:
             missing.append(name)
             continue
@@ -153,7 +169,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument(
+        "--recipes",
+        type=lambda v: v.split(","),
+        default=list(RECIPES),
+        help=f"comma list of tl.Linear recipes to time (default: all of {','.join(RECIPES)})",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
+    unknown = sorted(set(args.recipes) - set(RECIPES))
+    if unknown:
+        parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     wanted = args.shapes.split(",") if args.shapes != "all" else [*SQUARE, "llm", "tiny"]
     shapes: dict[str, tuple[int, int, int]] = {}
     for item in wanted:
@@ -165,7 +193,11 @@ def main() -> None:
             shapes[item] = tuple(int(v) for v in item.split("x"))  # M x K x N
         else:
             shapes[item] = SQUARE.get(item) or (int(item),) * 3
+    print(f"# {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")
+    print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# CPU path: {cpu_path()}")
+    for name in args.recipes:
+        print(f"# tl.Linear {name}: {RECIPES[name]!r}")
     for label, shape in shapes.items():
         run_shape(label, shape, args)
 

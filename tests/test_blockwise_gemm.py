@@ -8,6 +8,7 @@ import torch
 from blockwise_cases import E4M3, E5M2, E8M0, FP8_FORMATS, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
 from tolerances import assert_close_to_reference
 from transformer_linear import _C, ops, reference
+from transformer_linear.ops_blockwise import fp8_gemm_blockwise_accumulate_
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -130,3 +131,55 @@ def test_operands_unchanged():
     ops.fp8_gemm(a, sa, b, sb, torch.float32)
     for t, u in zip((a, sa, b, sb), before):
         assert torch.equal(t.view(torch.uint8), u.view(torch.uint8))
+
+
+# ---- accumulating GEMM (fused wgrad accumulation under the block recipes) ----
+
+
+@pytest.mark.parametrize("scaling", list(GEMM_SCALINGS))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k", [(7, 9, 300), (130, 70, 257)])
+def test_accumulate(cpu_isa, scaling, out_dtype, m, n, k):
+    """out += a @ b.T: the sum is rounded once, like the reference's float64 sum of both."""
+    a, sa, b, sb = block_operands(m, n, k, E4M3, E5M2, scaling, spread=3)
+    out0 = (torch.randn(m, n) * 100).to(out_dtype)
+    out = out0.clone()
+    fp8_gemm_blockwise_accumulate_(a, sa, b, sb, out)
+    expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64) + out0.double()
+    baseline = (dequantized_mm_fp32(a, sa, b, sb, torch.float32) + out0.float()).to(out_dtype)
+    assert_close_to_reference(out, expected, baseline, what=f"{cpu_isa} {scaling} accumulate -> {out_dtype}")
+
+
+def test_accumulate_equals_gemm_plus_out():
+    """Into float32: the same fp32 total as fp8_gemm's, added to out in float32."""
+    a, sa, b, sb = block_operands(40, 50, 384, E4M3, E4M3, "1x128_x_128x128")
+    out0 = torch.randn(40, 50)
+    out = out0.clone()
+    fp8_gemm_blockwise_accumulate_(a, sa, b, sb, out)
+    assert torch.equal(out, out0 + ops.fp8_gemm(a, sa, b, sb, torch.float32))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda a, sa, b, sb: (a, sa, b, sb, torch.empty(3, 3)), ValueError, "'d'"),
+        (lambda a, sa, b, sb: (a, sa, b, sb, torch.empty(20, 24, dtype=torch.int32)), TypeError, "'d'"),
+        (lambda a, sa, b, sb: (a, sa, b, sb, torch.empty(24, 20).t()), ValueError, "'d'"),
+        (lambda a, sa, b, sb: (a, torch.ones(()), b, torch.ones(()), torch.empty(20, 24)), ValueError, "tensorwise"),
+        (lambda a, sa, b, sb: (a, sa, b, sb, "out"), TypeError, "'out'"),
+    ],
+    ids=["shape", "dtype", "layout", "tensorwise", "not-a-tensor"],
+)
+def test_accumulate_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        fp8_gemm_blockwise_accumulate_(*make(*block_operands(20, 24, 160, E4M3, E4M3, "1x128_x_1x128")))
+
+
+def test_accumulate_opcheck():
+    a, sa, b, sb = block_operands(20, 24, 160, E4M3, E4M3, "1x32_x_1x32_e8m0")
+    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
+    torch.library.opcheck(
+        torch.ops.transformer_linear.fp8_gemm_blockwise_accumulate.default,
+        (a, sa, b, sb, torch.randn(20, 24), list(a_block), list(b_block)),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )

@@ -5,32 +5,79 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockwise_cases import E4M3, E5M2, E8M0, FP8_FORMATS, SCALINGS, all_bit_patterns, check_quantize, special_blocks
-from transformer_linear import ops, recipe, reference
+from blockwise_cases import (
+    E4M3,
+    E5M2,
+    E8M0,
+    FP8_FORMATS,
+    SCALINGS,
+    all_bit_patterns,
+    block_shape_for,
+    check_quantize,
+    special_blocks,
+)
+from tolerances import assert_bitwise_equal
+from transformer_linear import _C, ops, recipe, reference
 
 FLT_MAX = torch.finfo(torch.float32).max
+_BEST_ISA = _C.cpu_isa()
+ISAS = ["generic"] + ([_BEST_ISA] if _BEST_ISA != "generic" else [])
+
+
+@pytest.fixture(params=ISAS)
+def cpu_isa(request):
+    """The portable row kernels and the vector ones (they must agree bit for bit)."""
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
 
 
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shuffle", [False, True], ids=["sorted", "shuffled"])
-def test_every_bit_pattern(in_dtype, fmt, scaling, shuffle):
+def test_every_bit_pattern(cpu_isa, in_dtype, fmt, scaling, shuffle):
     check_quantize(ops.quantize_blockwise_fused, all_bit_patterns(in_dtype, shuffle), fmt, scaling)
 
 
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("shape", [(1, 1), (3, 33), (130, 257), (129, 31)])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
-def test_edge_blocks(in_dtype, shape, scaling):
+def test_edge_blocks(cpu_isa, in_dtype, shape, scaling):
     """Partial edge blocks use the amax of what they hold."""
     check_quantize(ops.quantize_blockwise_fused, torch.randn(shape).to(in_dtype) * 7, E4M3, scaling)
 
 
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
-def test_zero_nan_inf_blocks(fmt, scaling):
+def test_zero_nan_inf_blocks(cpu_isa, fmt, scaling):
     check_quantize(ops.quantize_blockwise_fused, special_blocks(dtype=torch.float32), fmt, scaling)
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("shape", [(300, 700), (1030, 40), (520, 129)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tiles_and_threads(cpu_isa, threads, shape, scaling):
+    """Inputs of many tiles, split over threads: the tiled one-pass walk, and rowwise
+    scaling's transposed copy (a scale per column of a tall input) whose column amaxes
+    are reduced across threads before the second pass."""
+    x = torch.randn(shape) * 10
+    x[shape[0] // 2 :] *= 1e-3  # row bands and thread chunks with different scales
+    x[1, 3], x[-1, 0], x[:, -1] = float("nan"), float("inf"), 0.0
+    x = x.to(torch.bfloat16)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_quantize(ops.quantize_blockwise_fused, x, E4M3, scaling)
+        block, scale_dtype, power_2, _ = SCALINGS[scaling]
+        block = block_shape_for(block, shape[1])
+        both = ops.quantize_blockwise_fused(x, E4M3, block, scale_dtype, power_2, columnwise=True)
+        alone = ops.quantize_blockwise_fused(x, E4M3, block, scale_dtype, power_2, rowwise=False, columnwise=True)
+    finally:
+        torch.set_num_threads(saved)
+    # The columnwise copy alone (its own tiling and passes) equals the one made with the rowwise copy.
+    assert_bitwise_equal(alone.data_t, both.data_t, "columnwise only", any_nan=True)
+    assert_bitwise_equal(alone.scale_inv_t, both.scale_inv_t, "columnwise only")
 
 
 @pytest.mark.parametrize("rowwise, columnwise", [(True, False), (False, True)])

@@ -42,7 +42,7 @@ def test_every_op_is_covered():
     # in test_linear_compile.py:
     linear_ops = {"linear_fwd", "linear_dgrad", "linear_wgrad", "delayed_scaling_update", "delayed_scaling_flush"}
     linear_ops |= {"quantize_grad_output"}
-    block_ops = {"quantize_blockwise", "fp8_gemm_blockwise"}  # in test_blockwise_*.py
+    block_ops = {"quantize_blockwise", "fp8_gemm_blockwise", "fp8_gemm_blockwise_accumulate"}  # in test_blockwise_*.py
     block_ops |= {"quantize_blockwise_flat"}  # in test_linear_block_recipes.py
     assert registered == {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
 

@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 from transformer_linear import _C, _block_gemm_cuda
 from transformer_linear._checks import (
     check_fp8_dtype,
+    check_same_device,
     check_hp_dtype,
     check_scale_values,
     check_tensor,
@@ -35,6 +36,7 @@ __all__ = [
     "check_quantize_blockwise_args",
     "columnwise_block_shape",
     "fp8_gemm_blockwise",
+    "fp8_gemm_blockwise_accumulate_",
     "fp8_gemm_scalings",
     "quantize_blockwise",
     "quantize_blockwise_fused",
@@ -410,3 +412,74 @@ def quantize_blockwise(
     """
     out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale)
     return out.data, out.scale_inv
+
+
+@torch.library.custom_op("transformer_linear::fp8_gemm_blockwise_accumulate", mutates_args=("out",))
+def _fp8_gemm_blockwise_accumulate_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    a_block: list[int],
+    b_block: list[int],
+) -> None:
+    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
+    if a.device.type == "cuda":  # the Triton GEMM has no accumulating epilogue: fp32 result, added
+        out.add_(_triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None))
+        return
+    op = "fp8_gemm_accumulate"
+    _C.fp8_gemm_blockwise(
+        desc(a, op, "a"),
+        desc(_kernel_scale(a_scale_inv), op, "a_scale_inv"),
+        desc(b, op, "b"),
+        desc(_kernel_scale(b_scale_inv), op, "b_scale_inv"),
+        a_block[0],
+        a_block[1],
+        b_block[0],
+        b_block[1],
+        None,
+        desc(out, op, "d"),
+        True,
+        stream_for(a),
+    )
+
+
+@_fp8_gemm_blockwise_accumulate_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
+    return None
+
+
+def fp8_gemm_blockwise_accumulate_(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out += block-scaled (a @ b.T), in place: the block-scaled twin of ``ops.fp8_gemm_accumulate_``
+    (fused wgrad accumulation into ``main_grad`` under the block recipes).
+
+    Each K-block's fp32 partial sum is promoted with its two block scales into
+    an fp32 total, which is added to ``out`` in float32 and rounded once to
+    ``out``'s dtype (no separate fp32 product tensor on the CPU).
+
+    Args:
+        a, a_scale_inv, b, b_scale_inv: as :func:`ops.fp8_gemm`'s, with block scales
+            (any pair of :func:`fp8_gemm_scalings` but TensorWise x TensorWise).
+        out: contiguous (M, N) float32, bfloat16 or float16 tensor, the kernel's output ``d``.
+
+    Raises:
+        TypeError: an argument is not a tensor, or not on ``a``'s device, or has an
+            unsupported dtype.
+        ValueError: bad shapes or layouts; an unsupported or tensorwise scaling pair
+            (tensorwise scales: ``ops.fp8_gemm_accumulate_``); ``out`` sharing memory
+            with an operand (named output 'd').
+    """
+    check_same_device(
+        "fp8_gemm_accumulate",
+        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
+    )
+    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    if (a_type, b_type) == ("TensorWise", "TensorWise"):
+        raise ValueError(
+            "fp8_gemm_accumulate: 'a_scale_inv' and 'b_scale_inv' are tensorwise; "
+            "fp8_gemm_blockwise_accumulate_ takes block scales (use ops.fp8_gemm_accumulate_)"
+        )
+    _fp8_gemm_blockwise_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, list(a_block), list(b_block))

@@ -124,6 +124,38 @@ bool overlap(const TensorDesc& a, const TensorDesc& b) {
 
 }  // namespace
 
+GemmShape check_gemm_operands(const char* op, const TensorDesc& a, const TensorDesc& b) {
+  const std::initializer_list<DType> fp8 = {DType::kFloat8E4M3, DType::kFloat8E5M2};
+  check_dtype(op, "a", a, fp8);
+  check_defined(op, "b", b);
+  check_device(op, "b", b, a.device, a.device_index);
+  check_dtype(op, "b", b, fp8);
+  GemmShape s{};
+  matrix_strides(op, "a", a, &s.a_row, &s.a_col);
+  matrix_strides(op, "b", b, &s.b_row, &s.b_col);
+  s.m = a.shape[0];
+  s.k = a.shape[1];
+  s.n = b.shape[0];
+  TL_CHECK(b.shape[1] == s.k, op, ": inner dimensions differ: 'a' is ", shape_str(a), " and 'b' is ",
+           shape_str(b), " (expected b of shape [N, ", s.k, "] for a @ b.T)");
+  return s;
+}
+
+void check_gemm_output(const char* op, const TensorDesc& d, const TensorDesc& bias, int64_t m,
+                       int64_t n, const TensorDesc& like) {
+  check_defined(op, "d", d);
+  check_device(op, "d", d, like.device, like.device_index);
+  check_dtype(op, "d", d, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_contiguous(op, "d", d);
+  check_shape(op, "d", d, {m, n});
+  if (!bias.defined()) return;
+  check_device(op, "bias", bias, like.device, like.device_index);
+  TL_CHECK_TYPE(bias.dtype == d.dtype, op, ": argument 'bias' must have the output dtype ",
+                dtype_name(d.dtype), ", got ", dtype_name(bias.dtype));
+  check_contiguous(op, "bias", bias);
+  check_shape(op, "bias", bias, {n});
+}
+
 void check_disjoint(const char* op, std::initializer_list<NamedDesc> outputs,
                     std::initializer_list<NamedDesc> inputs) {
   for (auto out = outputs.begin(); out != outputs.end(); ++out) {

@@ -45,6 +45,26 @@ void check_same_shape(const char* op, const char* name_a, const TensorDesc& a, c
 void matrix_strides(const char* op, const char* name, const TensorDesc& t, int64_t* row_stride,
                     int64_t* col_stride);
 
+/*! \brief Sizes and element strides of d = a @ b.T (a: (m, k), b: (n, k)). */
+struct GemmShape {
+  int64_t m, n, k;
+  int64_t a_row, a_col, b_row, b_col;  // a[i, p] = a.data[i * a_row + p * a_col], b likewise
+};
+
+/*!
+ * \brief Validate the FP8 operands of d = a @ b.T: float8_e4m3fn or float8_e5m2, each
+ *        row- or column-major, b on a's device, inner dimensions equal. The caller has
+ *        checked that `a` is given and on a device it supports.
+ */
+GemmShape check_gemm_operands(const char* op, const TensorDesc& a, const TensorDesc& b);
+
+/*!
+ * \brief Validate a GEMM's output d ((m, n) float32, bfloat16 or float16, contiguous, on
+ *        `like`'s device) and, when given, its bias ((n,) of d's dtype, contiguous, same device).
+ */
+void check_gemm_output(const char* op, const TensorDesc& d, const TensorDesc& bias, int64_t m,
+                       int64_t n, const TensorDesc& like);
+
 /*! \brief An argument name and its descriptor, for check_disjoint. */
 using NamedDesc = std::pair<const char*, const TensorDesc*>;
 

@@ -29,6 +29,8 @@ namespace {
 
 using gemm::KernelSet;
 using gemm::Operand;
+using gemm::store_tile;
+using gemm::sub_operand;
 
 // Exponents one folded panel needs: (KC / smallest K-block) x rows <= (512 / 32) x 64.
 constexpr int kMaxFoldExps = 16 * 64;
@@ -82,17 +84,6 @@ void panel_exponents(const std::vector<int32_t>& exps, int64_t rows_padded, int6
   }
 }
 
-KernelSet kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Bf16:
-      return gemm::amx_usable() ? gemm::amx_kernels() : gemm::avx512_bf16_kernels();
-    case Isa::kAvx512:
-      return gemm::avx512_kernels();
-    default:
-      return gemm::generic_kernels();
-  }
-}
-
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
@@ -126,25 +117,6 @@ std::vector<float> unit_scales(int64_t rows, int64_t rows_padded) {
   return out;
 }
 
-Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
-  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
-                 op.dtype};
-}
-
-template <typename Out>
-void store_tile(const float* acc, int64_t ld, int64_t rows, int64_t cols,
-                const typename Out::storage* bias, bool accumulate, typename Out::storage* d,
-                int64_t ldd) {
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      float v = acc[i * ld + j];
-      if (bias) v = v + Out::load(bias[j]);
-      if (accumulate) v = Out::load(d[i * ldd + j]) + v;
-      d[i * ldd + j] = Out::store(v);
-    }
-  }
-}
-
 template <typename Out>
 void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldFn fold) {
   using T = typename Out::storage;
@@ -153,7 +125,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   const int64_t m = p.m, n = p.n, k = p.k;
   if (k == 0) {  // empty product: D = bias [+ D]
     const std::vector<float> zeros(n, 0.0f);
-    for (int64_t i = 0; i < m; ++i) store_tile<Out>(zeros.data(), 0, 1, n, bias, p.accumulate, d + i * n, n);
+    for (int64_t i = 0; i < m; ++i) store_tile<Out>(zeros.data(), 0, 1, n, 1.0f, bias, p.accumulate, d + i * n, n);
     return;
   }
   const int64_t m_pad = round_up(m, ks.mr), n_pad = round_up(n, ks.nr);
@@ -273,7 +245,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
               }
               if (last) {
                 store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
-                                std::min<int64_t>(nr, nb - j), bias ? bias + jc + j : nullptr,
+                                std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
                                 p.accumulate, d + i * n + jc + j, n);
               }
             }
@@ -313,7 +285,7 @@ void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, con
 void fp8_gemm_blockwise(const GemmBlockParams& p) {
   if (p.m == 0 || p.n == 0) return;
   const Isa isa = current_isa();
-  gemm::KernelSet ks = gemm_block::kernels_for(isa);
+  gemm::KernelSet ks = gemm::kernels_for(isa);
   const int64_t g = std::min(p.a_block.cols, p.b_block.cols);
   // Sub-panels start at multiples of g (or of KC): g must keep whole k-groups of the packing.
   if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();

@@ -121,40 +121,6 @@ void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, const
 
 // ---- driver ----------------------------------------------------------------
 
-KernelSet kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512Bf16:
-      return amx_usable() ? amx_kernels() : avx512_bf16_kernels();
-    case Isa::kAvx512:
-      return avx512_kernels();
-    default:
-      return generic_kernels();
-  }
-}
-
-// D[0:rows, 0:cols] = epilogue(tile): v = acc * alpha; v += bias; v = D + v.
-template <typename Out>
-void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, float alpha,
-                const typename Out::storage* bias, bool accumulate, typename Out::storage* d,
-                int64_t ldd) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* t = tile + i * ld_tile;
-    typename Out::storage* out = d + i * ldd;
-    for (int64_t j = 0; j < cols; ++j) {
-      float v = t[j] * alpha;
-      if (bias) v = v + Out::load(bias[j]);
-      if (accumulate) v = Out::load(out[j]) + v;
-      out[j] = Out::store(v);
-    }
-  }
-}
-
-// The view of `op` starting at (row, k).
-Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
-  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
-                 op.dtype};
-}
-
 // How the M x (panels of one NC block) work of one KC pass is split among threads.
 struct Partition {
   int64_t mc;        // rows of A per block (a multiple of mr)
@@ -297,6 +263,17 @@ TensorDesc matrix_desc(void* data, DType dtype, int64_t rows, int64_t cols) {
 }
 
 }  // namespace
+
+KernelSet kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return amx_usable() ? amx_kernels() : avx512_bf16_kernels();
+    case Isa::kAvx512:
+      return avx512_kernels();
+    default:
+      return generic_kernels();
+  }
+}
 
 const char* kernel_name(Isa isa) {
   switch (isa) {

@@ -31,6 +31,32 @@ struct Operand {
   DType dtype;  // kFloat8E4M3 or kFloat8E5M2
 };
 
+/*! \brief The view of `op` starting at (row, k). */
+inline Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
+  return Operand{op.data + row * op.row_stride + k * op.col_stride, op.row_stride, op.col_stride,
+                 op.dtype};
+}
+
+/*!
+ * \brief D[0:rows, 0:cols] = epilogue(tile): v = tile * alpha; v += bias; v = D + v, rounded
+ *        to Out (a dispatch.h high-precision type); bias may be null.
+ */
+template <typename Out>
+void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, float alpha,
+                const typename Out::storage* bias, bool accumulate, typename Out::storage* d,
+                int64_t ldd) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* t = tile + i * ld_tile;
+    typename Out::storage* out = d + i * ldd;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = t[j] * alpha;
+      if (bias) v = v + Out::load(bias[j]);
+      if (accumulate) v = Out::load(out[j]) + v;
+      out[j] = Out::store(v);
+    }
+  }
+}
+
 /*! \brief Packs rows [0, rows) x k [0, kc) of `src` into micro-panels of `r` rows at `dst`. */
 using PackFn = void (*)(const Operand& src, int64_t rows, int64_t kc, int r, void* dst);
 
@@ -76,6 +102,9 @@ KernelSet avx512_bf16_kernels();
 bool amx_usable();
 /*! \brief AMX-BF16 (tdpbf16ps) path of the avx512_bf16 ISA (gemm_cpu_amx_avx512.cpp). */
 KernelSet amx_kernels();
+
+/*! \brief The kernel set of the path `isa` on this CPU (AMX tiles where usable on avx512_bf16). */
+KernelSet kernels_for(Isa isa);
 
 /*! \brief The micro-kernel path `isa` runs on this CPU, e.g. "vdpbf16ps" or "amx-bf16". */
 const char* kernel_name(Isa isa);

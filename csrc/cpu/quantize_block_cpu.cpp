@@ -1,10 +1,21 @@
 // CPU blockwise quantize: one scale per block, row-major and/or transposed
-// output from one pass over the input. Scale math: block_math.h.
+// output. Scale math: block_math.h; row kernels (vector or portable):
+// quantize_block_cpu.h.
 //
-// The input is walked in tiles that hold whole blocks of both outputs
-// (lcm of the block edges, clamped to the matrix), so each tile is read from
-// memory once: its block amaxes are computed, then both casts run while it
-// is in cache. Tiles run in parallel.
+// One pass over the input where the columnwise blocks span few rows (1x128,
+// 128x128, 1x32): the input is walked in tiles of about 128 KiB that hold
+// whole blocks of both outputs (a multiple of every block edge, at least 128
+// rows when the transposed copy is wanted). Each tile is read from memory
+// once: the row-major blocks are quantized row by row, then, from cache, the
+// column amaxes of each band of rows give the columnwise scales, the rows are
+// cast with one scale per column into a stripe, and the stripe is written
+// out transposed in 16 x 16 byte blocks. Tiles run in parallel.
+//
+// Columnwise blocks that span all rows of a tall input (rowwise scaling's
+// transposed copy: one scale per column of x) need every row before any
+// cast, so they take two passes: the first (fused with the row-major blocks)
+// reduces per-thread column amaxes over chunks of rows, the second casts and
+// transposes tiles with the finished column scales.
 #include <algorithm>
 #include <numeric>
 #include <vector>
@@ -12,203 +23,269 @@
 #include "../common/backend_block.h"
 #include "cpu_features.h"
 #include "parallel.h"
-#include "quantize_cpu_avx512.h"
+#include "quantize_block_cpu.h"
 #include "transformer_linear/block_math.h"
 #include "transformer_linear/dispatch.h"
 
 namespace tl {
 namespace cpu {
+namespace quantize_block {
 namespace {
+
+// ---- portable row kernels ------------------------------------------------
+
+template <typename In>
+void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    float a = amax[j];
+    for (int64_t i = b; i < std::min(n, b + seg); ++i) a = fp8::amax_update(a, In::load(x[i]));
+    amax[j] = a;
+  }
+}
+
+template <typename In, typename Out>
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t i = 0; i < n; ++i) q[i] = Out::quantize(In::load(x[i]), scale[i / seg]);
+}
+
+template <typename In>
+void column_amax(const void* xv, int64_t n, float* amax) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t i = 0; i < n; ++i) amax[i] = fp8::amax_update(amax[i], In::load(x[i]));
+}
+
+template <typename In, typename Out>
+void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t i = 0; i < n; ++i) q[i] = Out::quantize(In::load(x[i]), scale[i]);
+}
+
+void transpose(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+               int64_t ld_dst) {
+  constexpr int64_t kSub = 16;  // sub-tiles whose rows and columns both stay in L1
+  for (int64_t r0 = 0; r0 < rows; r0 += kSub) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kSub) {
+      for (int64_t c = c0; c < std::min(cols, c0 + kSub); ++c) {
+        for (int64_t r = r0; r < std::min(rows, r0 + kSub); ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+      }
+    }
+  }
+}
+
+// ---- driver --------------------------------------------------------------
+
+// Elements per tile: the tile's input (128 KiB of fp32) stays in L2 between
+// the row-major pass and the columnwise one.
+constexpr int64_t kTileElems = 32 * 1024;
+// Rows per tile when the transposed copy is written: each row of output_t
+// then gets whole 64-byte lines.
+constexpr int64_t kMinTransposeRows = 128;
+// Columnwise blocks spanning more rows than this (and all of them) take two passes.
+constexpr int64_t kMaxBandRows = 256;
 
 struct Tile {
   int64_t r0, r1, c0, c1;
 };
 
-// Scale of one block from its amax; writes the block's scale_inv (float32 or E8M0 bits).
-float block_scale_out(float amax, float fp8_max, int emax, const BlockLayout& l, void* scale_inv,
-                      int64_t index, bool power_2, bool e8m0_floor) {
-  if (l.e8m0) {
-    const int e = fp8::e8m0_exponent(amax, fp8_max, emax, e8m0_floor);
-    static_cast<uint8_t*>(scale_inv)[index] = static_cast<uint8_t>(e + fp8::kE8M0Bias);
-    return fp8::exp2_int(-e);
+// Per-thread scratch, grown once (this runs inside parallel regions, where
+// parallel_for rethrows an allocation failure after the region).
+struct Scratch {
+  std::vector<float> amax, scale;
+  std::vector<uint8_t> stripe;
+  float* floats(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
   }
-  const float scale = fp8::block_scale(amax, fp8_max, power_2);
-  static_cast<float*>(scale_inv)[index] = 1.0f / scale;
-  return scale;
+};
+
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// The smallest multiple of `base` that is at least `want`, or `extent` when that is smaller.
+int64_t grow(int64_t base, int64_t want, int64_t extent) {
+  return std::min(extent, std::max<int64_t>(1, ceil_div(want, base)) * base);
 }
 
-template <typename In, typename Out>
-class TileQuantizer {
+class Quantizer {
  public:
-  using T = typename In::storage;
-  explicit TileQuantizer(const QuantizeBlockParams& p)
-      : p_(p), x_(p.input.ptr<T>()), vec_(current_isa() != Isa::kGeneric) {}
+  Quantizer(const QuantizeBlockParams& p, const RowKernels& kn)
+      : p_(p),
+        kn_(kn),
+        x_(static_cast<const uint8_t*>(p.input.data)),
+        esize_(element_size(p.input.dtype)),
+        fp8_max_(p.fp8_dtype == DType::kFloat8E4M3 ? fp8::kE4M3Max : fp8::kE5M2Max),
+        emax_(p.fp8_dtype == DType::kFloat8E4M3 ? 8 : 15) {}  // floor(log2(fp8_max))
 
-  void run(const Tile& t) const {
-    if (p_.output.defined()) rowwise(t);
-    if (!p_.output_t.defined()) return;
-    if ((t.r1 - t.r0) * (t.c1 - t.c0) <= kMaxBuffered) {
-      columnwise_buffered(t);
-    } else {
-      columnwise(t);
+  const void* at(int64_t r, int64_t c) const { return x_ + (r * p_.k + c) * esize_; }
+
+  // Scale of one block from its amax; writes the block's scale_inv (float32 or E8M0 bits).
+  float scale_of(float amax, const BlockLayout& l, void* scale_inv, int64_t index) const {
+    if (l.e8m0) {
+      const int e = fp8::e8m0_exponent(amax, fp8_max_, emax_, p_.e8m0_floor);
+      static_cast<uint8_t*>(scale_inv)[index] = static_cast<uint8_t>(e + fp8::kE8M0Bias);
+      return fp8::exp2_int(-e);
     }
+    const float scale = fp8::block_scale(amax, fp8_max_, p_.power_2_scale);
+    static_cast<float*>(scale_inv)[index] = 1.0f / scale;
+    return scale;
   }
 
- private:
-  static constexpr int kEmax = Out::kMax > 1000.0f ? 15 : 8;  // floor(log2(fp8_max))
-
-  float segment_amax(int64_t begin, int64_t end) const {
-    if (vec_) return avx512::amax(In::dtype, x_, begin, end);
-    float a = 0.0f;
-    for (int64_t i = begin; i < end; ++i) a = fp8::amax_update(a, In::load(x_[i]));
-    return a;
-  }
-
-  void segment_cast(uint8_t* q, float scale, int64_t begin, int64_t end) const {
-    if (vec_) {
-      avx512::cast(In::dtype, Out::dtype, x_, q, scale, begin, end, false, false);
-      return;
-    }
-    for (int64_t i = begin; i < end; ++i) q[i] = Out::quantize(In::load(x_[i]), scale);
-  }
-
-  // Blocks of `output` inside the tile: contiguous row segments of the input.
-  void rowwise(const Tile& t) const {
+  // Row-major blocks of the tile (whole blocks: rows from a multiple of the block
+  // height, columns from a multiple of its width). With `col_amax`, also folds
+  // every row into the running column amaxes of columns [c0, c1).
+  void rowwise(const Tile& t, Scratch& s, float* col_amax) const {
     const BlockLayout& l = p_.block;
+    const int64_t w = t.c1 - t.c0, nb = ceil_div(w, l.cols);
+    float* amax = s.floats(s.amax, nb);
+    float* scale = s.floats(s.scale, nb);
     uint8_t* q = p_.output.ptr<uint8_t>();
     for (int64_t rb = t.r0; rb < t.r1; rb += l.rows) {
       const int64_t re = std::min(t.r1, rb + l.rows);
-      for (int64_t cb = t.c0; cb < t.c1; cb += l.cols) {
-        const int64_t ce = std::min(t.c1, cb + l.cols);
-        float amax = 0.0f;
-        for (int64_t r = rb; r < re; ++r) {
-          amax = fp8::amax_update(amax, segment_amax(r * p_.k + cb, r * p_.k + ce));
-        }
-        const float scale =
-            block_scale_out(amax, Out::kMax, kEmax, l, p_.scale_inv.data,
-                            (rb / l.rows) * l.grid_cols + cb / l.cols, p_.power_2_scale,
-                            p_.e8m0_floor);
-        for (int64_t r = rb; r < re; ++r) segment_cast(q, scale, r * p_.k + cb, r * p_.k + ce);
+      std::fill(amax, amax + nb, 0.0f);
+      for (int64_t r = rb; r < re; ++r) {
+        kn_.segment_amax(at(r, t.c0), w, l.cols, amax);
+        if (col_amax) kn_.column_amax(at(r, t.c0), w, col_amax);
       }
+      const int64_t first = (rb / l.rows) * l.grid_cols + t.c0 / l.cols;
+      for (int64_t j = 0; j < nb; ++j) scale[j] = scale_of(amax[j], l, p_.scale_inv.data, first + j);
+      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale);
     }
   }
 
-  // Tiles up to this many elements are transposed into a float buffer first, so the
-  // columnwise blocks become contiguous runs for the vector amax and cast.
-  static constexpr int64_t kMaxBuffered = 128 * 128;
-
-  void columnwise_buffered(const Tile& t) const {
-    const BlockLayout& l = p_.block_t;
-    const int64_t h = t.r1 - t.r0, w = t.c1 - t.c0;
-    thread_local std::vector<float> buffer;
-    buffer.resize(kMaxBuffered);
-    float* xt = buffer.data();  // xt[c * h + r] = x[t.r0 + r, t.c0 + c]
-    constexpr int64_t kSub = 16;  // transpose in 16 x 16 sub-tiles that stay in L1
-    for (int64_t r0 = 0; r0 < h; r0 += kSub) {
-      for (int64_t c0 = 0; c0 < w; c0 += kSub) {
-        const int64_t r1 = std::min(h, r0 + kSub), c1 = std::min(w, c0 + kSub);
-        for (int64_t r = r0; r < r1; ++r) {
-          const T* row = x_ + (t.r0 + r) * p_.k + t.c0;
-          for (int64_t c = c0; c < c1; ++c) xt[c * h + r] = In::load(row[c]);
-        }
-      }
-    }
-    uint8_t* qt = p_.output_t.ptr<uint8_t>();
-    for (int64_t cb = 0; cb < w; cb += l.rows) {
-      const int64_t ce = std::min(w, cb + l.rows);
-      for (int64_t rb = 0; rb < h; rb += l.cols) {
-        const int64_t re = std::min(h, rb + l.cols);
-        float amax = 0.0f;
-        for (int64_t c = cb; c < ce; ++c) amax = fp8::amax_update(amax, float_amax(xt + c * h, rb, re));
-        const int64_t index = ((t.c0 + cb) / l.rows) * l.grid_cols + (t.r0 + rb) / l.cols;
-        const float scale = block_scale_out(amax, Out::kMax, kEmax, l, p_.scale_inv_t.data, index,
-                                            p_.power_2_scale, p_.e8m0_floor);
-        for (int64_t c = cb; c < ce; ++c) float_cast(xt + c * h, qt + (t.c0 + c) * p_.m + t.r0, scale, rb, re);
-      }
+  // Columnwise scales of one band of rows from the amaxes of columns [c0, c0 + w)
+  // (c0 a multiple of the block's column count): one scale per column.
+  void column_scales(const float* amax, int64_t c0, int64_t w, int64_t band, float* scale) const {
+    const BlockLayout& l = p_.block_t;  // l.rows columns of x per block
+    for (int64_t g = 0; g < w; g += l.rows) {
+      const int64_t ge = std::min(w, g + l.rows);
+      float a = 0.0f;
+      for (int64_t c = g; c < ge; ++c) a = fp8::amax_update(a, amax[c]);
+      const float sc = scale_of(a, l, p_.scale_inv_t.data, ((c0 + g) / l.rows) * l.grid_cols + band);
+      std::fill(scale + g, scale + ge, sc);
     }
   }
 
-  // amax / cast of float runs xs[begin, end) (into q[begin, end)).
-  float float_amax(const float* xs, int64_t begin, int64_t end) const {
-    if (vec_) return avx512::amax(DType::kFloat32, xs, begin, end);
-    float a = 0.0f;
-    for (int64_t i = begin; i < end; ++i) a = fp8::amax_update(a, xs[i]);
-    return a;
-  }
-
-  void float_cast(const float* xs, uint8_t* q, float scale, int64_t begin, int64_t end) const {
-    if (vec_) {
-      avx512::cast(DType::kFloat32, Out::dtype, xs, q, scale, begin, end, false, false);
-      return;
-    }
-    for (int64_t i = begin; i < end; ++i) q[i] = Out::quantize(xs[i], scale);
-  }
-
-  // Blocks of `output_t` inside the tile: in input coordinates, l.cols rows x l.rows columns.
-  void columnwise(const Tile& t) const {
-    const BlockLayout& l = p_.block_t;
+  // Cast rows [r0, r1) x columns [c0, c1) with one scale per column, transposed into output_t.
+  void cast_transposed(const Tile& t, const float* scale, int64_t scale_row_step, int64_t band_rows,
+                       Scratch& s) const {
     const int64_t w = t.c1 - t.c0;
-    const int64_t bands = (t.r1 - t.r0 + l.cols - 1) / l.cols;
-    // Column amaxes per band of l.cols rows, reduced to blocks of l.rows columns.
-    std::vector<float> col_amax(bands * w, 0.0f);
+    if (static_cast<int64_t>(s.stripe.size()) < (t.r1 - t.r0) * w) s.stripe.resize((t.r1 - t.r0) * w);
     for (int64_t r = t.r0; r < t.r1; ++r) {
-      float* acc = col_amax.data() + ((r - t.r0) / l.cols) * w;
-      const T* row = x_ + r * p_.k + t.c0;
-      for (int64_t c = 0; c < w; ++c) acc[c] = fp8::amax_update(acc[c], In::load(row[c]));
+      const float* row_scale = scale + ((r - t.r0) / band_rows) * scale_row_step;
+      kn_.column_cast(at(r, t.c0), s.stripe.data() + (r - t.r0) * w, w, row_scale);
     }
-    const int64_t groups = (w + l.rows - 1) / l.rows;
-    std::vector<float> scale(bands * groups);
-    for (int64_t b = 0; b < bands; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float amax = 0.0f;
-        const int64_t ge = std::min(w, (g + 1) * l.rows);
-        for (int64_t c = g * l.rows; c < ge; ++c) amax = fp8::amax_update(amax, col_amax[b * w + c]);
-        const int64_t index = (t.c0 / l.rows + g) * l.grid_cols + t.r0 / l.cols + b;
-        scale[b * groups + g] = block_scale_out(amax, Out::kMax, kEmax, l, p_.scale_inv_t.data,
-                                                index, p_.power_2_scale, p_.e8m0_floor);
-      }
-    }
-    uint8_t* qt = p_.output_t.ptr<uint8_t>();
-    for (int64_t c = t.c0; c < t.c1; ++c) {
-      const float* s = scale.data() + (c - t.c0) / l.rows;
-      uint8_t* out = qt + c * p_.m;
-      for (int64_t r = t.r0; r < t.r1; ++r) {
-        out[r] = Out::quantize(In::load(x_[r * p_.k + c]), s[((r - t.r0) / l.cols) * groups]);
-      }
-    }
+    kn_.transpose(s.stripe.data(), w, t.r1 - t.r0, w, p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m);
   }
 
+  // Columnwise blocks of the tile, band by band (the tile holds whole bands).
+  void columnwise(const Tile& t, Scratch& s) const {
+    const int64_t band_rows = p_.block_t.cols, w = t.c1 - t.c0;
+    const int64_t bands = ceil_div(t.r1 - t.r0, band_rows);
+    float* amax = s.floats(s.amax, w);
+    float* scale = s.floats(s.scale, bands * w);
+    for (int64_t b = 0; b < bands; ++b) {
+      const int64_t rb = t.r0 + b * band_rows, re = std::min(t.r1, rb + band_rows);
+      std::fill(amax, amax + w, 0.0f);
+      for (int64_t r = rb; r < re; ++r) kn_.column_amax(at(r, t.c0), w, amax);
+      column_scales(amax, t.c0, w, rb / band_rows, scale + b * w);
+    }
+    cast_transposed(t, scale, w, band_rows, s);
+  }
+
+  void one_pass() const;
+  void two_pass() const;
+
+ private:
   const QuantizeBlockParams& p_;
-  const T* x_;
-  bool vec_;
+  const RowKernels kn_;
+  const uint8_t* x_;
+  const int64_t esize_;
+  const float fp8_max_;
+  const int emax_;
 };
 
-// Tile edges: multiples of every block edge along that dimension, clamped to the matrix.
-int64_t tile_edge(int64_t a, int64_t b, int64_t extent) {
-  const int64_t l = std::lcm(a, b);
-  return std::max<int64_t>(1, std::min(l, extent));
+// Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads.
+template <typename Fn>
+void for_each_tile(int threads, int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
+  const int64_t tr = ceil_div(m, h), tc = ceil_div(k, w);
+  const int64_t grain = std::max<int64_t>(1, kTileElems / 2 / (h * w));
+  parallel_for(threads, tr * tc, grain, [&](int64_t t0, int64_t t1) {
+    thread_local Scratch scratch;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = (t / tc) * h, c0 = (t % tc) * w;
+      fn(Tile{r0, std::min(m, r0 + h), c0, std::min(k, c0 + w)}, scratch);
+    }
+  });
+}
+
+void Quantizer::one_pass() const {
+  const bool row = p_.output.defined(), col = p_.output_t.defined();
+  // Whole blocks of both outputs: block_t is (columns of x, rows of x).
+  int64_t h = std::min(p_.m, std::lcm(row ? p_.block.rows : 1, col ? p_.block_t.cols : 1));
+  int64_t w = std::min(p_.k, std::lcm(row ? p_.block.cols : 1, col ? p_.block_t.rows : 1));
+  if (col) h = grow(h, kMinTransposeRows, p_.m);
+  w = grow(w, kTileElems / h, p_.k);
+  h = grow(h, kTileElems / w, p_.m);
+  for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
+    if (row) rowwise(t, s, nullptr);
+    if (col) columnwise(t, s);
+  });
+}
+
+void Quantizer::two_pass() const {
+  const bool row = p_.output.defined();
+  const int64_t k = p_.k;
+  // Pass 1: row-major blocks and per-thread column amaxes over chunks of whole rows
+  // (no more threads, and so amax rows, than chunks).
+  const int64_t h = grow(row ? p_.block.rows : 1, kTileElems / k, p_.m);
+  const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p_.m, h), 1, get_num_threads()));
+  std::vector<float> partial(static_cast<size_t>(threads) * k, 0.0f);
+  for_each_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
+    float* col_amax = partial.data() + static_cast<int64_t>(omp_get_thread_num()) * k;
+    if (row) return rowwise(t, s, col_amax);
+    for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
+  });
+  for (int i = 1; i < threads; ++i) {
+    const float* other = partial.data() + int64_t{i} * k;
+    for (int64_t c = 0; c < k; ++c) partial[c] = fp8::amax_update(partial[c], other[c]);
+  }
+  std::vector<float> scale(k);
+  column_scales(partial.data(), 0, k, 0, scale.data());
+  // Pass 2: cast and transpose.
+  const int64_t w = grow(1, kTileElems / kMinTransposeRows, k);
+  for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
+    cast_transposed(t, scale.data() + t.c0, 0, p_.m, s);
+  });
 }
 
 }  // namespace
 
-void quantize_blockwise(const QuantizeBlockParams& p) {
-  if (p.m == 0 || p.k == 0) return;
-  const bool row = p.output.defined(), col = p.output_t.defined();
-  const int64_t h = tile_edge(row ? p.block.rows : 1, col ? p.block_t.cols : 1, p.m);
-  const int64_t w = tile_edge(row ? p.block.cols : 1, col ? p.block_t.rows : 1, p.k);
-  const int64_t tr = (p.m + h - 1) / h, tc = (p.k + w - 1) / w;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (h * w));
-  dispatch_high_precision(p.input.dtype, "quantize_blockwise: argument 'input'", [&](auto in) {
-    dispatch_fp8(p.fp8_dtype, "quantize_blockwise: argument 'output'", [&](auto out) {
-      const TileQuantizer<decltype(in), decltype(out)> tq(p);
-      parallel_for(tr * tc, grain, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t r0 = (t / tc) * h, c0 = (t % tc) * w;
-          tq.run(Tile{r0, std::min(p.m, r0 + h), c0, std::min(p.k, c0 + w)});
-        }
-      });
+RowKernels generic_kernels(DType in, DType out) {
+  return dispatch_high_precision(in, "quantize_blockwise: argument 'input'", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      return RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>, column_cast<In, Out>, transpose};
     });
   });
+}
+
+}  // namespace quantize_block
+
+void quantize_blockwise(const QuantizeBlockParams& p) {
+  if (p.m == 0 || p.k == 0) return;
+  using namespace quantize_block;
+  const RowKernels kn = current_isa() != Isa::kGeneric ? avx512_kernels(p.input.dtype, p.fp8_dtype)
+                                                       : generic_kernels(p.input.dtype, p.fp8_dtype);
+  const Quantizer quantizer(p, kn);
+  // Columnwise blocks spanning every row of a tall input: the column scales need them all.
+  const bool whole_columns = p.output_t.defined() && p.block_t.grid_cols == 1 && p.m > kMaxBandRows;
+  if (whole_columns) {
+    quantizer.two_pass();
+  } else {
+    quantizer.one_pass();
+  }
 }
 
 }  // namespace cpu

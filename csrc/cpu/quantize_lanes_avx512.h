@@ -1,0 +1,252 @@
+// AVX-512 lane kernels shared by the quantize families (quantize_cpu_avx512.cpp,
+// quantize_block_cpu_avx512.cpp): loads of 16 high-precision elements as fp32
+// lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
+// Include only from *_avx512.cpp files (compiled with the AVX-512 flags).
+//
+// The cast follows fp8_math.h's e4m3_bits_from_float / e5m2_bits_from_float
+// lane by lane: the same integer rounding for normals and the same float
+// addition that rounds subnormals (no FMA anywhere, -ffp-contract=off), so
+// the results are bitwise those of the scalar path; tests/test_quantize.py
+// and tests/test_blockwise_quantize.py check every bf16 and fp16 bit pattern.
+//
+// amax works on the integer bits of |x|: for non-negative IEEE values the
+// unsigned bit order is the value order and every NaN sorts above inf, so an
+// unsigned max propagates NaN for free (which NaN comes back is unspecified).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+namespace avx512 {
+
+inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+
+// --- loads: 16 elements -> fp32 lanes (masked lanes read as +0) -----------
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+template <typename In>
+__m512 widen(__m256i h) {
+  if constexpr (std::is_same_v<In, Float16>) {
+    return _mm512_cvtph_ps(h);
+  } else {  // bfloat16 is the top half of a float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename In>
+__m512 load_hp(const typename In::storage* p, __mmask16 m) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    return load16(p, m);
+  } else {
+    return widen<In>(_mm256_maskz_loadu_epi16(m, p));
+  }
+}
+
+template <typename In>
+__m512 load_hp(const typename In::storage* p) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    return load16(p);
+  } else {
+    return widen<In>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+inline __m512i abs_bits(__m512 v) {
+  return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+}
+
+// --- the cast: constants of fp8_math.h's two conversions -------------------
+
+template <typename Out>
+struct Fp8Bits;
+
+template <>
+struct Fp8Bits<Float8E4M3> {
+  static constexpr uint32_t kMantShift = 20;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
+  static constexpr uint32_t kSubnormalBelow = 121u << 23;  // 2^-6
+  static constexpr uint32_t kDenormMask = 141u << 23;
+  static constexpr uint32_t kSpecialFrom = 1087u << 20;  // 480: NaN after saturation
+  static __m512i special(__m512i) { return _mm512_set1_epi32(0x7f); }
+};
+
+template <>
+struct Fp8Bits<Float8E5M2> {
+  static constexpr uint32_t kMantShift = 21;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu;
+  static constexpr uint32_t kSubnormalBelow = 113u << 23;  // 2^-14
+  static constexpr uint32_t kDenormMask = 134u << 23;
+  static constexpr uint32_t kSpecialFrom = 143u << 23;  // 65536
+  static __m512i special(__m512i u) {
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(255 << 23));
+    return _mm512_mask_blend_epi32(nan, _mm512_set1_epi32(0x7c), _mm512_set1_epi32(0x7f));
+  }
+};
+
+// Saturating RNE cast of x * scale, 16 lanes -> 16 bytes (Out::quantize).
+template <typename Out>
+__m128i to_fp8(__m512 x, __m512 scale) {
+  using B = Fp8Bits<Out>;
+  __m512 v = _mm512_mul_ps(x, scale);
+  // vminps/vmaxps return the second operand when either is NaN, so NaN
+  // passes through as in fp8::saturate.
+  v = _mm512_min_ps(_mm512_set1_ps(Out::kMax), v);
+  v = _mm512_max_ps(_mm512_set1_ps(-Out::kMax), v);
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  u = _mm512_xor_si512(u, sign);
+
+  const __m512i mant_odd = _mm512_and_si512(_mm512_srli_epi32(u, B::kMantShift), _mm512_set1_epi32(1));
+  __m512i normal = _mm512_add_epi32(u, _mm512_set1_epi32(static_cast<int>(B::kRebias)));
+  normal = _mm512_srli_epi32(_mm512_add_epi32(normal, mant_odd), B::kMantShift);
+
+  const __m512i denorm = _mm512_set1_epi32(static_cast<int>(B::kDenormMask));
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(denorm));
+  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(sum), denorm);
+
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(B::kSubnormalBelow));
+  const __mmask16 is_special = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(B::kSpecialFrom));
+  __m512i r = _mm512_mask_blend_epi32(is_sub, normal, subnormal);
+  r = _mm512_mask_blend_epi32(is_special, r, B::special(u));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);  // keeps the low byte, like static_cast<uint8_t>
+}
+
+template <typename In, typename Out, bool kAmax, bool kStream>
+float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
+                 int64_t end) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512i acc = _mm512_setzero_si512();
+  auto masked = [&](int64_t i, int64_t n) {
+    const __mmask16 m = tail_mask(n);
+    const __m512 v = load_hp<In>(x + i, m);
+    if (kAmax) acc = _mm512_max_epu32(acc, abs_bits(v));
+    _mm_mask_storeu_epi8(q + i, m, to_fp8<Out>(v, sc));
+  };
+  int64_t i = begin;
+  if (kStream) {  // align q for the 16-byte non-temporal stores
+    const int64_t head = std::min<int64_t>(end - i, (16 - (reinterpret_cast<uintptr_t>(q + i) & 15)) & 15);
+    if (head > 0) masked(i, head);
+    i += head;
+  }
+  for (; i + 16 <= end; i += 16) {
+    const __m512 v = load_hp<In>(x + i);
+    if (kAmax) acc = _mm512_max_epu32(acc, abs_bits(v));
+    const __m128i b = to_fp8<Out>(v, sc);
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), b);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
+    }
+  }
+  if (i < end) masked(i, end - i);
+  if (kStream) _mm_sfence();
+  return fp8::float_of(_mm512_reduce_max_epu32(acc));
+}
+
+// amax of 16-bit formats straight on the bits, 32 lanes at a time.
+template <typename In>
+float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    __m512i acc = _mm512_setzero_si512();
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) acc = _mm512_max_epu32(acc, abs_bits(load16(x + i)));
+    if (i < end) acc = _mm512_max_epu32(acc, abs_bits(load16(x + i, tail_mask(end - i))));
+    return fp8::float_of(_mm512_reduce_max_epu32(acc));
+  } else {
+    const __m512i mag = _mm512_set1_epi16(0x7fff);
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    int64_t i = begin;
+    for (; i + 64 <= end; i += 64) {
+      acc0 = _mm512_max_epu16(acc0, _mm512_and_si512(_mm512_loadu_si512(x + i), mag));
+      acc1 = _mm512_max_epu16(acc1, _mm512_and_si512(_mm512_loadu_si512(x + i + 32), mag));
+    }
+    for (; i < end; i += 32) {
+      const __mmask32 m = end - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (end - i)) - 1u);
+      acc0 = _mm512_max_epu16(acc0, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), mag));
+    }
+    acc0 = _mm512_max_epu16(acc0, acc1);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(acc0));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(acc0, 1));
+    return In::load(static_cast<uint16_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi))));
+  }
+}
+
+// One round of the 16x16 byte transpose: interleave row i with row i + 8.
+inline void interleave_round(const __m128i (&in)[16], __m128i (&out)[16]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    out[2 * i] = _mm_unpacklo_epi8(in[i], in[i + 8]);
+    out[2 * i + 1] = _mm_unpackhi_epi8(in[i], in[i + 8]);
+  }
+}
+
+// In-register transpose of a 16x16 byte matrix: four interleaving rounds move
+// element (r, c) to (c, r). Written without a loop over the rounds so that the
+// compiler keeps all 16 rows in registers (a rounds loop spills them to the
+// stack, and the reloads stall on store forwarding).
+inline void transpose16x16(__m128i (&rows)[16]) {
+  __m128i tmp[16];
+  interleave_round(rows, tmp);
+  interleave_round(tmp, rows);
+  interleave_round(rows, tmp);
+  interleave_round(tmp, rows);
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16
+// byte blocks transposed in registers into a buffer of 16 output rows x 128
+// bytes, which then goes out row by row in whole 64-byte stores. Storing each
+// block's 16 rows straight to `dst` would touch 16 lines one row stride apart
+// per block, and with a power-of-two stride (4096-row inputs) they all fall
+// into one L1 set: more lines than its ways, evicted before they fill.
+inline void transpose_bytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                            uint8_t* dst, int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;  // output bytes per row and buffer pass
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    const __mmask16 col_mask = tail_mask(nc);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        __m128i block[16];
+        if (nc == 16 && nrows == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + r + i) * ld_src + c));
+          }
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, src + (r0 + r + i) * ld_src + c) : _mm_setzero_si128();
+          }
+        }
+        transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      for (int64_t j = 0; j < nc; ++j) {
+        const uint8_t* row = buffer + j * kChunk;
+        uint8_t* out = dst + (c + j) * ld_dst + r0;
+        for (int64_t b = 0; b < nr0; b += 64) {
+          const int64_t n = std::min<int64_t>(64, nr0 - b);
+          const __mmask64 m = n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+          _mm512_mask_storeu_epi8(out + b, m, _mm512_load_si512(row + b));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace tl
