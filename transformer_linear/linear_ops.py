@@ -333,8 +333,8 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
     """The weight gradient, or None after accumulating it into ``main_grad`` (fp32)."""
     if main_grad is None:
         return linear_wgrad(a)
-    if a.inp_scale_inv is None or a.operands_transposed:
-        # No FP8, or block scales (the accumulating GEMM takes tensorwise scales only): an fp32 wgrad, added.
+    if a.inp_scale_inv is None:
+        # No FP8: an fp32 wgrad, added.
         main_grad.add_(linear_wgrad(dataclasses.replace(a, wgrad_dtype=torch.float32)))
     else:
         ops.fp8_gemm_accumulate_(*_wgrad_operands(a), main_grad)

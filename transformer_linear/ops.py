@@ -47,6 +47,7 @@ from transformer_linear.ops_blockwise import (
     check_quantize_blockwise_args,
     columnwise_block_shape,
     fp8_gemm_blockwise,
+    fp8_gemm_blockwise_accumulate_,
     fp8_gemm_scalings,
     quantize_blockwise,
     quantize_blockwise_fused,
@@ -441,8 +442,10 @@ def fp8_gemm_accumulate_(
 ) -> None:
     """out += (a @ b.T) * a_scale_inv * b_scale_inv, in place (wgrad into ``main_grad``).
 
-    Arguments as :func:`fp8_gemm`'s; ``out`` is a contiguous (M, N) float32,
-    bfloat16 or float16 tensor, the kernels' output ``d``.
+    Arguments as :func:`fp8_gemm`'s, block scales included; ``out`` is a
+    contiguous (M, N) float32, bfloat16 or float16 tensor, the kernels'
+    output ``d``. With block scales the promoted fp32 total is added to
+    ``out`` in float32 and rounded once.
 
     Raises:
         ValueError: besides :func:`fp8_gemm`'s errors, when ``out`` shares
@@ -452,4 +455,9 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
-    _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
+    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    if (a_type, b_type) == ("TensorWise", "TensorWise"):
+        a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
+        _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
+    else:
+        fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block)

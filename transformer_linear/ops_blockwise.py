@@ -21,7 +21,6 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 from transformer_linear import _C, _block_gemm_cuda
 from transformer_linear._checks import (
     check_fp8_dtype,
-    check_same_device,
     check_hp_dtype,
     check_scale_values,
     check_tensor,
@@ -190,9 +189,14 @@ def _fp8_gemm_blockwise_op(
     b_block: list[int],
 ) -> torch.Tensor:
     check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
-    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
     out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
-    op = "fp8_gemm"
+    _run_blockwise_gemm("fp8_gemm", a, a_scale_inv, b, b_scale_inv, a_block, b_block, bias, out, accumulate=False)
+    return out
+
+
+def _run_blockwise_gemm(op, a, a_scale_inv, b, b_scale_inv, a_block, b_block, bias, out, accumulate):
+    """The extension's block-scaled GEMM into ``out`` (= or +=), after checking the scale values."""
+    check_scale_values(op, {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
     _C.fp8_gemm_blockwise(
         desc(a, op, "a"),
         desc(_kernel_scale(a_scale_inv), op, "a_scale_inv"),
@@ -204,10 +208,9 @@ def _fp8_gemm_blockwise_op(
         b_block[1],
         desc(bias, op, "bias"),
         desc(out, op, "d"),
-        False,
+        accumulate,
         stream_for(a),
     )
-    return out
 
 
 @_fp8_gemm_blockwise_op.register_kernel("cuda")
@@ -414,7 +417,9 @@ def quantize_blockwise(
     return out.data, out.scale_inv
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm_blockwise_accumulate", mutates_args=("out",))
+@torch.library.custom_op(
+    "transformer_linear::fp8_gemm_blockwise_accumulate", mutates_args=("out",), device_types="cpu"
+)
 def _fp8_gemm_blockwise_accumulate_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -424,25 +429,17 @@ def _fp8_gemm_blockwise_accumulate_op(
     a_block: list[int],
     b_block: list[int],
 ) -> None:
-    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
-    if a.device.type == "cuda":  # the Triton GEMM has no accumulating epilogue: fp32 result, added
-        out.add_(_triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None))
-        return
     op = "fp8_gemm_accumulate"
-    _C.fp8_gemm_blockwise(
-        desc(a, op, "a"),
-        desc(_kernel_scale(a_scale_inv), op, "a_scale_inv"),
-        desc(b, op, "b"),
-        desc(_kernel_scale(b_scale_inv), op, "b_scale_inv"),
-        a_block[0],
-        a_block[1],
-        b_block[0],
-        b_block[1],
-        None,
-        desc(out, op, "d"),
-        True,
-        stream_for(a),
-    )
+    _run_blockwise_gemm(op, a, a_scale_inv, b, b_scale_inv, a_block, b_block, None, out, accumulate=True)
+
+
+@_fp8_gemm_blockwise_accumulate_op.register_kernel("cuda")
+def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
+    # Neither cuBLASLt's block-scaled matmul nor the Triton GEMM accumulates into out here: an fp32 result, added.
+    product = _block_gemm_cuda.fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, torch.float32, None, a_block, b_block)
+    if product is None:
+        product = _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None)
+    out.add_(product)
 
 
 @_fp8_gemm_blockwise_accumulate_op.register_fake
@@ -451,35 +448,20 @@ def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
 
 
 def fp8_gemm_blockwise_accumulate_(
-    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, out: torch.Tensor
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    a_block: tuple[int, int],
+    b_block: tuple[int, int],
 ) -> None:
-    """out += block-scaled (a @ b.T), in place: the block-scaled twin of ``ops.fp8_gemm_accumulate_``
-    (fused wgrad accumulation into ``main_grad`` under the block recipes).
+    """out += block-scaled (a @ b.T), in place, for scalings already resolved by
+    :func:`resolve_gemm_scalings`.
 
+    ``ops.fp8_gemm_accumulate_`` is the public entry (block scales route here).
     Each K-block's fp32 partial sum is promoted with its two block scales into
     an fp32 total, which is added to ``out`` in float32 and rounded once to
-    ``out``'s dtype (no separate fp32 product tensor on the CPU).
-
-    Args:
-        a, a_scale_inv, b, b_scale_inv: as :func:`ops.fp8_gemm`'s, with block scales
-            (any pair of :func:`fp8_gemm_scalings` but TensorWise x TensorWise).
-        out: contiguous (M, N) float32, bfloat16 or float16 tensor, the kernel's output ``d``.
-
-    Raises:
-        TypeError: an argument is not a tensor, or not on ``a``'s device, or has an
-            unsupported dtype.
-        ValueError: bad shapes or layouts; an unsupported or tensorwise scaling pair
-            (tensorwise scales: ``ops.fp8_gemm_accumulate_``); ``out`` sharing memory
-            with an operand (named output 'd').
+    ``out``'s dtype (on the CPU no separate product tensor is made).
     """
-    check_same_device(
-        "fp8_gemm_accumulate",
-        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
-    )
-    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
-    if (a_type, b_type) == ("TensorWise", "TensorWise"):
-        raise ValueError(
-            "fp8_gemm_accumulate: 'a_scale_inv' and 'b_scale_inv' are tensorwise; "
-            "fp8_gemm_blockwise_accumulate_ takes block scales (use ops.fp8_gemm_accumulate_)"
-        )
     _fp8_gemm_blockwise_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, list(a_block), list(b_block))
