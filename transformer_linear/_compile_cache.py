@@ -14,6 +14,7 @@ package are never reused by another.
 from __future__ import annotations
 
 import hashlib
+import importlib
 from pathlib import Path
 import torch
 
@@ -33,10 +34,16 @@ def source_digest(root: Path) -> str:
 
 def tag_compile_caches(root: Path = _PACKAGE) -> str:
     """Add the digest of the sources under ``root`` (the package) to torch.compile's cache key tag,
-    once; returns the tag."""
+    once; returns the tag ("" on a torch without the setting, whose caches do not take a tag)."""
+    try:
+        config = importlib.import_module("torch.compiler.config")
+    except ImportError:
+        return ""
+    if not hasattr(config, "cache_key_tag"):
+        return ""
     mark = f"transformer_linear-{source_digest(root)}"
-    tag = torch.compiler.config.cache_key_tag
+    tag = config.cache_key_tag
     if mark not in tag.split(";"):
         tag = f"{tag};{mark}" if tag else mark
-        torch.compiler.config.cache_key_tag = tag
+        config.cache_key_tag = tag
     return tag
