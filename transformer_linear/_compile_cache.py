@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 from pathlib import Path
-import torch
 
 __all__ = ["source_digest", "tag_compile_caches"]
 
