@@ -164,13 +164,16 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     x_scale, w_scale, grad_scale = (_column(used, name) for name in FP8_STATE_COLUMNS)
     grad_scale_out = grad_scale
     if delayed and a.just_in_time:
-        x_empty, w_empty = no_amax_yet(a.amax_history, used[: a.scale.numel()]).tolist()
+        # One read of the state (a device sync on a GPU) for all three tensors.
+        x_empty, w_empty, g_empty = torch.cat(
+            [no_amax_yet(a.amax_history, used[: a.scale.numel()]), no_amax_yet(grad_history, grad_scale)]
+        ).tolist()
         group = a.amax_reduction_group
         if x_empty:
             x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)
         if w_empty and a.weight_fp8 is None:
             w_scale = _just_in_time_scale(weight, a.fwd_dtype, a.margin, w_scale, group)
-        if no_amax_yet(grad_history, grad_scale).item():
+        if g_empty:
             grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
     qx = _quantize(x2d, a.fwd_dtype, x_scale, a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
