@@ -424,11 +424,17 @@ def fp8_gemm(
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
     )
-    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
-    if (a_type, b_type) == ("TensorWise", "TensorWise"):
+    blocks = _block_scalings(a, a_scale_inv, b, b_scale_inv)
+    if blocks is None:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
-    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block)
+    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, *blocks)
+
+
+def _block_scalings(a, a_scale_inv, b, b_scale_inv) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+    """(a's block, b's block) of a block-scaled GEMM; None for TensorWise x TensorWise (the tensorwise ops)."""
+    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    return None if (a_type, b_type) == ("TensorWise", "TensorWise") else (a_block, b_block)
 
 
 def fp8_gemm_accumulate_(
@@ -455,9 +461,9 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
-    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
-    if (a_type, b_type) == ("TensorWise", "TensorWise"):
+    blocks = _block_scalings(a, a_scale_inv, b, b_scale_inv)
+    if blocks is None:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
     else:
-        fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block)
+        fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, *blocks)

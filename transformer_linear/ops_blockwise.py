@@ -213,13 +213,18 @@ def _run_blockwise_gemm(op, a, a_scale_inv, b, b_scale_inv, a_block, b_block, bi
     )
 
 
-@_fp8_gemm_blockwise_op.register_kernel("cuda")
-def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
-    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+def _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    """cuBLASLt's block-scaled matmul where it takes the pair (_block_gemm_cuda.py), the Triton GEMM otherwise."""
     out = _block_gemm_cuda.fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block)
     if out is None:
         out = _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     return out
+
+
+@_fp8_gemm_blockwise_op.register_kernel("cuda")
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    return _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block)
 
 
 @_fp8_gemm_blockwise_op.register_fake
@@ -436,10 +441,7 @@ def _fp8_gemm_blockwise_accumulate_op(
 @_fp8_gemm_blockwise_accumulate_op.register_kernel("cuda")
 def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
     # Neither cuBLASLt's block-scaled matmul nor the Triton GEMM accumulates into out here: an fp32 result, added.
-    product = _block_gemm_cuda.fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, torch.float32, None, a_block, b_block)
-    if product is None:
-        product = _triton_kernels().fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None)
-    out.add_(product)
+    out.add_(_cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None, a_block, b_block))
 
 
 @_fp8_gemm_blockwise_accumulate_op.register_fake
