@@ -14,7 +14,7 @@ RECIPES = {
     "delayed_hybrid": recipe.DelayedScaling(amax_history_len=4),
     "delayed_e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_compute_algo="most_recent", margin=1),
 }
-SHAPES = [(5, 24, 10), (2, 3, 17, 33), (0, 16, 8), (1, 1, 1)]  # (*batch, in_features, out_features)
+SHAPES = [(5, 24, 10), (2, 3, 17, 33), (0, 16, 8), (1, 1, 1), (7, 1, 5), (7, 5, 1)]  # (*batch, in_features, out_features)
 
 
 def _run(layer, x, grad):

@@ -109,8 +109,12 @@ def _run(layer, x, dy, unbacked_rows=False, **kw):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-# (rows, in, out): several blocks; one block; rows of a single 1x32 / 1x128 block with many rows
-@pytest.mark.parametrize("shape", [(70, 256, 192), (5, 64, 32), (1, 40, 8), (256, 32, 32), (200, 64, 128)])
+# (rows, in, out): several blocks; one block; rows of a single 1x32 / 1x128 block with many rows; one
+# input and/or output feature (a one-column tensor, whose (1, 1) rowwise block is not a square block)
+@pytest.mark.parametrize(
+    "shape",
+    [(70, 256, 192), (5, 64, 32), (1, 40, 8), (256, 32, 32), (200, 64, 128), (7, 1, 5), (7, 5, 1), (7, 1, 1), (1, 1, 1)],
+)
 def test_eager_matches_reference_emulation(name, shape):
     r, spec = RECIPES[name]
     x, w, b, dy = _data(*shape)

@@ -118,7 +118,9 @@ class TensorQuantizer:
         blocks), so only non-square blocks quantize the transpose from ``x``.
         """
         block = self.block_for(x.shape[1])
-        square = block[0] == block[1]
+        # The declared block, not the resolved one: a one-column tensor's rowwise block is (1, 1), yet its
+        # columnwise copy needs whole-row blocks of the transpose, not the (1, 1) blocks transposed.
+        square = self.block_shape[0] == self.block_shape[1]
         # The fused pass reads a block as long as the row (bk >= K) as rowwise scaling and gives the
         # transpose whole-row blocks too; a 1x32 / 1x128 block on a short row must stay 1x32 / 1x128
         # along the other dimension, so that transpose is quantized on its own.
