@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import numpy as np
@@ -207,6 +209,99 @@ def test_linear_checks_its_tensors_against_the_input(where):
     name = "weight" if where == "parameters" else "weight.main_grad"
     with pytest.raises(TypeError, match=f"Linear: argument '{name}' must be on cpu like 'inp', got meta"):
         layer(torch.randn(4, 8))
+
+
+# ---------------------------------------------------------------------------
+# Every public function of ops: a meta or uint8 tensor in any tensor argument (issue 23 item 1)
+# ---------------------------------------------------------------------------
+
+# The public functions of ops: every function in its namespace without a leading underscore, so
+# one added later (or a helper imported there without one) is walked, or fails the table check.
+PUBLIC_OPS = sorted(
+    name
+    for name, value in vars(ops).items()
+    if not name.startswith("_") and inspect.isfunction(value) and value.__module__.startswith("transformer_linear")
+)
+# Where the kernels' messages name an argument as TE's C API does: the input 'input', the GEMM output 'd'.
+KERNEL_NAMES = {"x": ("x", "input"), "q": ("q", "input"), "out": ("out", "d")}
+
+
+def public_op_arguments() -> dict[str, dict]:
+    """Well-formed CPU arguments (by parameter name) of each public function of ops."""
+    x = torch.randn(8, 256)
+    a, a_scale_inv = ops.quantize_blockwise(x, E4M3, (1, 128))
+    b, b_scale_inv = ops.quantize_blockwise(torch.randn(4, 256), E4M3, (1, 128))
+    q, scale_inv = ops.quantize(x, one(), E4M3)
+    gemm = {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv}
+    return {
+        "amax": {"x": x},
+        "quantize": {"x": x, "scale": one(), "dtype": E4M3},
+        "quantize_with_amax": {"x": x, "scale": one(), "dtype": E4M3},
+        "quantize_current": {"x": x, "dtype": E4M3},
+        "quantize_fused": {"x": x, "dtype": E4M3, "scale": one()},
+        "dequantize": {"q": q, "scale_inv": scale_inv, "out_dtype": torch.float32},
+        "fp8_gemm": {**gemm, "out_dtype": torch.float32, "bias": torch.zeros(4)},
+        "fp8_gemm_accumulate_": {**gemm, "out": torch.zeros(8, 4)},
+        "fp8_gemm_scalings": {},
+        "resolve_gemm_scalings": gemm,
+        "quantize_blockwise": {"x": x, "dtype": E4M3, "block_shape": (1, 128)},
+        "quantize_blockwise_fused": {"x": x, "dtype": E4M3, "block_shape": (1, 128), "columnwise": True},
+    }
+
+
+def test_every_public_op_has_arguments_in_the_walk():
+    assert PUBLIC_OPS == sorted(public_op_arguments())
+    assert sorted(n for n in ops.__all__ if inspect.isfunction(getattr(ops, n))) == PUBLIC_OPS
+
+
+def _as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as uint8 where it has one-byte elements (FP8 data, E8M0 scales), else its values."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.to(torch.uint8)
+
+
+WALK = [
+    (op, arg, kind)
+    for op, args in public_op_arguments().items()
+    for arg, value in args.items()
+    if isinstance(value, torch.Tensor)
+    for kind in ("meta", "uint8")
+]
+
+
+def _outputs(out) -> list:
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("op, arg, kind", WALK, ids=lambda v: v)
+def test_every_public_op_rejects_a_meta_or_uint8_argument(op, arg, kind):
+    """A clear error naming the argument: not the dispatcher's, not garbage (a meta tensor among CPU
+    ones routes a call to the fake kernel: uninitialized memory, or a silent no-op), not a uint8 read
+    as E8M0 bits. Where it is the only tensor, a meta tensor propagates shapes like torch's own ops
+    (what a module on the meta device runs): every output is a meta tensor."""
+    args = public_op_arguments()[op]
+    tensors = [k for k, v in args.items() if isinstance(v, torch.Tensor)]
+    args[arg] = args[arg].to("meta") if kind == "meta" else _as_uint8(args[arg])
+    call = functools.partial(getattr(ops, op), **args)
+    if kind == "meta" and len(tensors) == 1:
+        out = call()
+        assert _outputs(out) and all(t.device.type == "meta" for t in _outputs(out))
+        return
+    names = "|".join(KERNEL_NAMES.get(arg, (arg,)))
+    with pytest.raises((TypeError, ValueError), match=rf"(?=.*'({names})')(?=.*\b{kind}\b)") as info:
+        call()
+    assert "Expected a value of type" not in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["fp8_gemm_blockwise", "fp8_gemm_blockwise_accumulate"])
+@pytest.mark.parametrize("arg", ["a", "a_scale_inv", "b", "b_scale_inv"])
+@pytest.mark.parametrize("kind", ["meta", "uint8"])
+def test_block_gemm_ops_check_their_own_arguments(op, arg, kind):
+    """The registered ops too, called through torch.ops with no Python entry before them."""
+    args = public_op_arguments()["resolve_gemm_scalings"]
+    args[arg] = args[arg].to("meta") if kind == "meta" else _as_uint8(args[arg])
+    rest = (torch.float32, None) if op == "fp8_gemm_blockwise" else (torch.zeros(8, 4),)
+    with pytest.raises(TypeError, match=rf"(?=.*'{arg}')(?=.*\b{kind}\b)"):
+        getattr(torch.ops.transformer_linear, op)(*args.values(), *rest, [1, 128], [1, 128])
 
 
 # ---------------------------------------------------------------------------

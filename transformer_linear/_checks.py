@@ -82,6 +82,8 @@ def check_scale_values(op: str, scales: Mapping[str, Optional[torch.Tensor]], re
     Tensors on other devices (reading them would sync the device), absent
     ones and those of other dtypes (which the kernels reject with their own
     message) pass unchecked. Block scales are checked element by element.
+    E8M0 scales are ``torch.float8_e8m0fnu`` tensors, never their uint8 bits
+    (the block ops reject uint8 scales by dtype); E8M0's NaN byte 0xFF raises.
 
     Args:
         op: the operation's name, for the message.

@@ -30,24 +30,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from transformer_linear import _C, _cuda_fallback
-from transformer_linear._checks import (
-    check_fp8_dtype,
-    check_hp_dtype,
-    check_margin,
-    check_same_device,
-    check_scale_values,
-    gemm_out_shape,
-)
-from transformer_linear._checks import check_tensor as _check_tensor
-from transformer_linear._tensor import cublas_workspace, desc, stream_for
+# Helpers are reached through their modules (or imported with a leading underscore): every public
+# name here is an op that validates its arguments (tests/test_bad_input.py walks them all).
+from transformer_linear import _C, _checks, _cuda_fallback, _tensor
 from transformer_linear.ops_blockwise import (
     BlockQuantizeOutput,
-    blockwise_outputs,
-    check_quantize_blockwise_args,
-    columnwise_block_shape,
-    fp8_gemm_blockwise,
-    fp8_gemm_blockwise_accumulate_,
+    _fp8_gemm_blockwise,
+    _fp8_gemm_blockwise_accumulate_,
     fp8_gemm_scalings,
     quantize_blockwise,
     quantize_blockwise_fused,
@@ -61,9 +50,6 @@ __all__ = [
     "dequantize",
     "fp8_gemm",
     "fp8_gemm_accumulate_",
-    "check_quantize_blockwise_args",
-    "blockwise_outputs",
-    "columnwise_block_shape",
     "fp8_gemm_scalings",
     "resolve_gemm_scalings",
     "quantize",
@@ -90,7 +76,7 @@ def _transposed_shape(x: torch.Tensor) -> tuple[int, int]:
 
 def _amax_kernel(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)
-    _C.amax(desc(x, "amax", "input"), desc(out, "amax", "amax"), stream_for(x))
+    _C.amax(_tensor.desc(x, "amax", "input"), _tensor.desc(out, "amax", "amax"), _tensor.stream_for(x))
     return out
 
 
@@ -109,7 +95,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
     """
-    _check_tensor("amax", "input", x)
+    _checks.check_tensor("amax", "input", x)
     return _amax_op(x)
 
 
@@ -120,7 +106,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
-    check_scale_values("quantize", {"scale": scale}, reciprocal=True)
+    _checks.check_scale_values("quantize", {"scale": scale}, reciprocal=True)
 
 
 def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
@@ -131,16 +117,16 @@ def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
     scale_arg = _scalar(x) if current else scale
     _C.quantize(
-        desc(x, op, "input"),
-        desc(scale_arg, op, "scale"),
-        desc(q, op, "output") if rowwise else None,
-        desc(q_t, op, "output_t") if columnwise else None,
-        desc(scale_inv, op, "scale_inv"),
-        desc(x_amax, op, "amax"),
-        desc(dbias, op, "dbias") if dbias_dtype is not None else None,
+        _tensor.desc(x, op, "input"),
+        _tensor.desc(scale_arg, op, "scale"),
+        _tensor.desc(q, op, "output") if rowwise else None,
+        _tensor.desc(q_t, op, "output_t") if columnwise else None,
+        _tensor.desc(scale_inv, op, "scale_inv"),
+        _tensor.desc(x_amax, op, "amax"),
+        _tensor.desc(dbias, op, "dbias") if dbias_dtype is not None else None,
         current,
         margin,
-        stream_for(x),
+        _tensor.stream_for(x),
     )
     return q, q_t, scale_inv, x_amax, dbias
 
@@ -163,9 +149,9 @@ _cuda_fallback.register_cuda_kernel(_quantize_op, _quantize_kernel, _cuda_fallba
 
 
 def _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype):
-    check_fp8_dtype("quantize", "dtype", dtype)
+    _checks.check_fp8_dtype("quantize", "dtype", dtype)
     if dbias_dtype is not None:
-        check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
+        _checks.check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
     if not (rowwise or columnwise):
         raise ValueError("quantize: at least one of 'rowwise' and 'columnwise' must be True")
 
@@ -226,9 +212,9 @@ def quantize_fused(
         columnwise: produce ``data_t`` (the fused cast + transpose).
         dbias_dtype: produce ``dbias`` in this dtype.
     """
-    check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
-    check_fp8_dtype("quantize", "dtype", dtype)
-    check_margin("quantize", margin)
+    _checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
+    _checks.check_fp8_dtype("quantize", "dtype", dtype)
+    _checks.check_margin("quantize", margin)
     return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
 
 
@@ -260,14 +246,14 @@ def quantize_current(
 
 
 def _dequantize_checks(q, scale_inv, out_dtype):
-    check_hp_dtype("dequantize", "out_dtype", out_dtype)
-    check_scale_values("dequantize", {"scale_inv": scale_inv})
+    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    _checks.check_scale_values("dequantize", {"scale_inv": scale_inv})
 
 
 def _dequantize_kernel(q, scale_inv, out_dtype):
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     op = "dequantize"
-    _C.dequantize(desc(q, op, "input"), desc(scale_inv, op, "scale_inv"), desc(out, op, "output"), stream_for(q))
+    _C.dequantize(_tensor.desc(q, op, "input"), _tensor.desc(scale_inv, op, "scale_inv"), _tensor.desc(out, op, "output"), _tensor.stream_for(q))
     return out
 
 
@@ -282,14 +268,14 @@ _cuda_fallback.register_cuda_kernel(_dequantize_op, _dequantize_kernel, _cuda_fa
 
 @_dequantize_op.register_fake
 def _(q, scale_inv, out_dtype):
-    check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
-    check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
-    check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    _checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
+    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return _dequantize_op(q, scale_inv, out_dtype)
 
 
@@ -299,34 +285,34 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype)
 
 
 def _check_gemm_scales(a_scale_inv, b_scale_inv):
-    check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
+    _checks.check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
 
 
 def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_accumulator):
     op = "fp8_gemm"
-    workspace = cublas_workspace(a.device) if a.device.type == "cuda" else None
+    workspace = _tensor.cublas_workspace(a.device) if a.device.type == "cuda" else None
     _C.fp8_gemm(
-        desc(a, op, "a"),
-        desc(a_scale_inv, op, "a_scale_inv"),
-        desc(b, op, "b"),
-        desc(b_scale_inv, op, "b_scale_inv"),
-        desc(bias, op, "bias"),
-        desc(out, op, "d"),
+        _tensor.desc(a, op, "a"),
+        _tensor.desc(a_scale_inv, op, "a_scale_inv"),
+        _tensor.desc(b, op, "b"),
+        _tensor.desc(b_scale_inv, op, "b_scale_inv"),
+        _tensor.desc(bias, op, "bias"),
+        _tensor.desc(out, op, "d"),
         accumulate,
         use_split_accumulator,
-        desc(workspace, op, "workspace"),
-        stream_for(a),
+        _tensor.desc(workspace, op, "workspace"),
+        _tensor.stream_for(a),
     )
 
 
 def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
-    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    _checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     _check_gemm_scales(a_scale_inv, b_scale_inv)
 
 
 def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
     """The extension's GEMM (the op's arguments, checked by _fp8_gemm_checks)."""
-    out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
+    out = torch.empty(_checks.gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
     return out
 
@@ -350,8 +336,8 @@ _cuda_fallback.register_cuda_kernel(_fp8_gemm_op, _fp8_gemm_kernel, _cuda_fallba
 
 @_fp8_gemm_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
-    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
-    return a.new_empty(gemm_out_shape(a, b), dtype=out_dtype)
+    _checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    return a.new_empty(_checks.gemm_out_shape(a, b), dtype=out_dtype)
 
 
 def _fp8_gemm_accumulate_checks(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
@@ -419,7 +405,7 @@ def fp8_gemm(
             :func:`fp8_gemm_scalings`; on the CPU, a scale that is not
             positive and finite.
     """
-    check_same_device(
+    _checks.check_same_device(
         "fp8_gemm",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
@@ -428,7 +414,7 @@ def fp8_gemm(
     if blocks is None:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
-    return fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, *blocks)
+    return _fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, *blocks)
 
 
 def _block_scalings(a, a_scale_inv, b, b_scale_inv) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
@@ -457,7 +443,7 @@ def fp8_gemm_accumulate_(
         ValueError: besides :func:`fp8_gemm`'s errors, when ``out`` shares
             memory with an operand (the message names it output 'd').
     """
-    check_same_device(
+    _checks.check_same_device(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
@@ -466,4 +452,4 @@ def fp8_gemm_accumulate_(
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
     else:
-        fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, *blocks)
+        _fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, *blocks)

@@ -7,8 +7,9 @@ tiles (DeepSeek-V3, TE ``Float8BlockScaling``), 1x32 blocks with E8M0 scales
 extension's kernels, CUDA tensors the Triton kernels of
 ``transformer_linear.triton`` (block-scaled GEMMs: cuBLASLt's block-scaled
 matmul where the GPU and build have it, see ``_block_gemm_cuda``), each
-registered for its device. ``ops.fp8_gemm`` routes block scales here; the
-public functions are re-exported by ``ops``.
+registered for its device. ``ops.fp8_gemm`` routes block scales here (through
+the private ``_fp8_gemm_blockwise*`` functions, which take the blocks
+``resolve_gemm_scalings`` found); the public functions are re-exported by ``ops``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformer_linear import _C, _block_gemm_cuda
 from transformer_linear._checks import (
     check_fp8_dtype,
     check_hp_dtype,
+    check_same_device,
     check_scale_values,
     check_tensor,
     gemm_out_shape,
@@ -34,8 +36,6 @@ __all__ = [
     "blockwise_outputs",
     "check_quantize_blockwise_args",
     "columnwise_block_shape",
-    "fp8_gemm_blockwise",
-    "fp8_gemm_blockwise_accumulate_",
     "fp8_gemm_scalings",
     "quantize_blockwise",
     "quantize_blockwise_fused",
@@ -134,11 +134,11 @@ def resolve_gemm_scalings(
     """
     op = "fp8_gemm"
     for name, t in (("a", a), ("a_scale_inv", a_scale_inv), ("b", b), ("b_scale_inv", b_scale_inv)):
-        check_tensor(op, name, t, like=None if name == "a" else a)
+        check_tensor(op, name, t, like=None if name == "a" else a, like_name="a")
     gemm_out_shape(a, b)
-    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
-        if t.dtype not in SCALE_DTYPES:
-            raise TypeError(f"{op}: argument '{name}' must be torch.float32 or torch.float8_e8m0fnu, got {t.dtype}")
+    check_fp8_dtype(op, "a", a.dtype)
+    check_fp8_dtype(op, "b", b.dtype)
+    _check_scale_dtypes(op, a_scale_inv, b_scale_inv)
 
     def layouts(t: torch.Tensor, operand: torch.Tensor) -> dict[str, tuple[list, Optional[bool], tuple[int, int]]]:
         return {
@@ -172,6 +172,25 @@ def resolve_gemm_scalings(
     )
 
 
+def _check_scale_dtypes(op: str, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor) -> None:
+    """A TypeError unless both scales are float32 or E8M0. The kernels read E8M0 as its uint8 bits, so a
+    uint8 tensor would pass their checks: 2 read as 2^-125, 0xFF as NaN."""
+    for name, t in (("a_scale_inv", a_scale_inv), ("b_scale_inv", b_scale_inv)):
+        if t.dtype not in SCALE_DTYPES:
+            raise TypeError(f"{op}: argument '{name}' must be torch.float32 or torch.float8_e8m0fnu, got {t.dtype}")
+
+
+def _check_block_gemm_op(op, a, a_scale_inv, b, b_scale_inv, bias, out):
+    """What the block-GEMM ops check themselves (called directly through ``torch.ops``, they have no
+    Python entry before them): one device (a 'meta' tensor among CPU tensors would route the call to
+    the fake implementation) and the scale dtypes. Scale values: _run_blockwise_gemm (CPU only)."""
+    check_same_device(
+        op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias, "out": out},
+        optional=("bias", "out"),
+    )
+    _check_scale_dtypes(op, a_scale_inv, b_scale_inv)
+
+
 def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
     """E8M0 scales cross into the kernels as their uint8 bits."""
     return t.view(torch.uint8) if t.dtype == E8M0_DTYPE else t
@@ -188,6 +207,7 @@ def _fp8_gemm_blockwise_op(
     a_block: list[int],
     b_block: list[int],
 ) -> torch.Tensor:
+    _check_block_gemm_op("fp8_gemm", a, a_scale_inv, b, b_scale_inv, bias, None)
     check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     out = torch.empty(gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     _run_blockwise_gemm("fp8_gemm", a, a_scale_inv, b, b_scale_inv, a_block, b_block, bias, out, accumulate=False)
@@ -223,17 +243,19 @@ def _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_bloc
 
 @_fp8_gemm_blockwise_op.register_kernel("cuda")
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    _check_block_gemm_op("fp8_gemm", a, a_scale_inv, b, b_scale_inv, bias, None)
     check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     return _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block)
 
 
 @_fp8_gemm_blockwise_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block):
+    _check_block_gemm_op("fp8_gemm", a, a_scale_inv, b, b_scale_inv, bias, None)
     check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     return a.new_empty(gemm_out_shape(a, b), dtype=out_dtype)
 
 
-def fp8_gemm_blockwise(
+def _fp8_gemm_blockwise(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
     b: torch.Tensor,
@@ -245,8 +267,8 @@ def fp8_gemm_blockwise(
 ) -> torch.Tensor:
     """The block-scaled GEMM for scalings already resolved by :func:`resolve_gemm_scalings`.
 
-    ``ops.fp8_gemm`` is the public entry: it validates the operands and
-    infers ``a_block`` / ``b_block`` from the scale tensors.
+    Private: ``ops.fp8_gemm`` is the public entry; it validates the operands
+    and infers ``a_block`` / ``b_block`` from the scale tensors.
     """
     return _fp8_gemm_blockwise_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block))
 
@@ -328,7 +350,7 @@ def _quantize_blockwise_op(
     bt = columnwise_block_shape(tuple(block_shape), *x.shape)
     op = "quantize_blockwise"
     _C.quantize_blockwise(
-        desc(x, op, "input"),
+        desc(x, op, "x"),
         desc(q, op, "output") if rowwise else None,
         desc(_kernel_scale(s), op, "scale_inv") if rowwise else None,
         desc(q_t, op, "output_t") if columnwise else None,
@@ -435,21 +457,24 @@ def _fp8_gemm_blockwise_accumulate_op(
     b_block: list[int],
 ) -> None:
     op = "fp8_gemm_accumulate"
+    _check_block_gemm_op(op, a, a_scale_inv, b, b_scale_inv, None, out)
     _run_blockwise_gemm(op, a, a_scale_inv, b, b_scale_inv, a_block, b_block, None, out, accumulate=True)
 
 
 @_fp8_gemm_blockwise_accumulate_op.register_kernel("cuda")
 def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
+    _check_block_gemm_op("fp8_gemm_accumulate", a, a_scale_inv, b, b_scale_inv, None, out)
     # Neither cuBLASLt's block-scaled matmul nor the Triton GEMM accumulates into out here: an fp32 result, added.
     out.add_(_cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, torch.float32, None, a_block, b_block))
 
 
 @_fp8_gemm_blockwise_accumulate_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out, a_block, b_block):
+    _check_block_gemm_op("fp8_gemm_accumulate", a, a_scale_inv, b, b_scale_inv, None, out)
     return None
 
 
-def fp8_gemm_blockwise_accumulate_(
+def _fp8_gemm_blockwise_accumulate_(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
     b: torch.Tensor,
@@ -461,7 +486,7 @@ def fp8_gemm_blockwise_accumulate_(
     """out += block-scaled (a @ b.T), in place, for scalings already resolved by
     :func:`resolve_gemm_scalings`.
 
-    ``ops.fp8_gemm_accumulate_`` is the public entry (block scales route here).
+    Private: ``ops.fp8_gemm_accumulate_`` is the public entry (block scales route here).
     Each K-block's fp32 partial sum is promoted with its two block scales into
     an fp32 total, which is added to ``out`` in float32 and rounded once to
     ``out``'s dtype (on the CPU no separate product tensor is made).
