@@ -77,6 +77,11 @@ def call_quantize(x, output=None, output_t=None, scale=None, margin=0):
         (lambda: ops.dequantize(torch.ones(4).to(E4M3), torch.ones(3), torch.float32), ValueError, "'scale_inv'"),
         (lambda: ops.dequantize(torch.ones(4, 4).to(E4M3).t(), one(), torch.float32), ValueError, "'input' must be contiguous"),
         (lambda: ops.dequantize(torch.ones(4).to(E4M3), None, torch.float32), TypeError, "'scale_inv' must be a torch.Tensor"),
+        # quantize_blockwise names its argument 'x' (its parameter) in the kernel's errors too.
+        (lambda: ops.quantize_blockwise(torch.ones(8, 64).t(), E4M3, (1, 32)), ValueError, "quantize_blockwise: argument 'x' must be contiguous"),
+        # Past int64 (the op's SymInt[]): its own message, not the dispatcher's "Expected a value of type".
+        (lambda: ops.quantize_blockwise(torch.ones(4, 8), E4M3, (1, 2**63)), ValueError, r"'block_shape' must be two ints in \[1, 2\*\*63 - 1\]"),
+        (lambda: ops.quantize_blockwise_fused(torch.ones(4, 8), E4M3, (2**64, 1)), ValueError, r"'block_shape' must be two ints"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

@@ -166,3 +166,31 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, messa
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("transformer-linear compare: error: "), err
     assert message in err
+
+
+# Factories whose user code ends the process or forgets a return (issue 23).
+EXITING_MODELS = """
+    import sys
+
+    from torch import nn
+
+    def exits():
+        sys.exit(0)
+
+    def exits_in_make_batch():
+        def make_batch(step):
+            sys.exit(0)
+
+        return nn.Sequential(nn.Linear(8, 4)), make_batch
+
+    def no_batch():
+        return nn.Sequential(nn.Linear(8, 4)), lambda step: None
+"""
+
+
+def test_make_batch_returning_none_is_one_line_naming_the_factory(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, EXITING_MODELS)
+    code, _, err = _run(capsys, "--model", "usermodels:no_batch", "--out", "rep", *TINY)
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert "--model: the make_batch of usermodels:no_batch returned None for step 0" in err

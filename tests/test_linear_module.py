@@ -179,6 +179,26 @@ def test_meta_init_then_to_empty_starts_the_state_fresh(r):
     assert torch.isfinite(y).all()
 
 
+ALL_RECIPES = [None, recipe.DelayedScaling(), recipe.CurrentScaling(), recipe.Float8BlockScaling(),
+               recipe.MXFP8BlockScaling(), recipe.Float8RowwiseScaling()]
+
+
+@pytest.mark.parametrize("r", ALL_RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_forward_and_backward_propagate_shapes_like_nn_linear(r, dtype):
+    """A layer on the meta device (deferred init) runs like nn.Linear there: meta outputs and gradients
+    of nn.Linear's shapes and dtypes, under every recipe."""
+    ref = nn.Linear(64, 32, device="meta", dtype=dtype)
+    layer = tl.Linear(64, 32, device="meta", dtype=dtype, recipe=r)
+    outs = []
+    for module in (ref, layer):
+        x = torch.empty(2, 3, 64, device="meta", dtype=dtype, requires_grad=True)
+        y = module(x)
+        y.sum().backward()
+        outs.append([(t.device.type, t.shape, t.dtype) for t in (y, x.grad, module.weight.grad, module.bias.grad)])
+    assert outs[1] == outs[0]
+
+
 class TestLoadFP8State:
     """load_state_dict checks the FP8 state: float32, documented shapes, usable scales."""
 

@@ -315,7 +315,9 @@ class Linear(nn.Module):
             weight, bias = self.weight, self.bias
         grad = torch.is_grad_enabled()
         device_type = inp.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else inp.dtype
+        # A meta input (deferred init) has no autocast state to ask.
+        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else inp.dtype
         fp8 = recipe is not None
         fmt = recipe.fp8_format if fp8 else None
         delayed = isinstance(recipe, DelayedScaling)

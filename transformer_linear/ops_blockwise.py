@@ -281,6 +281,9 @@ def _triton_kernels():
     return kernels
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def check_quantize_blockwise_args(
     x: torch.Tensor, dtype: torch.dtype, block_shape: object, scale_dtype: torch.dtype, e8m0_rounding: str
 ) -> tuple[int, int]:
@@ -296,9 +299,12 @@ def check_quantize_blockwise_args(
     if (
         not isinstance(block_shape, (tuple, list))
         or len(block_shape) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in block_shape)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _INT64_MAX for v in block_shape)
     ):
-        raise ValueError(f"{op}: argument 'block_shape' must be two positive ints (rows, cols), got {block_shape!r}")
+        # The bound: the op's block_shape is a SymInt[] (int64); the dispatcher's message would not name it.
+        raise ValueError(
+            f"{op}: argument 'block_shape' must be two ints in [1, 2**63 - 1] (rows, cols), got {block_shape!r}"
+        )
     if e8m0_rounding not in E8M0_ROUNDINGS:
         raise ValueError(f"{op}: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
     return int(block_shape[0]), int(block_shape[1])

@@ -33,13 +33,13 @@ void quantize_blockwise(const TensorDesc& input, const TensorDesc& output,
                         int64_t block_rows_t, int64_t block_cols_t, bool power_2_scale,
                         bool e8m0_floor, Stream stream) {
   constexpr const char* op = "quantize_blockwise";
-  check_defined(op, "input", input);
+  check_defined(op, "x", input);
   TL_CHECK_TYPE(input.device == DeviceType::kCPU, op,
-                ": argument 'input' must be on cpu (the GPU kernels are transformer_linear.triton), got ",
+                ": argument 'x' must be on cpu (the GPU kernels are transformer_linear.triton), got ",
                 device_name(input.device));
-  check_dtype(op, "input", input, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
-  check_rank(op, "input", input, 2);
-  check_contiguous(op, "input", input);
+  check_dtype(op, "x", input, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_rank(op, "x", input, 2);
+  check_contiguous(op, "x", input);
   TL_CHECK(output.defined() || output_t.defined(), op,
            ": at least one of 'output' and 'output_t' is required");
   QuantizeBlockParams p{};
@@ -76,7 +76,7 @@ void quantize_blockwise(const TensorDesc& input, const TensorDesc& output,
   check_disjoint(op,
                  {{"output", &output}, {"scale_inv", &scale_inv}, {"output_t", &output_t},
                   {"scale_inv_t", &scale_inv_t}},
-                 {{"input", &input}});
+                 {{"x", &input}});
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::quantize_blockwise(p);
 }

@@ -160,7 +160,23 @@ def user_workload(
         if input_shape is None:
             raise ValueError(f"--model: {spec} returns no make_batch; describe the inputs with --input-shape")
         make_batch = synthetic_batches(input_shape, input_dtype, vocab, seed)
-    return Workload(model, make_batch, loss_fn, f"{spec} ({type(model).__name__})")
+    return Workload(model, _checked_batches(make_batch, spec), loss_fn, f"{spec} ({type(model).__name__})")
+
+
+def _checked_batches(make_batch: Callable[[int], Any], spec: str) -> Callable[[int], Any]:
+    """The factory's ``make_batch``, with a ValueError naming the factory where a batch is None (a
+    ``make_batch`` that forgot its return), rather than an AttributeError deep in the model."""
+
+    def checked(step: int) -> Any:
+        batch = make_batch(step)
+        if batch is None:
+            raise ValueError(
+                f"--model: the make_batch of {spec} returned None for step {step}; it must return the model's "
+                "inputs (a tensor or a tuple)"
+            )
+        return batch
+
+    return checked
 
 
 def byte_tokenize(text: str, vocab_size: int) -> torch.Tensor:
