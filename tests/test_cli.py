@@ -194,3 +194,15 @@ def test_make_batch_returning_none_is_one_line_naming_the_factory(tmp_path, caps
     assert code == 2
     assert err.count("\n") == 1, err
     assert "--model: the make_batch of usermodels:no_batch returned None for step 0" in err
+
+
+@pytest.mark.parametrize("factory", ["exits", "exits_in_make_batch"])
+def test_user_code_calling_sys_exit_is_exit_2_naming_the_factory(tmp_path, capsys, monkeypatch, factory):
+    """Exit 0 means every gap within --max-gap: a factory (or its make_batch) ending the process
+    wrote no report, and must not pass a CI gate."""
+    _write_module(tmp_path, monkeypatch, EXITING_MODELS)
+    code, _, err = _run(capsys, "--model", f"usermodels:{factory}", "--out", "rep", *TINY)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("transformer-linear compare: error: "), err
+    assert f"usermodels:{factory}" in err and "sys.exit(0)" in err
+    assert not (tmp_path / "rep" / "report.json").exists()

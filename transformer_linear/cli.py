@@ -275,6 +275,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"transformer-linear {args.command}: error: {first}", file=sys.stderr)
         return 2
+    except SystemExit as e:
+        # User code (a --model factory, its make_batch, its model) ended the process: no report was
+        # written, so neither 0 ("every gap within --max-gap") nor 1 may be the exit status.
+        if args.traceback:
+            raise
+        source = f"--model {args.model}" if getattr(args, "model", None) else "the model's code"
+        print(f"transformer-linear {args.command}: error: {source} called sys.exit({e.code!r}); no report written",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
