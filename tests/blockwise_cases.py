@@ -66,6 +66,21 @@ def check_quantize(fn, x: torch.Tensor, fmt: torch.dtype, scaling: str, columnwi
         assert_bitwise_equal(out.scale_inv_t, s_t, f"{what} scale_inv_t")
 
 
+def check_e8m0_rounding(quantize_blockwise, fmt: torch.dtype, rounding: str) -> None:
+    """quantize_blockwise(x, fmt, (1, 32), E8M0, e8m0_rounding=rounding) (ops' or the Triton kernels')
+    equals the reference bitwise, on every bf16 bit pattern and on special blocks; and the rounding
+    reaches the kernel (the two rules give other scales there)."""
+    for x in (all_bit_patterns(torch.bfloat16, False), special_blocks()):
+        what = f"e8m0 {rounding} {fmt} {tuple(x.shape)}"
+        q, s = quantize_blockwise(x, fmt, (1, 32), E8M0, e8m0_rounding=rounding)
+        q_ref, s_ref = reference.quantize_blockwise_ref(x, fmt, (1, 32), E8M0, False, rounding)
+        assert_bitwise_equal(q, q_ref, f"{what} data", any_nan=True)
+        assert_bitwise_equal(s, s_ref, f"{what} scale_inv")
+        other = "floor" if rounding == "ceil" else "ceil"
+        s_other = reference.quantize_blockwise_ref(x, fmt, (1, 32), E8M0, False, other)[1]
+        assert not torch.equal(s.view(torch.uint8), s_other.view(torch.uint8)), what
+
+
 # (a scaling, b scaling) of each GEMM the recipes run, as (block_shape, scale_dtype) pairs.
 GEMM_SCALINGS = {
     "1x128_x_128x128": (((1, 128), torch.float32), ((128, 128), torch.float32)),

@@ -13,6 +13,7 @@ from blockwise_cases import (
     SCALINGS,
     all_bit_patterns,
     block_shape_for,
+    check_e8m0_rounding,
     check_quantize,
     special_blocks,
 )
@@ -131,6 +132,37 @@ def test_e8m0_ceil_never_saturates(fmt):
 def test_e8m0_floor_rule():
     e = reference.e8m0_exponent(torch.tensor([448.0, 511.0, 512.0, 1.0]), 448.0, "floor")
     assert e.tolist() == [0, 0, 1, -8]  # floor(log2(amax)) - 8
+
+
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_quantize_blockwise_takes_the_e8m0_rounding(cpu_isa, fmt, rounding):
+    check_e8m0_rounding(ops.quantize_blockwise, fmt, rounding)
+
+
+# Our E8M0 rounding -> the torchao ScaleCalculationMode it matches (torchao's CEIL, 2^ceil(log2(amax)) / 2^emax,
+# is neither: it rounds amax, not amax / fp8_max, up).
+TORCHAO_MODES = {"ceil": "RCEIL", "floor": "FLOOR"}
+
+
+@pytest.mark.parametrize("rounding", list(TORCHAO_MODES))
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_e8m0_roundings_match_torchao_scale_calculation_modes(fmt, in_dtype, rounding):
+    """MXTensor.to_mx with the matching mode gives the same E8M0 scales and FP8 data, bit for bit, for
+    blocks whose amax is positive and finite (the rule for an all-zero, NaN or inf block differs:
+    README, "Non-finite inputs")."""
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    config = pytest.importorskip("torchao.prototype.mx_formats.config")
+    g = torch.Generator().manual_seed(0)
+    # Blocks of 32 over 2^-40 .. 2^40, so scales reach both ends of the roundings' differences.
+    magnitudes = torch.exp2(torch.randint(-40, 41, (64, 8), generator=g).float()).repeat_interleave(32, 1)
+    x = (torch.randn(64, 256, generator=g) * magnitudes).to(in_dtype)
+    mode = getattr(config.ScaleCalculationMode, TORCHAO_MODES[rounding])
+    expected = mx_tensor.MXTensor.to_mx(x, fmt, 32, scaling_mode=mode)
+    q, s = ops.quantize_blockwise(x, fmt, (1, 32), E8M0, e8m0_rounding=rounding)
+    assert_bitwise_equal(q, expected.qdata, f"data vs torchao {mode}")
+    assert_bitwise_equal(s, expected.scale.reshape(s.shape), f"scale vs torchao {mode}")
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0])

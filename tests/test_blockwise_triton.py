@@ -46,6 +46,7 @@ else:
         GEMM_SCALINGS,
         all_bit_patterns,
         block_operands,
+        check_e8m0_rounding,
         check_quantize,
         dequantized_mm_fp32,
         special_blocks,
@@ -71,6 +72,11 @@ else:
     @pytest.mark.parametrize("fmt", FP8_FORMATS)
     def test_quantize_edge_zero_nan_inf_blocks(kernels, fmt, scaling):
         check_quantize(kernels.quantize_blockwise_fused, special_blocks(rows=40, cols=300), fmt, scaling)
+
+
+    @pytest.mark.parametrize("rounding", ["ceil", "floor"])
+    def test_quantize_blockwise_takes_the_e8m0_rounding(kernels, rounding):
+        check_e8m0_rounding(kernels.quantize_blockwise, E4M3, rounding)
 
 
     def test_quantize_signature(kernels):

@@ -40,10 +40,10 @@ SQNR_FLOOR_DB = {"out": 25.0, "dx": 25.0, "dw": 25.0}
 SQNR_FLOOR_HYBRID_GRADS_DB = 21.0
 
 
-def _quantize(x, dtype, block, scale_dtype, p2):
+def _quantize(x, dtype, block, scale_dtype, p2, e8m0_rounding="ceil"):
     """reference.quantize_blockwise_ref of a 2-D x; ROW: one scale per whole row."""
     block = (1, x.shape[1]) if block == ROW else block
-    return reference.quantize_blockwise_ref(x, dtype, block, scale_dtype, p2)
+    return reference.quantize_blockwise_ref(x, dtype, block, scale_dtype, p2, e8m0_rounding)
 
 
 def _dequantized(q, scale_inv):
@@ -59,7 +59,7 @@ def _gemm(a, b, bias=None):
     return exact, baseline if bias is None else baseline + bias
 
 
-def _emulate(spec, x2d, w, bias, g):
+def _emulate(spec, x2d, w, bias, g, e8m0_rounding="ceil"):
     """(out, dx, dw) of the block-scaled Linear from reference.py alone, each as _gemm's pair.
 
     Forward: rowwise x and W. dgrad: rowwise grad_output with Wᵀ, quantized with blocks along
@@ -67,17 +67,21 @@ def _emulate(spec, x2d, w, bias, g):
     from the high-precision tensors with blocks along the rows.
     """
     xb, wb, gb, sd, p2, gdtype = spec
-    qx = _quantize(x2d, E4M3, xb, sd, p2)
-    qw = _quantize(w, E4M3, wb, sd, p2)
+
+    def quantize(t, dtype, block):
+        return _quantize(t, dtype, block, sd, p2, e8m0_rounding)
+
+    qx = quantize(x2d, E4M3, xb)
+    qw = quantize(w, E4M3, wb)
     out = _gemm(qx, qw, bias)
-    qg = _quantize(g, gdtype, gb, sd, p2)
+    qg = quantize(g, gdtype, gb)
     if wb != ROW and wb[0] == wb[1]:
         qw_t = (qw[0].t().contiguous(), qw[1].t().contiguous())
     else:
-        qw_t = _quantize(w.t().contiguous(), E4M3, wb, sd, p2)
+        qw_t = quantize(w.t().contiguous(), E4M3, wb)
     dx = _gemm(qg, qw_t)
-    qg_t = _quantize(g.t().contiguous(), gdtype, gb, sd, p2)
-    qx_t = _quantize(x2d.t().contiguous(), E4M3, xb, sd, p2)
+    qg_t = quantize(g.t().contiguous(), gdtype, gb)
+    qx_t = quantize(x2d.t().contiguous(), E4M3, xb)
     dw = _gemm(qg_t, qx_t)
     return out, dx, dw
 
@@ -125,6 +129,18 @@ def test_eager_matches_reference_emulation(name, shape):
     assert_close_to_reference(dx, *e_dx, what="dx")
     assert_close_to_reference(dw, *e_dw, what="dw")
     assert_bitwise_equal(db, reference.bias_grad(dy, torch.float32), "dbias")
+
+
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+def test_mxfp8_e8m0_rounding_matches_reference_emulation(rounding):
+    """MXFP8BlockScaling(e8m0_rounding=) reaches every quantize of the forward and backward."""
+    r, spec = recipe.MXFP8BlockScaling(e8m0_rounding=rounding), RECIPES["mxfp8"][1]
+    x, w, b, dy = _data(5, 64, 32)
+    out, dx, dw, _ = _run(_layer(r, w, b), x, dy)
+    for what, got, (exact, baseline) in zip(("out", "dx", "dw"), (out, dx, dw), _emulate(spec, x, w, b, dy, rounding)):
+        assert_close_to_reference(got, exact, baseline, what=f"{rounding} {what}")
+    other = _emulate(spec, x, w, b, dy, "floor" if rounding == "ceil" else "ceil")
+    assert not torch.equal(out, other[0][0].float())
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -473,7 +489,8 @@ def test_quantize_flat_is_quantize_with_1d_scales(name, tensor, layouts, shape):
     for got, expected, what in ((flat.data, full.data, "data"), (flat.data_t, full.data_t, "data_t")):
         assert_bitwise_equal(got.view(torch.uint8), expected.view(torch.uint8), what)
     op = torch.ops.transformer_linear.quantize_blockwise_flat.default
-    args = (x, quantizer.dtype, quantizer.block_shape, quantizer.scale_dtype, quantizer.power_2_scale, *layouts)
+    args = (x, quantizer.dtype, quantizer.block_shape, quantizer.scale_dtype, quantizer.power_2_scale, *layouts,
+            quantizer.e8m0_rounding)
     torch.library.opcheck(op, args)
 
 

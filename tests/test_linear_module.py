@@ -46,6 +46,7 @@ class TestRecipes:
             (lambda: recipe.DelayedScaling(amax_compute_algo="mean"), "amax_compute_algo"),
             (lambda: recipe.DelayedScaling(fp8_format="E4M3"), "fp8_format"),
             (lambda: recipe.CurrentScaling(margin=1.5), "margin"),
+            (lambda: recipe.MXFP8BlockScaling(e8m0_rounding="up"), "'e8m0_rounding' must be 'ceil' or 'floor'"),
         ],
     )
     def test_bad_values_raise_at_construction(self, make, message):

@@ -423,7 +423,10 @@ def quantize_blockwise_fused(
         power_2_scale: round float32 scales down to powers of two.
         rowwise: produce data / scale_inv.
         columnwise: produce data_t / scale_inv_t.
-        e8m0_rounding: "ceil" (TE, cuBLAS; default) or "floor" (OCP MX spec).
+        e8m0_rounding: E8M0 scales only: "ceil" (default; TE and cuBLAS,
+            torchao's ``ScaleCalculationMode.RCEIL``) or "floor" (the OCP MX
+            spec, torchao's ``ScaleCalculationMode.FLOOR``); the rules are
+            reference.e8m0_exponent's.
     """
     bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     if not (rowwise or columnwise):
@@ -440,13 +443,16 @@ def quantize_blockwise(
     block_shape: tuple[int, int],
     scale_dtype: torch.dtype = torch.float32,
     power_2_scale: bool = False,
+    *,
+    e8m0_rounding: str = "ceil",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D ``x`` with one scale per ``block_shape`` block; returns ``(q, scale_inv)``.
 
     scale_inv has shape (ceil(M / bm), ceil(K / bk)); partial edge blocks use
     the amax of what they hold. Numerics: reference.quantize_blockwise_ref.
+    Arguments as :func:`quantize_blockwise_fused`'s.
     """
-    out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale)
+    out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale, e8m0_rounding=e8m0_rounding)
     return out.data, out.scale_inv
 
 

@@ -39,7 +39,7 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.reference import E8M0_DTYPE, FP8_DTYPES
+from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, FP8_DTYPES
 
 __all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "flat", "quantization_spec"]
 
@@ -66,12 +66,14 @@ class TensorQuantizer:
             the whole row (rowwise scaling).
         scale_dtype: float32, or torch.float8_e8m0fnu (MX) for block scales.
         power_2_scale: round float32 block scales down to powers of two.
+        e8m0_rounding: E8M0 scales' rounding, "ceil" or "floor" (reference.e8m0_exponent).
     """
 
     dtype: torch.dtype
     block_shape: list[int]
     scale_dtype: torch.dtype
     power_2_scale: bool
+    e8m0_rounding: str = "ceil"
 
     def __post_init__(self) -> None:
         if self.dtype not in FP8_DTYPES:
@@ -80,6 +82,8 @@ class TensorQuantizer:
             raise ValueError(f"TensorQuantizer: 'block_shape' must be [] or [rows, cols >= 0], got {self.block_shape}")
         if self.scale_dtype not in (torch.float32, E8M0_DTYPE):
             raise TypeError(f"TensorQuantizer: 'scale_dtype' must be float32 or float8_e8m0fnu, got {self.scale_dtype}")
+        if self.e8m0_rounding not in E8M0_ROUNDINGS:
+            raise ValueError(f"TensorQuantizer: 'e8m0_rounding' must be 'ceil' or 'floor', got {self.e8m0_rounding!r}")
 
     @property
     def blockwise(self) -> bool:
@@ -107,7 +111,8 @@ class TensorQuantizer:
         scale has (columns x row blocks) elements, never 1 for a batch of 2 rows or more.
         """
         out = _quantize_flat_op(
-            x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise
+            x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise,
+            self.e8m0_rounding,
         )
         return BlockQuantized(*out)
 
@@ -126,7 +131,7 @@ class TensorQuantizer:
         # along the other dimension, so that transpose is quantized on its own.
         separate_t = columnwise and not square and self.block_shape[1] > 0 and block[1] >= x.shape[1]
         quantize = functools.partial(ops.quantize_blockwise_fused, dtype=self.dtype, scale_dtype=self.scale_dtype,
-                                     power_2_scale=self.power_2_scale)
+                                     power_2_scale=self.power_2_scale, e8m0_rounding=self.e8m0_rounding)
         rowwise_pass = rowwise or (columnwise and square)
         columnwise_pass = columnwise and not square and not separate_t
         if rowwise_pass or columnwise_pass:
@@ -154,10 +159,11 @@ def flat(t: Tensor) -> Tensor:
 
 def _flat_scales(
     x: Tensor, dtype: torch.dtype, block_shape: list[int], scale_dtype: torch.dtype, power_2_scale: bool,
-    rowwise: bool, columnwise: bool,
+    rowwise: bool, columnwise: bool, e8m0_rounding: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """TensorQuantizer.quantize_flat's op: a quantizer's fields in, 1-D scales out."""
-    q = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale).quantize(x, rowwise, columnwise)
+    quantizer = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale, e8m0_rounding)
+    q = quantizer.quantize(x, rowwise, columnwise)
     return q.data, flat(q.scale_inv), q.data_t, flat(q.scale_inv_t)
 
 
@@ -203,7 +209,9 @@ def _float8_block(recipe: Float8BlockScaling) -> QuantizationSpec:
 
 def _mxfp8(recipe: MXFP8BlockScaling) -> QuantizationSpec:
     fmt = recipe.fp8_format
-    fwd, bwd = (TensorQuantizer(d, [1, 32], E8M0_DTYPE, False) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
+    fwd, bwd = (
+        TensorQuantizer(d, [1, 32], E8M0_DTYPE, False, recipe.e8m0_rounding) for d in (fmt.fwd_dtype, fmt.bwd_dtype)
+    )
     return QuantizationSpec(fwd, fwd, bwd)
 
 

@@ -16,6 +16,8 @@ from typing import Union
 
 import torch
 
+from transformer_linear.reference import E8M0_ROUNDINGS
+
 __all__ = [
     "CurrentScaling",
     "DelayedScaling",
@@ -220,17 +222,25 @@ class Float8BlockScaling:
 class MXFP8BlockScaling:
     """OCP MXFP8 (TE ``MXFP8BlockScaling``): one E8M0 scale per 1x32 block.
 
-    The scale_inv of a block is ``2^ceil(log2(amax / fp8_max))``
+    The scale_inv of a block is ``2^ceil(log2(amax / fp8_max))`` by default,
+    ``2^(floor(log2(amax)) - floor(log2(fp8_max)))`` with ``e8m0_rounding="floor"``
     (reference.e8m0_exponent).
 
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
+        e8m0_rounding: "ceil" (TE's and cuBLAS's rule: nothing saturates;
+            torchao's ``ScaleCalculationMode.RCEIL``) or "floor" (the OCP MX
+            spec's rule: a block's largest values may saturate; torchao's
+            ``ScaleCalculationMode.FLOOR``, its default).
     """
 
     fp8_format: Format = Format.E4M3
+    e8m0_rounding: str = "ceil"
 
     def __post_init__(self) -> None:
         _check_format("MXFP8BlockScaling", self.fp8_format)
+        if self.e8m0_rounding not in E8M0_ROUNDINGS:
+            raise ValueError(f"MXFP8BlockScaling: 'e8m0_rounding' must be 'ceil' or 'floor', got {self.e8m0_rounding!r}")
 
     @property
     def block_shape(self) -> tuple[int, int]:

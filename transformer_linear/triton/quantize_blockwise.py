@@ -164,7 +164,9 @@ def quantize_blockwise(
     block_shape: tuple[int, int],
     scale_dtype: torch.dtype = torch.float32,
     power_2_scale: bool = False,
+    *,
+    e8m0_rounding: str = "ceil",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ops.quantize_blockwise: returns (q, scale_inv)."""
-    out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale)
+    out = quantize_blockwise_fused(x, dtype, block_shape, scale_dtype, power_2_scale, e8m0_rounding=e8m0_rounding)
     return out.data, out.scale_inv
