@@ -118,7 +118,7 @@ class TestOpcheck:
         for name in LinearFwdArgs.__dataclass_fields__:
             if name == "quantization":
                 expected += [f"quantization__{t}__{f}" for t in ("input", "weight", "grad_output")
-                             for f in ("dtype", "block_shape", "scale_dtype", "power_2_scale")]
+                             for f in ("dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding")]
             else:
                 expected.append(name)
         assert [a.name for a in schema.arguments] == expected
