@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from transformer_linear import reference
 from transformer_linear.convert import linear_weight
@@ -278,14 +277,3 @@ def worst_over_steps(observations: Sequence[LayerStats]) -> list[LayerStats]:
         )
     return rows
 
-
-def recorded_step(
-    model: nn.Module,
-    layers: dict[str, Linear],
-    run: Callable[[], float],
-    state: bool,
-) -> tuple[float, dict[str, LayerCall]]:
-    """Run ``run()`` (one forward + backward of ``model``) with a :class:`Recorder` on ``layers``."""
-    with Recorder(layers, state) as rec:
-        loss = run()
-    return loss, rec.calls

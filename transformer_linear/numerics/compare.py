@@ -292,8 +292,7 @@ class RunSpec:
             raise ValueError("RunSpec: autocast_dtype and perturb_seed describe high-precision noise-floor runs (recipe=None)")
 
 
-@dataclass
-class RunResult:
+class RunResult(typing.NamedTuple):
     """What :func:`train_run` returns: the loss per step, the observed layer statistics, the trained copy."""
 
     curve: list[float]
@@ -319,7 +318,7 @@ def _perturb(model: nn.Module, seed: int) -> None:
 
 def train_run(
     model: nn.Module,
-    spec: RunSpec,
+    spec: Any,
     batches: Sequence[Any],
     loss_fn: Optional[LossFn] = None,
     lr: float = 3e-3,
@@ -329,6 +328,8 @@ def train_run(
 ) -> RunResult:
     """Train a copy of ``model`` as ``spec`` says with AdamW on ``batches``.
 
+    ``spec`` is a :class:`RunSpec`, or just a recipe (None: high precision).
+
     At the steps in ``observe_at`` an FP8 run's layers are observed
     (:func:`_observed_step`: isolated and end-to-end errors, range
     statistics under the scales the run used). ``compile`` runs the other
@@ -336,6 +337,8 @@ def train_run(
     hooks).
     """
     loss_fn = loss_fn or _default_loss
+    if not isinstance(spec, RunSpec):
+        spec = RunSpec("reference" if spec is None else recipe_label(spec), resolve_recipe(spec) if spec is not None else None)
     run_model = with_recipe(model, spec.recipe, spec.module_filter_fn)
     if spec.perturb_seed is not None:
         _perturb(run_model, spec.perturb_seed)

@@ -55,12 +55,12 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize="small", frameon=False)
     title = "each layer's own FP8 error (worst over the observed steps)"
     if risky:
         title += f"; ! = risky ({len(risky)})"
-    fig.suptitle(title, y=0.995, fontsize="medium", va="bottom")
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
