@@ -1,5 +1,6 @@
 """``transformer-linear compare`` end to end: Hugging Face models, --model factories, exit codes, bad input."""
 
+import importlib
 import json
 import sys
 import textwrap
@@ -31,7 +32,7 @@ def test_hf_model_from_config_with_text_data(tmp_path, capsys, config, layer):
     argv = ["--hf", str(DATA / config), "--hf-random-init", "--data", str(DATA / "sample.txt")]
     code, printed, _ = _run(capsys, *argv, "--input-shape", "2,16", "--lr", "1e-3", "--out", str(out), "--steps", "2")
     assert code == 0, printed
-    assert "UTF-8 bytes as ids" in printed and "worst loss gap" in printed
+    assert "UTF-8 bytes as ids" in printed and "verdict:" in printed
     report = json.loads((out / "report.json").read_text())
     assert layer in report["converted"] and report["skipped"] == {}  # GPT-2's Conv1D layers are converted too
     assert {s["name"] for s in report["final_compare"]["layers"]} == set(report["converted"])
@@ -54,9 +55,12 @@ def test_model_factory_example(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     code, printed, _ = _run(capsys, "--model", "examples.fp8_check_model:build", "--out", str(tmp_path), *TINY)
     assert code == 0
-    assert "skipped encoder.self_attn.out_proj: NonDynamicallyQuantizableLinear is a subclass" in printed
+    assert "high precision encoder.self_attn.out_proj: NonDynamicallyQuantizableLinear is a subclass" in printed
+    assert "high precision encoder.self_attn.in_proj_weight: nn.MultiheadAttention's q/k/v projection" in printed
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["converted"] == ["encoder.linear1", "encoder.linear2", "head"]
+    assert list(report["high_precision"]) == ["encoder.self_attn.in_proj_weight"]
+    assert "in_proj_weight" in (tmp_path / "report.md").read_text()
 
 
 def _write_module(tmp_path, monkeypatch, body):
@@ -119,17 +123,20 @@ def test_model_factory_leaves_sys_path_as_it_was(tmp_path, capsys, monkeypatch):
     assert sys.path == before
 
 
-def test_exit_status_1_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp_path, capsys, monkeypatch):
+def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp_path, capsys, monkeypatch):
     _write_module(tmp_path, monkeypatch, MODELS)
     argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--out", "rep", *TINY]
     code, printed, _ = _run(capsys, *argv)
-    assert code == 1
-    assert "exceeds --max-gap 1%" in printed
+    assert code == 3
+    assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped)" in printed
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["verdict"]["exit_code"] == 3 and report["verdict"]["filtered"]["DelayedScaling(HYBRID)"]["helped"]
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert "x underflow 6.25% > 1%" in " ".join(report["risky_layers"]["0"])
     gaps = report["loss_gap"]
     assert gaps["DelayedScaling(HYBRID)"] > 1.0
     assert gaps["DelayedScaling(HYBRID) +filter"] == 0.0  # the only layer kept in high precision
+    assert all(abs(gaps[f]) < 1e-3 for f in report["floor_runs"])  # high precision is quiet here
     assert "KEEP_HIGH_PRECISION" in (tmp_path / "rep" / "report.md").read_text()
     code, _, _ = _run(capsys, *argv, "--max-gap", "1e9")
     assert code == 0
@@ -148,7 +155,11 @@ def test_exit_status_1_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
         (["--model", "usermodels:mlp", "--input-shape", "4,9"], "the model fails on the first batch ((4, 9) torch.float32)"),
         (["--model", "usermodels:mlp", "--input-shape", "4,x"], "--input-shape: expected positive integers"),
         (["--model", "usermodels:mlp", "--input-shape", "4,8", "--input-dtype", "long"], "--input-dtype long needs --vocab"),
-        (["--hf", "no/such/dir", "--hf-random-init"], "--hf: cannot load a causal LM from 'no/such/dir'"),
+        (["--hf", "no/such/dir", "--hf-random-init"], "--hf: no such directory: no/such/dir"),
+        (["--hf", "./missing_model"], "--hf: no such directory: ./missing_model"),
+        (["--model", "usermodels:mlp", "--input-shape", "4,8", "--batch-size", "2"], "--batch-size goes with the built-in GPT and --hf"),
+        (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--input-shape", "2,16", "--batch-size", "3"], "--batch-size 3 contradicts --input-shape 2,16"),
+        (["--size", "tiny", "--seeds", "0"], "--seeds must be positive"),
         (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "ids3d.pt"], "must hold token ids of shape (n,) or (rows, seq), got [2, 2, 16]"),
         (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "big.pt"], "token ids must lie in [0, 256)"),
         (["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--data", "short.pt"], "rows of 4 tokens are shorter than the sequence length 64"),
@@ -206,3 +217,65 @@ def test_user_code_calling_sys_exit_is_exit_2_naming_the_factory(tmp_path, capsy
     assert err.count("\n") == 1 and err.startswith("transformer-linear compare: error: "), err
     assert f"usermodels:{factory}" in err and "sys.exit(0)" in err
     assert not (tmp_path / "rep" / "report.json").exists()
+
+
+def test_batch_size_is_honoured_with_hf(tmp_path, capsys):
+    argv = ["--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--batch-size", "3", "--input-shape", "3,16"]
+    code, printed, _ = _run(capsys, *argv, "--out", str(tmp_path), "--noise-floor", "none", *TINY)
+    assert code == 0, printed
+    from transformer_linear.numerics import sources
+
+    seen = []
+    real = sources.synthetic_batches
+    try:
+        sources.synthetic_batches = lambda shape, *a, **k: seen.append(shape) or real(shape, *a, **k)
+        cli.main(["compare", "--hf", str(DATA / "tiny_llama"), "--hf-random-init", "--batch-size", "3", "--out",
+                  str(tmp_path), "--noise-floor", "none", *TINY])
+    finally:
+        sources.synthetic_batches = real
+    assert seen == [(3, 64)]
+
+
+def test_a_misspelt_option_gets_the_subcommand_usage_and_a_guess(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compare", "--stpes", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "usage: transformer-linear compare" in err and "did you mean --steps?" in err
+
+
+def test_traceback_works_after_the_subcommand(tmp_path):
+    with pytest.raises(ValueError, match="unknown recipe"):
+        cli.main(["compare", "--size", "tiny", "--recipes", "bogus", "--traceback", "--out", str(tmp_path)])
+
+
+def test_help_shows_the_defaults_and_the_gate(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 3e-3)" in text and "(default delayed,current)" in text
+    assert "|gap| <= max(--max-gap, --noise-factor x noise floor)" in text
+
+
+def test_report_is_written_after_each_run_and_compile_runs(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    compare_module = importlib.import_module("transformer_linear.numerics.compare")
+
+    snapshots = []
+    real = compare_module.train_run
+
+    def spy(*a, **k):
+        report = tmp_path / "rep" / "report.json"
+        snapshots.append(json.loads(report.read_text())["final_loss"] if report.exists() else None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(compare_module, "train_run", spy)
+    argv = ["--model", "usermodels:mlp", "--input-shape", "4,8", "--out", "rep", "--compile", "--noise-floor", "none",
+            "--max-gap", "100"]
+    code, printed, err = _run(capsys, *argv, *TINY)
+    assert code == 0, printed
+    # Before each run, report.json holds every run finished so far.
+    assert snapshots[0] is None and [list(s) for s in snapshots[1:3]] == [["reference"], ["reference", "DelayedScaling(HYBRID)"]]
+    assert "[3/3] CurrentScaling(HYBRID)" in err
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["complete"] is True and "(partial" not in (tmp_path / "rep" / "report.md").read_text()

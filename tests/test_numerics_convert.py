@@ -9,7 +9,7 @@ from torch import nn
 import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.convert import conversion_plan
-from transformer_linear.numerics import compare
+from transformer_linear.numerics import compare, sqnr
 
 
 class Conv1D(nn.Module):
@@ -40,16 +40,19 @@ def test_convert_rejects_a_non_module(bad):
         tl.convert_to_fp8(bad)
 
 
-def test_conv1d_becomes_a_linear_with_the_transposed_weight():
+def test_conv1d_becomes_a_linear_on_the_same_weight_parameter():
     torch.manual_seed(0)
     model = nn.Sequential(Conv1D(6, 4), nn.ReLU(), nn.Linear(6, 3))
+    weight = model[0].weight
     x = torch.randn(5, 4)
     expected = model(x)
     plan = conversion_plan(model)
     assert plan.converted == ["0", "2"] and plan.skipped == {}
-    tl.convert_to_fp8(model)  # no recipe, no autocast: bitwise F.linear
-    assert isinstance(model[0], tl.Linear) and model[0].weight.shape == (6, 4)
+    tl.convert_to_fp8(model)  # no recipe, no autocast: F.linear
+    assert isinstance(model[0], tl.Linear) and model[0].weight is weight and weight.shape == (4, 6)
     torch.testing.assert_close(model(x), expected)
+    with tl.autocast(recipe=recipe.CurrentScaling()):
+        assert 20 < sqnr(model(x), expected) < 60
 
 
 def test_plan_lists_skipped_layers_with_their_reason():

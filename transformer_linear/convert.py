@@ -1,17 +1,35 @@
-"""Swap ``nn.Linear`` (and ``transformers``' ``Conv1D``) layers for ``tl.Linear`` in place."""
+"""Swap ``nn.Linear`` (and ``transformers``' ``Conv1D``) layers for ``tl.Linear`` in place.
+
+Converted layers keep the original Parameter objects (an optimizer built
+before the conversion still updates them) and the original ``state_dict``
+layout: ``Conv1D`` becomes a :class:`Conv1DLinear` holding Conv1D's own
+(in, out) weight, so ``save_pretrained`` of a converted model writes a
+checkpoint that a vanilla ``from_pretrained`` loads correctly. The FP8
+state (delayed scaling's ``fp8_*`` buffers) is saved beside the weights;
+vanilla ``transformers`` reports those keys as unexpected and ignores them,
+and :func:`convert_to_fp8` restores them (``fp8_state="auto"`` reads them from
+the directory ``from_pretrained`` loaded).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
+from transformer_linear import tensor_parallel
 from transformer_linear.linear import Linear
 from transformer_linear.recipe import Recipe
+from transformer_linear.scaling import FP8_STATES
 
-__all__ = ["ConversionPlan", "conversion_plan", "convert_to_fp8"]
+__all__ = ["Conv1DLinear", "ConversionPlan", "conversion_plan", "convert_to_fp8", "load_fp8_state"]
+
+# The state_dict keys of delayed scaling's state (the last part of the key).
+FP8_STATE_KEYS = frozenset(key for state in FP8_STATES.values() for key in (state.history_key, state.scale_key))
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -30,21 +48,58 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
-def from_conv1d(cls: type, conv: nn.Module, **kwargs: Any) -> nn.Module:
-    """Build ``cls`` (tl.Linear) computing what ``conv`` (a ``Conv1D``) computes.
+class Conv1DLinear(Linear):
+    """A ``tl.Linear`` computing what ``transformers``' ``Conv1D`` computes, on Conv1D's own weight.
 
-    The weight is a new Parameter holding the transposed (out, in) copy, so
-    an optimizer built before the conversion no longer updates it: build the
-    optimizer after converting. The bias Parameter is shared.
+    ``weight`` has Conv1D's shape (in_features, out_features) and is the
+    Conv1D's Parameter object itself, so an optimizer built before the
+    conversion keeps updating it, ties stay tied, and ``state_dict`` /
+    ``save_pretrained`` write the weight in Conv1D's orientation (a vanilla
+    ``GPT2LMHeadModel.from_pretrained`` loads it). The forward quantizes
+    the transposed (out, in) copy, which the FP8 GEMMs take.
+
+    ``delay_wgrad_compute``, ``fuse_wgrad_accumulation`` and tensor
+    parallelism need the (out, in) layout and are refused.
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, **kwargs: Any):
+        super().__init__(in_features, out_features, bias, device, dtype, **kwargs)
+        self.weight = nn.Parameter(self.weight.new_empty(in_features, out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Conv1D's initialization: normal(std 0.02) weight, zero bias."""
+        nn.init.normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """Apply the layer to ``inp`` of shape (..., in_features): ``inp @ weight + bias``."""
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"Conv1DLinear: argument 'inp' must have shape (..., {self.in_features}), got {list(inp.shape)}")
+        if self.delay_wgrad_compute or self.fuse_wgrad_accumulation or tensor_parallel.is_tensor_parallel(self.weight):
+            raise ValueError(
+                "Conv1DLinear: delay_wgrad_compute, fuse_wgrad_accumulation and tensor parallelism need an (out, in) "
+                "weight; convert the model with these off, or replace Conv1D by nn.Linear first"
+            )
+        return self._forward(is_first_microbatch, inp, self.weight.t().contiguous(), self.bias)
+
+
+def from_conv1d(conv: nn.Module, **kwargs: Any) -> Conv1DLinear:
+    """A :class:`Conv1DLinear` sharing ``conv``'s (a ``Conv1D``'s) Parameters (no copy)."""
     in_features, out_features = conv.weight.shape
     with torch.device("meta"):
-        new = cls(in_features, out_features, bias=conv.bias is not None, **kwargs)
-    new.weight = nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=conv.weight.requires_grad)
+        new = Conv1DLinear(in_features, out_features, bias=conv.bias is not None, **kwargs)
+    new.weight = conv.weight
     new.bias = conv.bias
     new.train(conv.training)
     new.reset_fp8_state()
     return new
+
+
+def linear_weight(layer: Linear) -> torch.Tensor:
+    """``layer``'s weight in ``F.linear``'s (out, in) orientation (a transposed view for :class:`Conv1DLinear`)."""
+    return layer.weight.t() if isinstance(layer, Conv1DLinear) else layer.weight
 
 
 def _skip_reason(module: nn.Module, fqn: str, module_filter_fn: Optional[FilterFn]) -> Optional[str]:
@@ -70,11 +125,49 @@ class ConversionPlan:
             (``nn.Linear`` and ``Conv1D``).
         skipped: Linear-like layers it leaves alone, with the reason.
         existing: layers that already are ``tl.Linear``.
+        high_precision: other matmul weights that stay in high precision
+            (``nn.MultiheadAttention``'s fused in_proj, convolutions, 2-D
+            parameters of custom modules), by qualified name, with the reason.
     """
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     existing: list[str] = field(default_factory=list)
+    high_precision: dict[str, str] = field(default_factory=dict)
+
+    def left_in_high_precision(self) -> dict[str, str]:
+        """Everything that does not run in FP8 after the conversion: skipped layers and other weights."""
+        return {**self.skipped, **self.high_precision}
+
+
+_NOT_MATMUL = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _other_high_precision(model: nn.Module) -> dict[str, str]:
+    """Weights outside Linear-like layers that take part in matmuls and stay in high precision."""
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        if isinstance(module, nn.MultiheadAttention):
+            for pname in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                if getattr(module, pname, None) is not None:
+                    out[prefix + pname] = (
+                        "nn.MultiheadAttention's q/k/v projection: F.multi_head_attention_forward multiplies by "
+                        "this weight directly, so it stays in high precision"
+                    )
+            continue
+        if isinstance(module, (nn.Linear, Linear, *_NOT_MATMUL)) or is_conv1d(module):
+            continue
+        if isinstance(module, nn.modules.conv._ConvNd):
+            out[fqn] = f"{type(module).__name__}: a convolution (convert_to_fp8 converts Linear layers only)"
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param.dim() >= 2:
+                out[prefix + pname] = (
+                    f"a {param.dim()}-D parameter of {type(module).__name__}: a custom module's own matmul stays in "
+                    "high precision"
+                )
+    return out
 
 
 def _check_model(fn: str, model: object) -> None:
@@ -94,18 +187,85 @@ def conversion_plan(model: nn.Module, module_filter_fn: Optional[FilterFn] = Non
             plan.skipped[fqn] = reason
         elif isinstance(module, Linear):
             plan.existing.append(fqn)
+    plan.high_precision.update(_other_high_precision(model))
     return plan
+
+
+def _fp8_entries(source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The delayed-scaling entries of a state dict, a checkpoint file, or a checkpoint directory's files."""
+    if isinstance(source, Mapping):
+        items = source.items()
+        return {k: v for k, v in items if k.rsplit(".", 1)[-1] in FP8_STATE_KEYS}
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ValueError(f"fp8_state: no such checkpoint file or directory: {path}")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open  # a transformers dependency; only checkpoints in its format need it
+
+            with safe_open(str(file), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys() if k.rsplit(".", 1)[-1] in FP8_STATE_KEYS})
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            out.update(_fp8_entries(state))
+    return out
+
+
+def load_fp8_state(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> list[str]:
+    """Restore the delayed-scaling state of ``model``'s ``tl.Linear`` layers.
+
+    Args:
+        model: a converted model.
+        source: a state dict, a checkpoint file (``.safetensors`` or a
+            ``torch.save`` file) or a directory of them (what
+            ``save_pretrained`` wrote). Only the ``fp8_*`` entries are read.
+
+    Returns:
+        The names of the layers whose state was restored.
+
+    Raises:
+        ValueError: a missing file, or an entry with the wrong shape.
+    """
+    _check_model("load_fp8_state", model)
+    entries = _fp8_entries(source)
+    restored = []
+    for fqn, layer in model.named_modules():
+        if not isinstance(layer, Linear):
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        own = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if own:
+            layer.load_state_dict(own, strict=False)
+            restored.append(fqn)
+    return restored
+
+
+def _checkpoint_dir(model: nn.Module) -> Optional[Path]:
+    """The local directory ``transformers``' ``from_pretrained`` loaded ``model`` from, if any."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if isinstance(name, (str, os.PathLike)) and str(name) and Path(name).is_dir():
+        return Path(name)
+    return None
 
 
 def convert_to_fp8(
     model: nn.Module,
     recipe: Optional[Recipe] = None,
     module_filter_fn: Optional[FilterFn] = None,
+    fp8_state: Union[str, os.PathLike, Mapping[str, torch.Tensor], None] = "auto",
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and ``Conv1D`` in ``model`` by ``tl.Linear`` (in place; returns ``model``).
 
     A layer reachable under several names (``nn.Sequential(lin, act, lin)``)
     becomes one ``tl.Linear`` placed under all of them, so sharing survives.
+    The converted layers hold the original Parameter objects (optimizers
+    built before keep working) in their original layout (``Conv1D``'s
+    (in, out) weight included, see :class:`Conv1DLinear`).
     Subclasses of ``nn.Linear`` are left alone (their owner may use the
     weight directly, as ``nn.MultiheadAttention`` does); see
     :func:`conversion_plan` for what is converted and skipped.
@@ -115,15 +275,23 @@ def convert_to_fp8(
         recipe: the converted layers' recipe; None follows ``tl.autocast``.
         module_filter_fn: ``fn(module, fqn) -> bool``; layers for which it
             returns False are left alone (torchao's convention).
+        fp8_state: where the converted layers' delayed-scaling state comes
+            from (:func:`load_fp8_state`): a state dict, a checkpoint file
+            or directory; ``"auto"`` (default) reads the ``fp8_*`` entries of
+            the local directory a ``transformers`` model was loaded from
+            (``model.config._name_or_path``) when it holds any, so
+            ``from_pretrained`` then ``convert_to_fp8`` resumes a saved FP8
+            model; None starts the state fresh.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a missing ``fp8_state`` file, or entries of the wrong shape.
     """
     _check_model("convert_to_fp8", model)
 
     def convert(module: nn.Module) -> nn.Module:
         if is_conv1d(module):
-            return from_conv1d(Linear, module, recipe=recipe)
+            return from_conv1d(module, recipe=recipe)
         return Linear.from_linear(module, recipe=recipe)
 
     if _skip_reason(model, "", module_filter_fn) is None:
@@ -141,4 +309,7 @@ def convert_to_fp8(
             if _skip_reason(child, child_fqn, module_filter_fn) is None:
                 done[id(child)] = convert(child)
                 setattr(module, name, done[id(child)])
+    source = _checkpoint_dir(model) if isinstance(fp8_state, str) and fp8_state == "auto" else fp8_state
+    if source is not None:
+        load_fp8_state(model, source)
     return model

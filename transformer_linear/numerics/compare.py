@@ -1,22 +1,22 @@
-"""Run a model with nn.Linear and with each FP8 recipe, and compare layer by layer."""
+"""Run a model with nn.Linear and with each FP8 recipe, and compare layer by layer and by loss."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 import typing
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from transformer_linear import reference
 from transformer_linear.autocast import autocast
 from transformer_linear.convert import conversion_plan, convert_to_fp8
 from transformer_linear.linear import Linear
+from transformer_linear.numerics import blame, verdict
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
-from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
-from transformer_linear.quantization import quantization_spec
 from transformer_linear.recipe import (
     CurrentScaling,
     DelayedScaling,
@@ -26,7 +26,6 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.scaling import FP8_STATES, no_amax_yet
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -146,111 +145,56 @@ def _linear_names(model: nn.Module) -> list[str]:
     return names
 
 
-class _Capture:
-    """Hooks that record every Linear's input, output and gradients for one step."""
-
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
-        self.records: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-        self._handles = []
-        modules = dict(model.named_modules())
-        for name in names:
-            module = modules[name]
-            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-            self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
-
-    def _forward_hook(self, name: str):
-        def hook(module, args, output):
-            self.records[name]["input"] = args[0].detach().clone()
-            self.records[name]["output"] = output.detach().clone()
-
-        return hook
-
-    def _backward_hook(self, name: str):
-        def hook(module, grad_input, grad_output):
-            self.records[name]["grad_output"] = grad_output[0].detach().clone()
-            if grad_input[0] is not None:
-                self.records[name]["grad_input"] = grad_input[0].detach().clone()
-
-        return hook
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
+def _fp8_layers(run_model: nn.Module) -> dict[str, Linear]:
+    """The run copy's layers that run in FP8 (module_filter_fn may keep some in high precision)."""
+    return {n: m for n, m in run_model.named_modules() if isinstance(m, Linear) and m.recipe is not None}
 
 
-def _step(model: nn.Module, inputs: tuple, loss_fn: LossFn, names: Sequence[str], seed: int = 0) -> tuple[float, dict]:
-    """One forward + backward with capture; returns (loss, per-layer records incl. weight grads).
+def _loss_step(model: nn.Module, inputs: tuple, loss_fn: LossFn, seed: int, autocast_dtype: Optional[torch.dtype] = None) -> float:
+    """One forward + backward; returns the loss. Gradients land in ``.grad`` (zeroed first).
 
     The random state is seeded with ``seed`` for the step (and restored
     after it), so dropout draws the same masks in every run compared.
     """
     model.zero_grad(set_to_none=True)
-    # The first layer's input gradient is only defined when the input needs one.
-    inputs = tuple(
-        x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs
-    )
-    capture = _Capture(model, names)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if autocast_dtype is None:
             loss = _call_loss(loss_fn, model(*inputs), inputs)
-            loss.backward()
-    finally:
-        capture.close()
-    modules = dict(model.named_modules())
-    for name in names:
-        w = modules[name].weight
-        capture.records[name]["weight"] = w.detach().clone()
-        grad = getattr(w, "main_grad", None) if w.grad is None else w.grad
-        if grad is not None:
-            capture.records[name]["wgrad"] = grad.detach().clone()
-    return float(loss.detach()), capture.records
+        else:
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            with torch.autocast(device, dtype=autocast_dtype):
+                loss = _call_loss(loss_fn, model(*inputs), inputs)
+        loss.backward()
+    return float(loss.detach())
 
 
-def _scales_before_step(modules: dict[str, nn.Module], names: Sequence[str], recipe: Any) -> dict[str, dict]:
-    """The scales a delayed-scaling step is about to use (its state before the step).
+def _observed_step(
+    model: nn.Module, recipe: Any, label: str, inputs: tuple, loss_fn: LossFn, seed: int, step: Optional[int]
+) -> tuple[float, float, list[LayerStats]]:
+    """A training step of ``model`` with its FP8 layers observed (numerics/blame.py).
 
-    Current scaling keeps no state, and neither does a delayed-scaling tensor
-    whose history holds no amax yet under ``first_step_just_in_time``: each
-    such tensor's scale comes from its own amax, computed in
-    :func:`_range_stats_for`, so it is left out here.
+    First the same weights run the batch with every layer in high precision
+    (the end-to-end reference), then the FP8 step itself, whose gradients
+    stay in ``.grad`` for the optimizer.
+
+    Returns:
+        (FP8 loss, high-precision loss, one :class:`LayerStats` per FP8 layer).
     """
-    if not isinstance(recipe, DelayedScaling):
-        return {}
-    used = {}
-    for name in names:
-        layer = modules[name]
-        used[name] = {}
-        for state in FP8_STATES.values():
-            history, scale = getattr(layer, state.history_key), getattr(layer, state.scale_key)
-            empty = no_amax_yet(history[: recipe.amax_history_len], scale).tolist()
-            for c, tensor in enumerate(state.columns):
-                if not (recipe.first_step_just_in_time and empty[c]):
-                    used[name][tensor] = scale[c].clone()
-    return used
-
-
-def _range_stats_for(recipe: Any, rec: dict, used: dict) -> dict[str, dict[str, float]]:
-    """amax, scale, underflow and saturation of input, weight and grad_output under ``recipe``."""
-    fmt = recipe.fp8_format
-    spec = quantization_spec(recipe)
-    out = {}
-    for key, dtype in (("input", fmt.fwd_dtype), ("weight", fmt.fwd_dtype), ("grad_output", fmt.bwd_dtype)):
-        if key not in rec:
-            continue
-        x = rec[key]
-        quantizer = getattr(spec, key)
-        scale = used.get(key)
-        if scale is None and not quantizer.blockwise:
-            scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)
-        out[key] = quantizer_range_stats(x, quantizer, scale)
-    return out
-
-
-def _error(fn, rec: dict, ref: dict, key: str) -> float:
-    if key not in rec or key not in ref:
-        return float("nan")
-    return fn(rec[key], ref[key])
+    layers = _fp8_layers(model)
+    every = [m for m in model.modules() if isinstance(m, Linear)]
+    own = [m.recipe for m in every]
+    for m in every:
+        m.recipe = None
+    try:
+        with blame.Recorder(layers, state=False) as hp:
+            hp_loss = _loss_step(model, inputs, loss_fn, seed)
+    finally:
+        for m, r in zip(every, own):
+            m.recipe = r
+    with blame.Recorder(layers, state=True) as fp8:
+        loss = _loss_step(model, inputs, loss_fn, seed)
+    return loss, hp_loss, blame.observe_layers(layers, recipe, label, fp8.calls, hp.calls, step)
 
 
 def compare(
@@ -264,22 +208,26 @@ def compare(
 ) -> CompareReport:
     """Compare each FP8 recipe with the model's own nn.Linear layers, layer by layer.
 
-    The model runs once in high precision (``reference_dtype``) and once
-    per recipe, each on a copy whose ``nn.Linear`` / ``Conv1D`` layers are
-    ``transformer_linear.Linear`` (identical weights and inputs). Layers
-    that already are ``tl.Linear`` run under the requested recipe, not the
-    one they carry (and in high precision for the reference). Delayed
-    scaling needs amax history, so each FP8 copy first runs
-    ``calibration_steps`` forward+backward passes on the same inputs.
+    For each recipe, a copy of the model whose ``nn.Linear`` / ``Conv1D``
+    layers are ``transformer_linear.Linear`` under that recipe runs one
+    step on ``example_inputs``. Each layer's figures are its own error: its
+    FP8 output, dX and dW against the high-precision layer on the same input
+    and grad_output; the ``e2e_*`` figures compare with the whole model run
+    in high precision on the same weights (all upstream FP8 error included).
+    Layers that already are ``tl.Linear`` run under the requested recipe,
+    not the one they carry. Delayed scaling needs amax history, so each copy
+    first runs ``calibration_steps`` forward+backward passes on the same
+    inputs (no weight update); :func:`train_compare` observes delayed scaling
+    with the history of a real training run.
 
     Args:
         model: any module containing nn.Linear, Conv1D or tl.Linear layers (left unchanged).
         example_inputs: a tensor or a tuple of positional inputs.
-        loss_fn: ``loss_fn(output, *example_inputs) -> scalar``; default half
-            the mean square of the output.
-        recipes: recipe objects or names ("delayed", "current", "delayed-e4m3",
-            "current-e4m3"); default delayed and current scaling (HYBRID).
-        reference_dtype: dtype of the reference run.
+        loss_fn: ``loss_fn(output, *example_inputs) -> scalar``; default the
+            output's ``.loss``, else half the mean square of the output.
+        recipes: recipe objects or names (:data:`RECIPE_NAMES`); default
+            delayed and current scaling (HYBRID).
+        reference_dtype: dtype the copies run in (the high-precision side).
         calibration_steps: passes that fill delayed scaling's amax history.
         module_filter_fn: ``fn(layer, fqn) -> bool``; layers where it is
             False stay in high precision (and are left out of the report).
@@ -293,97 +241,171 @@ def compare(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compare: 'model' must be an nn.Module, got {type(model).__name__}")
-    names = _linear_names(model)
+    _linear_names(model)
     recipe_list = resolve_recipes(recipes)
     loss_fn = loss_fn or _default_loss
-    inputs = _as_tuple(example_inputs)
-
-    ref_model = with_recipe(model, None).to(reference_dtype)
-    ref_inputs = tuple(x.to(reference_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-    try:
-        with autocast(enabled=False):
-            ref_loss, ref_records = _step(ref_model, ref_inputs, loss_fn, names)
-    except (RuntimeError, ValueError, IndexError) as e:
-        raise ValueError(f"compare: the model failed on example_inputs: {e}") from e
-
+    inputs = tuple(
+        x.to(reference_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for x in _as_tuple(example_inputs)
+    )
     layers: list[LayerStats] = []
     losses: dict[str, float] = {}
+    ref_loss = math.nan
     for label, recipe in recipe_list:
-        fp8_model = with_recipe(model, recipe, module_filter_fn)
-        modules = dict(fp8_model.named_modules())
-        with autocast(enabled=False):
-            for _ in range(calibration_steps):
-                _step(fp8_model, inputs, loss_fn, [])
-            used = _scales_before_step(modules, names, recipe)
-            losses[label], records = _step(fp8_model, inputs, loss_fn, names)
-        for name in names:
-            if modules[name].recipe is None:
-                continue  # kept in high precision by module_filter_fn
-            rec, ref = records[name], ref_records[name]
-            ranges = _range_stats_for(recipe, rec, used.get(name, {}))
-            layers.append(
-                LayerStats(
-                    name=name,
-                    recipe=label,
-                    output_sqnr=_error(sqnr, rec, ref, "output"),
-                    output_max_rel=_error(max_relative_error, rec, ref, "output"),
-                    dgrad_sqnr=_error(sqnr, rec, ref, "grad_input"),
-                    dgrad_max_rel=_error(max_relative_error, rec, ref, "grad_input"),
-                    wgrad_sqnr=_error(sqnr, rec, ref, "wgrad"),
-                    wgrad_max_rel=_error(max_relative_error, rec, ref, "wgrad"),
-                    input=ranges.get("input", {}),
-                    weight=ranges.get("weight", {}),
-                    grad_output=ranges.get("grad_output", {}),
-                )
-            )
+        run_model = with_recipe(model, recipe, module_filter_fn).to(reference_dtype)
+        try:
+            with autocast(enabled=False):
+                for _ in range(calibration_steps):
+                    _loss_step(run_model, inputs, loss_fn, 0)
+                losses[label], ref_loss, stats = _observed_step(run_model, recipe, label, inputs, loss_fn, 0, None)
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise ValueError(f"compare: the model failed on example_inputs: {e}") from e
+        layers += stats
     return CompareReport([label for label, _ in recipe_list], layers, ref_loss, losses)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of :func:`train_run`.
+
+    Attributes:
+        label: its name in reports.
+        recipe: the FP8 recipe, or None for high precision.
+        module_filter_fn: layers where it returns False stay in high precision.
+        autocast_dtype: run the forward under ``torch.autocast`` to this dtype
+            (the bf16 noise-floor run).
+        perturb_seed: multiply every initial parameter element by
+            ``1 + 2**-9 * N(0, 1)`` drawn with this seed (the size of one bf16
+            rounding; a perturbed-init noise-floor run).
+    """
+
+    label: str
+    recipe: Optional[Any] = None
+    module_filter_fn: Optional[FilterFn] = None
+    autocast_dtype: Optional[torch.dtype] = None
+    perturb_seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.label, str) or not self.label:
+            raise ValueError(f"RunSpec: 'label' must be a non-empty string, got {self.label!r}")
+        if self.recipe is not None and (self.autocast_dtype is not None or self.perturb_seed is not None):
+            raise ValueError("RunSpec: autocast_dtype and perturb_seed describe high-precision noise-floor runs (recipe=None)")
+
+
+class RunResult(typing.NamedTuple):
+    """What :func:`train_run` returns: the loss per step, the observed layer statistics, the trained copy."""
+
+    curve: list[float]
+    observations: list[LayerStats]
+    model: nn.Module
+
+
+def observed_steps(steps: int, every: Optional[int] = None) -> list[int]:
+    """The steps a run observes its layers at: 0, every, 2*every, ... and the last (default: 5 evenly spaced)."""
+    if every is None:
+        return sorted({round(i * (steps - 1) / 4) for i in range(5)})
+    return sorted(set(range(0, steps, every)) | {steps - 1})
+
+
+def _perturb(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                noise = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
+                p.mul_(1 + 2.0**-9 * noise)
 
 
 def train_run(
     model: nn.Module,
-    recipe: Optional[Any],
+    spec: Any,
     batches: Sequence[Any],
     loss_fn: Optional[LossFn] = None,
     lr: float = 3e-3,
-    module_filter_fn: Optional[FilterFn] = None,
-    stats_every: int = 25,
+    observe_at: Iterable[int] = (),
     progress: Optional[Callable[[int, float], None]] = None,
-) -> tuple[list[float], list[dict[str, Any]], nn.Module]:
-    """Train a copy of ``model`` under ``recipe`` (None: high precision) with AdamW on ``batches``.
+    compile: bool = False,
+) -> RunResult:
+    """Train a copy of ``model`` as ``spec`` says with AdamW on ``batches``.
 
-    ``batches`` holds each step's inputs (a tensor or tuple); ``loss_fn``
-    defaults as in :func:`compare`.
+    ``spec`` is a :class:`RunSpec`, or just a recipe (None: high precision).
 
-    Returns:
-        (loss per step, per-layer range statistics every ``stats_every``
-        steps, the trained copy).
+    At the steps in ``observe_at`` an FP8 run's layers are observed
+    (:func:`_observed_step`: isolated and end-to-end errors, range
+    statistics under the scales the run used). ``compile`` runs the other
+    steps through ``torch.compile`` (observed steps run eagerly: they need
+    hooks).
     """
     loss_fn = loss_fn or _default_loss
-    run_model = with_recipe(model, recipe, module_filter_fn)
-    modules = dict(run_model.named_modules())
-    names = [n for n in _linear_names(run_model) if modules[n].recipe is not None]
+    if not isinstance(spec, RunSpec):
+        spec = RunSpec("reference" if spec is None else recipe_label(spec), resolve_recipe(spec) if spec is not None else None)
+    run_model = with_recipe(model, spec.recipe, spec.module_filter_fn)
+    if spec.perturb_seed is not None:
+        _perturb(run_model, spec.perturb_seed)
+    step_model = torch.compile(run_model) if compile else run_model
     opt = torch.optim.AdamW(run_model.parameters(), lr=lr)
+    observe = set(observe_at) if spec.recipe is not None else set()
     curve: list[float] = []
-    history: list[dict[str, Any]] = []
-    steps = len(batches)
+    observations: list[LayerStats] = []
     with autocast(enabled=False):
         for step, inputs in enumerate(batches):
-            record = recipe is not None and (step % stats_every == 0 or step == steps - 1)
-            used = _scales_before_step(modules, names, recipe) if record else {}
-            loss, records = _step(run_model, _as_tuple(inputs), loss_fn, names if record else [], seed=step)
-            if record:
-                history.append(
-                    {"step": step, "layers": {n: _range_stats_for(recipe, records[n], used.get(n, {})) for n in names}}
-                )
+            inputs = _as_tuple(inputs)
+            if step in observe:
+                loss, _, stats = _observed_step(run_model, spec.recipe, spec.label, inputs, loss_fn, step, step)
+                observations += stats
+            else:
+                loss = _loss_step(step_model, inputs, loss_fn, step, spec.autocast_dtype)
             opt.step()
             curve.append(loss)
             if progress is not None:
                 progress(step + 1, loss)
-    return curve, history, run_model
+    return RunResult(curve, observations, run_model)
 
 
 def _progress_tick(progress: Callable[[str, int, int, float], None], label: str, steps: int, step: int, loss: float) -> None:
     progress(label, step, steps, loss)
+
+
+def _summarise(report: TrainReport, recipes: list[str]) -> CompareReport:
+    """The worst figures of each recipe's layers over its observed steps, with the final losses."""
+    labels = [r for r in recipes if r in report.observations]
+    rows = blame.worst_over_steps([s for r in labels for s in report.observations[r]])
+    return CompareReport(
+        labels,
+        rows,
+        report.final_loss(report.reference),
+        {r: report.final_loss(r) for r in labels},
+        loss_label=f"final loss (mean of the last {report.window} steps)",
+    )
+
+
+def run_into(
+    report: TrainReport,
+    model: nn.Module,
+    specs: Sequence[RunSpec],
+    batches: Sequence[Any],
+    loss_fn: Optional[LossFn] = None,
+    lr: float = 3e-3,
+    observe_at: Iterable[int] = (),
+    progress: Optional[Callable[[str, int, int, float], None]] = None,
+    compile: bool = False,
+    on_run: Optional[Callable[[TrainReport], None]] = None,
+) -> TrainReport:
+    """Train each run of ``specs`` (:func:`train_run`) and add its curve and observations to ``report``.
+
+    ``on_run(report)`` is called after each finished run (write partial results there).
+    """
+    observe_at = list(observe_at)
+    for spec in specs:
+        tick = None if progress is None else functools.partial(_progress_tick, progress, spec.label, len(batches))
+        result = train_run(model, spec, batches, loss_fn, lr, observe_at, tick, compile)
+        report.loss_curves[spec.label] = result.curve
+        if result.observations:
+            report.observations[spec.label] = result.observations
+            report.final = _summarise(report, list(report.observations))
+        if on_run is not None:
+            on_run(report)
+    return report
 
 
 def train_compare(
@@ -393,14 +415,22 @@ def train_compare(
     steps: int = 200,
     recipes: Optional[Iterable[Any]] = None,
     lr: float = 3e-3,
-    stats_every: int = 25,
+    stats_every: Optional[int] = None,
     progress: Optional[Callable[[str, int, int, float], None]] = None,
     module_filter_fn: Optional[FilterFn] = None,
+    noise_floor: str = "auto",
+    seeds: int = 1,
+    window: int = 10,
+    compile: bool = False,
+    on_run: Optional[Callable[[TrainReport], None]] = None,
 ) -> TrainReport:
-    """Train the same model from the same init with nn.Linear and with each recipe.
+    """Train the same model from the same init in high precision, beside it the noise-floor runs, and with each recipe.
 
     Every run sees the same batches (``make_batch(step)`` must be
-    deterministic) and uses AdamW with the same hyper-parameters.
+    deterministic) and uses AdamW with the same hyper-parameters. Each
+    recipe's layers are observed at several steps of its own run (delayed
+    scaling with the history that run built): their own error (isolated),
+    the end-to-end error, and range statistics (numerics/blame.py).
 
     Args:
         model: the initial model (left unchanged; each run trains a copy).
@@ -409,29 +439,33 @@ def train_compare(
         steps: optimizer steps per run.
         recipes: as in :func:`compare`.
         lr: AdamW learning rate.
-        stats_every: record per-layer amax / scale / underflow / saturation every this many steps.
+        stats_every: observe the layers at steps 0, stats_every, ... and the
+            last; default 5 evenly spaced steps.
         progress: called as ``progress(run_label, step, steps, loss)`` after each step.
         module_filter_fn: ``fn(layer, fqn) -> bool``; layers where it is False
             stay in high precision in the FP8 runs.
+        noise_floor: "auto" (a bf16 autocast run where bf16 is fast, else a
+            perturbed-init run), "bf16", "seeds" or "none" (numerics/verdict.py).
+        seeds: reference runs in all: ``seeds - 1`` perturbed-init runs join the floor.
+        window: the final loss is the mean of the last ``window`` steps.
+        compile: run the steps through ``torch.compile`` (observed steps run eagerly).
+        on_run: called with the report so far after each finished run.
 
     Returns:
-        A :class:`TrainReport`; its ``final`` is a :func:`compare` of the
-        recipes on the reference-trained weights.
+        A :class:`TrainReport`; its ``final`` holds each recipe's layers' worst
+        figures over the observed steps.
     """
-    if steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"train_compare: 'steps' must be >= 1, got {steps}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"train_compare: 'window' must be a positive integer, got {window!r}")
     _linear_names(model)
     recipe_list = resolve_recipes(recipes)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    floors, note = verdict.floor_runs(noise_floor, seeds, device)
     batches = [_as_tuple(make_batch(i)) for i in range(steps)]
-    curves: dict[str, list[float]] = {}
-    history: dict[str, list[dict[str, Any]]] = {}
-    trained_reference = None
-    for label, recipe in [("reference", None)] + recipe_list:
-        tick = None if progress is None else functools.partial(_progress_tick, progress, label, steps)
-        curves[label], history[label], trained = train_run(
-            model, recipe, batches, loss_fn, lr, module_filter_fn, stats_every, tick
-        )
-        if recipe is None:
-            trained_reference = trained
-    final = compare(trained_reference, batches[-1], loss_fn, [r for _, r in recipe_list], module_filter_fn=module_filter_fn)
-    return TrainReport(steps, curves, history, final)
+    specs = [RunSpec("reference")]
+    specs += [RunSpec(f.label, autocast_dtype=f.autocast_dtype, perturb_seed=f.perturb_seed) for f in floors]
+    specs += [RunSpec(label, recipe, module_filter_fn) for label, recipe in recipe_list]
+    report = TrainReport(steps, {}, floor_runs=[f.label for f in floors], floor_note=note, window=min(window, steps))
+    return run_into(report, model, specs, batches, loss_fn, lr, observed_steps(steps, stats_every), progress, compile, on_run)

@@ -31,6 +31,7 @@ from torch import nn
 
 from transformer_linear import reference
 from transformer_linear.autocast import get_fp8_recipe
+from transformer_linear.convert import linear_weight
 from transformer_linear.linear import Linear
 from transformer_linear.numerics.risk import RiskThresholds
 from transformer_linear.numerics.stats import quantizer_range_stats, sqnr
@@ -162,7 +163,7 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
             return None  # the layer ran in high precision
         dtype = recipe.fp8_format.fwd_dtype
         spec = quantization_spec(recipe)
-        w = layer.weight.detach()
+        w = linear_weight(layer).detach()  # (out, in), Conv1DLinear included
         if spec.blockwise:
             x_scale = w_scale = None  # per block, computed by quantizer_range_stats
         elif isinstance(recipe, DelayedScaling) and getattr(layer, "fp8_fwd_scale", None) is not None:

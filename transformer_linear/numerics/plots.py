@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from transformer_linear.numerics.report import CompareReport, TrainReport
@@ -20,50 +20,89 @@ def _pyplot():
     return plt
 
 
-def sqnr_bars(report: "CompareReport", path: Path) -> Path:
+def _colors(names: list[str]) -> dict[str, str]:
+    """One colour per run, the same in every panel; the reference black."""
+    palette = [f"C{i}" for i in range(10)]
+    return {n: ("black" if i == 0 else palette[(i - 1) % len(palette)]) for i, n in enumerate(names)}
+
+
+def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optional[dict] = None) -> Path:
+    """Per-layer SQNR bars of each recipe (isolated error); threshold lines; risky layers in red with a '!'."""
     plt = _pyplot()
+    risky = risky or {}
     names = [s.name for s in report.for_recipe(report.recipes[0])]
-    quantities = (("output_sqnr", "output"), ("dgrad_sqnr", "input grad"), ("wgrad_sqnr", "weight grad"))
-    fig, axes = plt.subplots(1, len(quantities), figsize=(5 * len(quantities), 0.35 * len(names) + 2), sharey=True)
+    quantities = (
+        ("output_sqnr", "output", getattr(thresholds, "min_output_sqnr_db", None)),
+        ("dgrad_sqnr", "input grad (dX)", getattr(thresholds, "min_grad_sqnr_db", None)),
+        ("wgrad_sqnr", "weight grad (dW)", getattr(thresholds, "min_grad_sqnr_db", None)),
+    )
+    fig, axes = plt.subplots(1, len(quantities), figsize=(5 * len(quantities), 0.35 * len(names) + 2.6), sharey=True)
     height = 0.8 / max(1, len(report.recipes))
-    for ax, (attr, title) in zip(axes, quantities):
+    colors = _colors(["reference", *report.recipes])
+    for ax, (attr, title, limit) in zip(axes, quantities):
         for i, recipe in enumerate(report.recipes):
-            values = [min(getattr(s, attr), _CAP_DB) for s in report.for_recipe(recipe)]
-            ax.barh([j + i * height for j in range(len(names))], values, height=height, label=recipe)
-        ax.set_title(f"{title} SQNR (dB, higher is better)")
+            by_name = {s.name: s for s in report.for_recipe(recipe)}
+            values = [min(getattr(by_name[n], attr), _CAP_DB) if n in by_name else 0.0 for n in names]
+            ax.barh([j + i * height for j in range(len(names))], values, height=height, label=recipe, color=colors[recipe])
+        if limit is not None:
+            ax.axvline(limit, color="red", linestyle="--", linewidth=1.0, label=f"risky below {limit:g} dB")
+        ax.set_title(f"{title} SQNR, dB (higher is better)", fontsize="medium")
         ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))])
-        ax.set_yticklabels(names)
+        ax.set_yticklabels([f"! {n}" if n in risky else n for n in names])
+        for label in ax.get_yticklabels():
+            if label.get_text().startswith("! "):
+                label.set_color("red")
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    axes[0].legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    handles, labels = axes[0].get_legend_handles_labels()
+    title = "each layer's own FP8 error (worst over the observed steps)"
+    if risky:
+        title += f"; ! = risky ({len(risky)})"
+    fig.suptitle(title, fontsize="medium")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def loss_curves(report: "TrainReport", path: Path) -> Path:
-    """Left: every run's loss. Right: each recipe's loss relative to the reference, in percent."""
+def loss_curves(report: "TrainReport", path: Path, gate=None, verdict=None) -> Path:
+    """Left: every run's loss, the reference drawn on top. Right: each run's gap to the reference in percent,
+    with the ±max-gap band, the ±allowed band (noise floor included) and the window the verdict averages."""
     plt = _pyplot()
-    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(report.loss_curves)
+    colors = _colors(names)
     ref = report.loss_curves[report.reference]
-    for name, curve in report.loss_curves.items():
-        steps = range(1, len(curve) + 1)
-        ax.plot(steps, curve, label=name, linewidth=1.2)
-        if name != report.reference:
-            gap_ax.plot(steps, [100.0 * (c - r) / r for c, r in zip(curve, ref)], label=name, linewidth=1.0)
+    steps = len(ref)
+    for name in names[1:]:
+        curve = report.loss_curves[name]
+        style = ":" if name in report.floor_runs else ("--" if "+filter" in name else "-")
+        ax.plot(range(1, len(curve) + 1), curve, label=name, linewidth=1.0, color=colors[name], linestyle=style, alpha=0.85)
+        gap_ax.plot(range(1, len(curve) + 1), [100.0 * (c - r) / r for c, r in zip(curve, ref)], label=name,
+                    linewidth=1.0, color=colors[name], linestyle=style)
+    ax.plot(range(1, steps + 1), ref, label=f"{report.reference} (fp32)", linewidth=2.2, color="black", zorder=10)
+    window_start = steps - report.window + 1
+    for a in (ax, gap_ax):
+        a.axvspan(window_start, steps, color="gold", alpha=0.2, label=f"verdict window (last {report.window} steps)")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("training loss")
+    ax.set_title("training loss (same init, same batches)", fontsize="medium")
     gap_ax.axhline(0.0, color="black", linewidth=0.8)
+    if gate is not None:
+        gap_ax.axhspan(-100 * gate.max_gap, 100 * gate.max_gap, color="green", alpha=0.08, label=f"±max-gap {100 * gate.max_gap:g}%")
+    if verdict is not None and verdict.allowed > (gate.max_gap if gate is not None else 0.0):
+        for sign in (-1, 1):
+            gap_ax.axhline(sign * 100 * verdict.allowed, color="green", linestyle="--", linewidth=0.8,
+                           label=f"±allowed {100 * verdict.allowed:.2f}% (noise floor)" if sign > 0 else None)
     gap_ax.set_xlabel("step")
-    gap_ax.set_ylabel("% vs reference")
-    gap_ax.set_title(f"loss relative to {report.reference} (lower is better)")
+    gap_ax.set_ylabel("% vs reference (either sign counts)")
+    gap_ax.set_title(f"loss relative to {report.reference}: closer to 0 is better", fontsize="medium")
     for a in (ax, gap_ax):
         a.grid(alpha=0.3)
-        a.legend(fontsize="small")
+    gap_ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

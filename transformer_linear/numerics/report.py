@@ -30,10 +30,18 @@ def _json_safe(obj: Any) -> Any:
 
 @dataclass
 class LayerStats:
-    """One Linear layer under one recipe, against the high-precision run.
+    """One Linear layer under one recipe: its FP8 error and how its tensors fit the FP8 range.
 
-    Errors are end to end: the layer's input already carries the error of
-    the FP8 layers before it, as in training.
+    ``output_*``, ``dgrad_*`` and ``wgrad_*`` are the layer's own (isolated)
+    error: its FP8 output, input gradient (dX) and weight gradient (dW)
+    against the high-precision layer on the same input and grad_output
+    (numerics/blame.py). ``e2e_*`` compare the same FP8 results with a
+    high-precision pass of the whole model on the same weights and batch:
+    the error of every FP8 layer upstream included. ``input``, ``weight``
+    and ``grad_output`` hold amax, scale, underflow and saturation under the
+    scales the run used (delayed scaling's from its own history). ``steps``
+    are the training steps observed (a row that sums up several holds the
+    worst figure of each).
     """
 
     name: str
@@ -47,22 +55,39 @@ class LayerStats:
     input: dict[str, float] = field(default_factory=dict)
     weight: dict[str, float] = field(default_factory=dict)
     grad_output: dict[str, float] = field(default_factory=dict)
+    e2e_output_sqnr: float = math.nan
+    e2e_dgrad_sqnr: float = math.nan
+    e2e_wgrad_sqnr: float = math.nan
+    steps: list[int] = field(default_factory=list)
+
+    SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr", "e2e_output_sqnr", "e2e_dgrad_sqnr", "e2e_wgrad_sqnr")
+    MAX_REL_FIELDS = ("output_max_rel", "dgrad_max_rel", "wgrad_max_rel")
 
 
 @dataclass
 class CompareReport:
-    """Per-layer statistics of each FP8 recipe against the reference run."""
+    """Per-layer statistics of each FP8 recipe against high precision.
+
+    Attributes:
+        recipes: the recipes' labels.
+        layers: one row per (recipe, layer).
+        reference_loss: the high-precision loss.
+        loss: each recipe's loss.
+        loss_label: what the losses are (one step on the same weights, or
+            the end of a training run).
+    """
 
     recipes: list[str]
     layers: list[LayerStats]
     reference_loss: float
     loss: dict[str, float]
+    loss_label: str = "loss of one step on the same weights and batch"
 
     def for_recipe(self, recipe: str) -> list[LayerStats]:
         return [s for s in self.layers if s.recipe == recipe]
 
-    _COLUMNS = ("recipe", "layer", "out dB", "dX dB", "dW dB", "out maxrel", "x amax", "w amax", "dy amax",
-                "x uflow%", "dy uflow%", "sat%")
+    _COLUMNS = ("recipe", "layer", "out dB", "dX dB", "dW dB", "e2e out dB", "out maxrel", "x amax", "w amax",
+                "dy amax", "x uflow%", "dy uflow%", "sat%")
 
     def _rows(self) -> list[list[str]]:
         """The table's cells: one row per (recipe, layer)."""
@@ -70,7 +95,8 @@ class CompareReport:
         for s in self.layers:
             sat = max(s.input.get("saturation", 0.0), s.weight.get("saturation", 0.0), s.grad_output.get("saturation", 0.0))
             rows.append([
-                s.recipe, s.name, _fmt(s.output_sqnr), _fmt(s.dgrad_sqnr), _fmt(s.wgrad_sqnr), _fmt(s.output_max_rel, 4),
+                s.recipe, s.name, _fmt(s.output_sqnr), _fmt(s.dgrad_sqnr), _fmt(s.wgrad_sqnr), _fmt(s.e2e_output_sqnr),
+                _fmt(s.output_max_rel, 4),
                 f"{s.input.get('amax', 0):.3g}", f"{s.weight.get('amax', 0):.3g}", f"{s.grad_output.get('amax', 0):.3g}",
                 f"{100 * s.input.get('underflow', 0):.3f}", f"{100 * s.grad_output.get('underflow', 0):.3f}",
                 f"{100 * sat:.2f}",
@@ -78,8 +104,8 @@ class CompareReport:
         return rows
 
     def _loss_line(self) -> str:
-        losses = ", ".join(f"{r}: {_fmt(v, 5)}" for r, v in self.loss.items())
-        return f"loss: reference {_fmt(self.reference_loss, 5)}; {losses}"
+        losses = ", ".join(f"{r} {_fmt(v, 5)}" for r, v in self.loss.items())
+        return f"{self.loss_label}: high precision {_fmt(self.reference_loss, 5)}; {losses}"
 
     def table(self) -> str:
         """A fixed-width table: one row per (recipe, layer)."""
@@ -105,6 +131,7 @@ class CompareReport:
         return _json_safe(
             {
                 "recipes": self.recipes,
+                "loss_label": self.loss_label,
                 "reference_loss": self.reference_loss,
                 "loss": self.loss,
                 "layers": [asdict(s) for s in self.layers],
@@ -117,33 +144,64 @@ class CompareReport:
             Path(path).write_text(text)
         return text
 
-    def plot(self, path: str | Path) -> Path:
-        """Bar chart of per-layer output / dgrad / wgrad SQNR for each recipe, saved as PNG."""
+    def plot(self, path: str | Path, thresholds: Any = None, risky: Optional[dict[str, list[str]]] = None) -> Path:
+        """Bar chart of per-layer output / dgrad / wgrad SQNR for each recipe, saved as PNG.
+
+        Args:
+            path: the PNG.
+            thresholds: a :class:`~transformer_linear.numerics.RiskThresholds` whose SQNR limits are drawn.
+            risky: layer name -> reasons; those layers are marked.
+        """
         from transformer_linear.numerics import plots
 
-        return plots.sqnr_bars(self, Path(path))
+        return plots.sqnr_bars(self, Path(path), thresholds, risky or {})
 
 
 @dataclass
 class TrainReport:
-    """Loss curves of the reference and each recipe trained from the same init."""
+    """Loss curves of the reference, the noise-floor runs and each recipe, trained from the same init.
+
+    Attributes:
+        steps: optimizer steps per run.
+        loss_curves: run label -> loss per step; the first is the reference.
+        observations: recipe label -> per-layer statistics at each observed step of its own run.
+        final: per (recipe, layer), the worst figures over that recipe's observed steps.
+        floor_runs: labels of the high-precision runs that measure the noise floor.
+        floor_note: how the floor was chosen (for reports).
+        window: the final loss is the mean of the last ``window`` steps.
+    """
 
     steps: int
     loss_curves: dict[str, list[float]]
-    layer_history: dict[str, list[dict[str, Any]]]
+    observations: dict[str, list[LayerStats]] = field(default_factory=dict)
     final: Optional[CompareReport] = None
+    floor_runs: list[str] = field(default_factory=list)
+    floor_note: str = ""
+    window: int = 10
 
     @property
     def reference(self) -> str:
         return next(iter(self.loss_curves))
 
-    def final_loss(self, name: str, window: int = 10) -> float:
-        """Mean loss over the last ``window`` steps (smooths batch noise)."""
-        curve = self.loss_curves[name][-window:]
+    @property
+    def layer_history(self) -> dict[str, list[dict[str, Any]]]:
+        """Recipe -> ``[{"step", "layers": {name: {"input", "weight", "grad_output"}}}]``: range statistics per observed step."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for label, rows in self.observations.items():
+            by_step: dict[int, dict[str, Any]] = {}
+            for s in rows:
+                step = by_step.setdefault(s.steps[0], {"step": s.steps[0], "layers": {}})
+                step["layers"][s.name] = {"input": s.input, "weight": s.weight, "grad_output": s.grad_output}
+            out[label] = list(by_step.values())
+        return out
+
+    def final_loss(self, name: str, window: Optional[int] = None) -> float:
+        """Mean loss over the last ``window`` steps (default :attr:`window`; smooths batch noise)."""
+        curve = self.loss_curves[name][-(window or self.window):]
         return sum(curve) / len(curve)
 
     def loss_gap(self) -> dict[str, float]:
-        """Relative final-loss gap of each recipe to the reference: (recipe - ref) / ref."""
+        """Relative final-loss gap of each run to the reference: (run - ref) / ref."""
         ref = self.final_loss(self.reference)
         return {n: (self.final_loss(n) - ref) / ref for n in self.loss_curves if n != self.reference}
 
@@ -154,23 +212,33 @@ class TrainReport:
         gaps = self.loss_gap()
         for name in self.loss_curves:
             gap = "" if name == ref else f"{100 * gaps[name]:+.2f}%"
-            lines.append(f"{name:<{width}} {self.final_loss(name):>10.4f} {gap:>16}")
+            note = "  (noise floor)" if name in self.floor_runs else ""
+            lines.append(f"{name:<{width}} {self.final_loss(name):>10.4f} {gap:>16}{note}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(
             {
                 "steps": self.steps,
+                "window": self.window,
                 "final_loss": {n: self.final_loss(n) for n in self.loss_curves},
                 "loss_gap": self.loss_gap(),
+                "floor_runs": self.floor_runs,
+                "floor_note": self.floor_note,
                 "loss_curves": self.loss_curves,
-                "layer_history": self.layer_history,
+                "observations": {k: [asdict(s) for s in v] for k, v in self.observations.items()},
                 "final_compare": self.final.to_dict() if self.final else None,
             }
         )
 
-    def plot(self, path: str | Path) -> Path:
-        """Loss curves of every run, saved as PNG."""
+    def plot(self, path: str | Path, gate: Any = None, verdict: Any = None) -> Path:
+        """Loss curves of every run and their gap to the reference, saved as PNG.
+
+        Args:
+            path: the PNG.
+            gate: a :class:`~transformer_linear.numerics.verdict.Gate`: its ±max-gap band is drawn.
+            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn.
+        """
         from transformer_linear.numerics import plots
 
-        return plots.loss_curves(self, Path(path))
+        return plots.loss_curves(self, Path(path), gate, verdict)

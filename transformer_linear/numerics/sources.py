@@ -256,6 +256,11 @@ def _tokenizer(transformers: Any, name_or_path: str) -> Optional[Callable[[str],
     return tokenizer.encode if works else None
 
 
+def _looks_like_a_path(name: str) -> bool:
+    """A hub name is ``name`` or ``owner/name``; anything else with a separator, or starting with . or ~, is a path."""
+    return name.startswith((".", "~", os.sep)) or name.count("/") > 1 or name.endswith("/") or os.sep != "/" and os.sep in name
+
+
 def hf_workload(
     name_or_path: str,
     random_init: bool,
@@ -275,6 +280,8 @@ def hf_workload(
     except ImportError as e:
         raise ValueError("--hf needs the transformers package: pip install 'transformer_linear[hf]'") from e
     transformers.logging.set_verbosity_error()
+    if not Path(name_or_path).exists() and _looks_like_a_path(name_or_path):
+        raise ValueError(f"--hf: no such directory: {name_or_path}")
     try:
         config = transformers.AutoConfig.from_pretrained(name_or_path)
         if random_init:

@@ -1,0 +1,279 @@
+"""Per-layer blame: each FP8 layer's own error, observed inside a run.
+
+At an observed step the run's model does its step as usual, while hooks
+record, for every FP8 layer, the input it received, the gradient that
+reached its output (grad_output) and its delayed-scaling state just before
+the call. Afterwards each layer is replayed on exactly that input and
+grad_output twice: in FP8 with that state (what the run computed) and in
+high precision (``F.linear``). Their difference is the layer's own error,
+free of what the layers before it did (TE's debug tools and torchao's
+``compute_error`` measure the same). Before the FP8 step, the same model
+runs the same batch once more with every layer in high precision; comparing
+the FP8 layer's results with that pass gives the end-to-end effect (every
+FP8 layer upstream included) as a separate figure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from transformer_linear import reference
+from transformer_linear.convert import linear_weight
+from transformer_linear.linear import Linear
+from transformer_linear.numerics.report import LayerStats
+from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
+from transformer_linear.quantization import quantization_spec
+from transformer_linear.recipe import DelayedScaling
+from transformer_linear.scaling import FP8_STATES, no_amax_yet
+
+__all__ = ["LayerCall", "Recorder", "observe_layers", "worst_over_steps"]
+
+
+@dataclass
+class LayerCall:
+    """What a layer saw in one step: its last call's input and grad_output, and its FP8 state before that call."""
+
+    input: Optional[torch.Tensor] = None
+    grad_output: Optional[torch.Tensor] = None
+    state: Optional[dict[str, torch.Tensor]] = None
+
+
+class Recorder:
+    """Hooks that record a :class:`LayerCall` per named layer for one step (use as a context manager).
+
+    A layer called several times in a step is recorded at its last call: its
+    input, its state before that call, and the first grad_output backward
+    delivers (the last call's, as backward runs in reverse).
+    """
+
+    def __init__(self, layers: dict[str, Linear], state: bool) -> None:
+        self.calls = {name: LayerCall() for name in layers}
+        self._handles = []
+        for name, layer in layers.items():
+            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(name, state)))
+            self._handles.append(layer.register_forward_hook(self._hook(name)))
+
+    def _pre_hook(self, name: str, state: bool):
+        def hook(module: Linear, args: tuple) -> None:
+            call = self.calls[name]
+            call.input = args[0].detach().clone()
+            call.grad_output = None
+            if state:
+                call.state = {k: module._buffers[k].clone() for k in _STATE_KEYS}
+
+        return hook
+
+    def _hook(self, name: str):
+        def keep_grad(grad: torch.Tensor) -> None:
+            call = self.calls[name]
+            if call.grad_output is None:
+                call.grad_output = grad.detach().clone()
+
+        def hook(module: Linear, args: tuple, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(keep_grad)
+
+        return hook
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+_STATE_KEYS = tuple(key for state in FP8_STATES.values() for key in (state.history_key, state.scale_key))
+
+
+@dataclass
+class _Results:
+    output: torch.Tensor
+    dgrad: Optional[torch.Tensor]
+    wgrad: Optional[torch.Tensor]
+
+
+def _run_layer(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+               grad_output: Optional[torch.Tensor]) -> _Results:
+    x = x.detach().requires_grad_(grad_output is not None)
+    w = w.detach().requires_grad_(grad_output is not None)
+    with torch.enable_grad():
+        out = fn(x, w)
+        if grad_output is None:
+            return _Results(out.detach(), None, None)
+        out.backward(grad_output)
+    return _Results(out.detach(), x.grad, w.grad)
+
+
+def _replay_fp8(layer: Linear, recipe: Any, call: LayerCall) -> _Results:
+    """The layer's FP8 forward and backward on the recorded input and grad_output, from the recorded state.
+
+    The layer's own state is put back afterwards.
+    """
+    saved = {k: layer._buffers[k] for k in (*_STATE_KEYS, "fp8_fwd_scale")}
+    own_recipe = layer.recipe
+    try:
+        for k, v in (call.state or {}).items():
+            layer._buffers[k] = v.clone()
+        layer._buffers["fp8_fwd_scale"] = saved["fp8_fwd_scale"].clone()
+        layer.recipe = recipe
+        bias = None if layer.bias is None else layer.bias.detach()
+        return _run_layer(lambda x, w: layer._forward(None, x, w, bias), call.input,
+                          linear_weight(layer).contiguous(), call.grad_output)
+    finally:
+        layer._buffers.update(saved)
+        layer.recipe = own_recipe
+
+
+def _replay_high_precision(layer: Linear, call: LayerCall) -> _Results:
+    bias = None if layer.bias is None else layer.bias.detach()
+    return _run_layer(lambda x, w: F.linear(x, w, bias), call.input, linear_weight(layer), call.grad_output)
+
+
+def scales_in_state(state: Optional[dict[str, torch.Tensor]], recipe: Any) -> dict[str, torch.Tensor]:
+    """The tensorwise scales a delayed-scaling call quantized with, from its state before the call.
+
+    Current scaling keeps no state, and neither does a delayed-scaling tensor
+    whose history holds no amax yet under ``first_step_just_in_time``: each
+    such tensor's scale comes from its own amax (see :func:`range_stats_for`).
+    """
+    if not isinstance(recipe, DelayedScaling) or state is None:
+        return {}
+    used = {}
+    for fp8_state in FP8_STATES.values():
+        history, scale = state[fp8_state.history_key], state[fp8_state.scale_key]
+        empty = no_amax_yet(history[: recipe.amax_history_len], scale).tolist()
+        for c, tensor in enumerate(fp8_state.columns):
+            if not (recipe.first_step_just_in_time and empty[c]):
+                used[tensor] = scale[c].clone()
+    return used
+
+
+def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -> dict[str, dict[str, float]]:
+    """amax, scale, underflow and saturation of input, weight and grad_output as ``recipe`` quantizes them."""
+    fmt = recipe.fp8_format
+    spec = quantization_spec(recipe)
+    out = {}
+    for key, dtype in (("input", fmt.fwd_dtype), ("weight", fmt.fwd_dtype), ("grad_output", fmt.bwd_dtype)):
+        x = tensors.get(key)
+        if x is None:
+            continue
+        quantizer = getattr(spec, key)
+        scale = used.get(key)
+        if scale is None and not quantizer.blockwise:
+            scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)
+        out[key] = quantizer_range_stats(x, quantizer, scale)
+    return out
+
+
+def _err(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
+    return math.nan if actual is None or expected is None else fn(actual, expected)
+
+
+def observe_layers(
+    layers: dict[str, Linear],
+    recipe: Any,
+    label: str,
+    fp8_calls: dict[str, LayerCall],
+    high_precision_calls: Optional[dict[str, LayerCall]],
+    step: Optional[int],
+) -> list[LayerStats]:
+    """One :class:`LayerStats` per layer: isolated errors, end-to-end errors, range statistics.
+
+    Args:
+        layers: the FP8 layers by name (their weights as in the step observed).
+        recipe: the recipe they ran under.
+        label: the recipe's name in reports.
+        fp8_calls: what a :class:`Recorder` recorded in the FP8 step.
+        high_precision_calls: the same layers recorded in a high-precision
+            pass on the same weights and batch (None: no end-to-end figures).
+        step: the training step observed (None outside training).
+    """
+    out = []
+    for name, layer in layers.items():
+        call = fp8_calls[name]
+        if call.input is None:
+            continue  # not called in this step
+        fp8 = _replay_fp8(layer, recipe, call)
+        exact = _replay_high_precision(layer, call)
+        hp_call = (high_precision_calls or {}).get(name)
+        e2e = _replay_high_precision(layer, hp_call) if hp_call is not None and hp_call.input is not None else None
+        w = linear_weight(layer).detach()
+        ranges = range_stats_for(recipe, {"input": call.input, "weight": w, "grad_output": call.grad_output},
+                                 scales_in_state(call.state, recipe))
+        out.append(
+            LayerStats(
+                name=name,
+                recipe=label,
+                output_sqnr=sqnr(fp8.output, exact.output),
+                output_max_rel=max_relative_error(fp8.output, exact.output),
+                dgrad_sqnr=_err(sqnr, fp8.dgrad, exact.dgrad),
+                dgrad_max_rel=_err(max_relative_error, fp8.dgrad, exact.dgrad),
+                wgrad_sqnr=_err(sqnr, fp8.wgrad, exact.wgrad),
+                wgrad_max_rel=_err(max_relative_error, fp8.wgrad, exact.wgrad),
+                input=ranges.get("input", {}),
+                weight=ranges.get("weight", {}),
+                grad_output=ranges.get("grad_output", {}),
+                e2e_output_sqnr=math.nan if e2e is None else sqnr(fp8.output, e2e.output),
+                e2e_dgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.dgrad, e2e.dgrad),
+                e2e_wgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.wgrad, e2e.wgrad),
+                steps=[] if step is None else [step],
+            )
+        )
+    return out
+
+
+def _nanmin(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return min(finite) if finite else math.nan
+
+
+def _nanmax(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else math.nan
+
+
+def _worst_ranges(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
+    dicts = [d for d in dicts if d]
+    if not dicts:
+        return {}
+    return {
+        "amax": max(d["amax"] for d in dicts),
+        "scale": min(d["scale"] for d in dicts),
+        "underflow": max(d["underflow"] for d in dicts),
+        "saturation": max(d["saturation"] for d in dicts),
+    }
+
+
+def worst_over_steps(observations: Sequence[LayerStats]) -> list[LayerStats]:
+    """One row per (recipe, layer), in first-seen order: the worst of each figure over the observed steps.
+
+    SQNRs take their minimum, relative errors, amax, underflow and
+    saturation their maximum, scales their minimum; ``steps`` lists the
+    steps observed.
+    """
+    groups: dict[tuple[str, str], list[LayerStats]] = {}
+    for s in observations:
+        groups.setdefault((s.recipe, s.name), []).append(s)
+    rows = []
+    for (label, name), group in groups.items():
+        rows.append(
+            LayerStats(
+                name=name,
+                recipe=label,
+                **{f: _nanmin([getattr(s, f) for s in group]) for f in LayerStats.SQNR_FIELDS},
+                **{f: _nanmax([getattr(s, f) for s in group]) for f in LayerStats.MAX_REL_FIELDS},
+                input=_worst_ranges([s.input for s in group]),
+                weight=_worst_ranges([s.weight for s in group]),
+                grad_output=_worst_ranges([s.grad_output for s in group]),
+                steps=sorted({step for s in group for step in s.steps}),
+            )
+        )
+    return rows
+
