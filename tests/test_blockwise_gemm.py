@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from blockwise_cases import E4M3, E5M2, E8M0, FP8_FORMATS, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
+from cpu_paths import SUPPORTED_ISAS
 from tolerances import assert_close_to_reference
 from transformer_linear import _C, ops, reference
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["auto", "generic"])
+@pytest.fixture(params=SUPPORTED_ISAS)
 def cpu_isa(request):
-    """The fastest CPU path and the portable one (packing, micro-kernel and promotion differ)."""
+    """Every CPU path this machine runs (packing, micro-kernel and promotion differ)."""
     _C.set_cpu_isa(request.param)
     yield request.param
     _C.set_cpu_isa("auto")

@@ -17,12 +17,12 @@ from blockwise_cases import (
     check_quantize,
     special_blocks,
 )
+from cpu_paths import QUANTIZE_ISAS
 from tolerances import assert_bitwise_equal
 from transformer_linear import _C, ops, recipe, reference
 
 FLT_MAX = torch.finfo(torch.float32).max
-_BEST_ISA = _C.cpu_isa()
-ISAS = ["generic"] + ([_BEST_ISA] if _BEST_ISA != "generic" else [])
+ISAS = QUANTIZE_ISAS
 
 
 @pytest.fixture(params=ISAS)

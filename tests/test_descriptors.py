@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from cpu_paths import QUANTIZE_ISAS
 from transformer_linear import _C
 from transformer_linear._tensor import desc
 
@@ -92,7 +93,7 @@ def test_out_of_range_thread_count_is_a_value_error(launch):
         _C.amax(desc(x, "test", "x"), desc(out, "test", "amax"), launch)
 
 
-@pytest.mark.skipif(_C.cpu_isa() == "generic", reason="the stripe scratch exists on the AVX-512 paths only")
+@pytest.mark.skipif(QUANTIZE_ISAS == ["generic"], reason="the stripe scratch exists on the vector paths only")
 @pytest.mark.parametrize("threads", THREADS)
 def test_failed_scratch_allocation_is_a_memory_error(threads):
     """A transposed-only cast needs a 64-row stripe of scratch per thread. For
@@ -107,9 +108,8 @@ def test_failed_scratch_allocation_is_a_memory_error(threads):
     # so that the forged input and output overlap neither each other nor the scales.
     x_address = 2**55
     q_t_address = x_address + rows * cols * x.element_size()
-    isa = _C.cpu_isa()
     try:
-        _C.set_cpu_isa("avx512")
+        _C.set_cpu_isa(QUANTIZE_ISAS[-1])
         with pytest.raises(MemoryError):
             _C.quantize(
                 forged(x, (rows, cols), (cols, 1), x_address), scalar(), None,
@@ -117,4 +117,4 @@ def test_failed_scratch_allocation_is_a_memory_error(threads):
                 scalar(SCALE_INV), None, None, False, 0, threads,
             )
     finally:
-        _C.set_cpu_isa(isa)
+        _C.set_cpu_isa("auto")

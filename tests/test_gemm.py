@@ -21,6 +21,7 @@ OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # has them, and vdpbf16ps with TL_CPU_AMX=0.
 CPU_PATHS = {
     "generic": ("generic", True),
+    "avx2": ("avx2", True),
     "avx512": ("avx512", True),
     "avx512_bf16": ("avx512_bf16", True),
     "avx512_bf16_no_amx": ("avx512_bf16", False),

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from cpu_paths import QUANTIZE_ISAS
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 from transformer_linear import _C, ops
 from transformer_linear import reference as ref
@@ -19,8 +20,7 @@ from transformer_linear import reference as ref
 FP8 = list(ref.FP8_DTYPES)
 HP = list(ref.HIGH_PRECISION_DTYPES)
 SCALES = [1.0, 0.5, 3.7, 2.0**-10, 2.0**10, 1e30]
-_BEST_ISA = _C.cpu_isa()
-ISAS = ["generic"] + ([_BEST_ISA] if _BEST_ISA != "generic" else [])
+ISAS = QUANTIZE_ISAS
 
 
 @pytest.fixture(params=ISAS)

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpu_paths import ALL_ISAS
 from transformer_linear import _C, ops
 
-ISAS = ("generic", "avx512", "avx512_bf16")
 # /proc/cpuinfo flags each path needs (cpu_features.cpp asks CPUID for the same).
 ISA_FLAGS = {
     "generic": set(),
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
-    "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_bf16"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+    "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16"},
 }
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -74,9 +75,9 @@ def auto_isa():
 def test_supported_paths_match_cpu_flags():
     """What the extension reports supported is what the CPU's flags say (so a skip is genuine)."""
     flags = cpu_flags()
-    expected = [isa for isa in ISAS if ISA_FLAGS[isa] <= flags]
+    expected = [isa for isa in ALL_ISAS if ISA_FLAGS[isa] <= flags]
     assert _C.cpu_isa_info()["supported"] == expected
-    assert [_C.cpu_isa_supported(isa) for isa in ISAS] == [isa in expected for isa in ISAS]
+    assert [_C.cpu_isa_supported(isa) for isa in ALL_ISAS] == [isa in expected for isa in ALL_ISAS]
 
 
 def test_automatic_choice_is_measured_and_fastest():
@@ -119,7 +120,7 @@ def test_measurement_is_cached(auto_isa):
 
 
 @pytest.mark.parametrize("spelling", [str.upper, str.title, lambda s: f" {s} "], ids=["upper", "title", "blanks"])
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ALL_ISAS)
 def test_set_cpu_isa_forces_any_case(auto_isa, isa, spelling):
     if not _C.cpu_isa_supported(isa):
         with pytest.raises(ValueError, match="does not support"):
@@ -131,7 +132,7 @@ def test_set_cpu_isa_forces_any_case(auto_isa, isa, spelling):
     assert info["source"] == "forced" and "set_cpu_isa" in info["reason"]
 
 
-@pytest.mark.parametrize("value", ["GENERIC", "Avx512_BF16"])
+@pytest.mark.parametrize("value", ["GENERIC", "Avx2", "Avx512_BF16"])
 def test_environment_forces_any_case(value):
     if not _C.cpu_isa_supported(value):
         pytest.skip(f"this CPU does not support {value}")
@@ -152,7 +153,7 @@ def test_unknown_environment_value_warns_once_and_falls_back(value, code):
 
 @pytest.mark.skipif(not CPUINFO.exists(), reason="needs /proc/cpuinfo (Linux)")
 def test_unsupported_environment_value_warns_and_falls_back():
-    missing = [isa for isa in ISAS if not ISA_FLAGS[isa] <= cpu_flags()]
+    missing = [isa for isa in ALL_ISAS if not ISA_FLAGS[isa] <= cpu_flags()]
     if not missing:
         pytest.skip("this CPU supports every path")
     info, stderr = run_fresh(missing[0])

@@ -5,16 +5,29 @@
 
 namespace tl {
 namespace cpu {
+namespace {
+
+constexpr Isa kAllIsas[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+
+}  // namespace
 
 bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::kGeneric:
       return true;
+    case Isa::kAvx2:
+#if defined(__x86_64__) || defined(__i386__)
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+#else
+      return false;
+#endif
     case Isa::kAvx512:
 #if defined(__x86_64__) || defined(__i386__)
+      // The AVX-512 files are compiled with F16C too (vcvtph2ps on fp16 inputs).
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("fma");
+             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
       return false;
 #endif
@@ -30,7 +43,7 @@ bool isa_supported(Isa isa) {
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kGeneric, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kAllIsas) {
     if (isa_supported(isa)) out.push_back(isa);
   }
   return out;
@@ -40,6 +53,7 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Bf16: return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
     default: return "generic";
   }
 }
@@ -53,7 +67,7 @@ bool parse_isa(const std::string& name, std::optional<Isa>* isa) {
     isa->reset();
     return true;
   }
-  for (Isa candidate : {Isa::kGeneric, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa candidate : kAllIsas) {
     if (key == isa_name(candidate)) {
       *isa = candidate;
       return true;

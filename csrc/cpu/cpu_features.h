@@ -12,8 +12,9 @@ namespace cpu {
 /*! \brief Code paths, from most portable to most specialised. */
 enum class Isa : int {
   kGeneric = 0,     //!< portable C++ (whatever the compiler's baseline target allows)
-  kAvx512 = 1,      //!< AVX-512F/BW/VL/DQ + FMA, fp32 micro-kernels
-  kAvx512Bf16 = 2,  //!< kAvx512 plus AVX512_BF16 (exact bf16 dot products for the GEMM)
+  kAvx2 = 1,        //!< AVX2 + FMA + F16C, 8-lane fp32 micro-kernels
+  kAvx512 = 2,      //!< AVX-512F/BW/VL/DQ + FMA, fp32 micro-kernels
+  kAvx512Bf16 = 3,  //!< kAvx512 plus AVX512_BF16 (exact bf16 dot products for the GEMM)
 };
 
 bool isa_supported(Isa isa);

@@ -289,9 +289,15 @@ void fp8_gemm_blockwise(const GemmBlockParams& p) {
   const int64_t g = std::min(p.a_block.cols, p.b_block.cols);
   // Sub-panels start at multiples of g (or of KC): g must keep whole k-groups of the packing.
   if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
-  const bool generic = isa == Isa::kGeneric;
-  const gemm_block::PromoteFn promote = generic ? gemm_block::promote_generic : gemm_block::promote_avx512();
-  gemm_block::FoldFn fold = generic ? gemm_block::fold_generic : gemm_block::fold_avx512();
+  gemm_block::PromoteFn promote = gemm_block::promote_generic;
+  gemm_block::FoldFn fold = gemm_block::fold_generic;
+  if (isa == Isa::kAvx2) {
+    promote = gemm_block::promote_avx2();
+    fold = gemm_block::fold_avx2();
+  } else if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
+    promote = gemm_block::promote_avx512();
+    fold = gemm_block::fold_avx512();
+  }
   // Panels of more exponents than kMaxFoldExps (tiny blocks) take the promotion path.
   const int64_t min_bk = std::max<int64_t>(1, std::min({p.a_block.cols, p.b_block.cols, p.k}));
   if (((ks.kc + min_bk - 1) / min_bk + 1) * std::max(ks.mr, ks.nr) > gemm_block::kMaxFoldExps) fold = nullptr;

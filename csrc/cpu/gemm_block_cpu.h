@@ -1,5 +1,6 @@
 // Internal interface of the block-scaled CPU GEMM: the driver (gemm_block_cpu.cpp)
-// and its AVX-512 promotion step (gemm_block_cpu_avx512.cpp).
+// and its vector promotion and folding steps (gemm_block_cpu_avx2.cpp,
+// gemm_block_cpu_avx512.cpp).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,8 @@ namespace gemm_block {
 using PromoteFn = void (*)(const float* part, int ld_part, const float* sa, const float* sb,
                            int rows, int cols, bool first, float* acc, int64_t ld_acc);
 
+/*! \brief AVX2 promotion; call only when the CPU has it. */
+PromoteFn promote_avx2();
 /*! \brief AVX-512F promotion; call only when the CPU has it. */
 PromoteFn promote_avx512();
 
@@ -34,6 +37,8 @@ using FoldFn = void (*)(void* panel, int elem_bytes, int64_t kc, int r, int kpac
 void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32_t* row_exp,
                   int64_t block_k);
 
+/*! \brief AVX2 folding of fp32 panels (others go to fold_generic); call only when the CPU has it. */
+FoldFn fold_avx2();
 /*! \brief AVX-512BW folding of bf16 panels (others go to fold_generic); call only when the CPU has it. */
 FoldFn fold_avx512();
 

@@ -12,8 +12,9 @@
 // Every FP8 value and every product of two is exact in fp32 (and FP8 values
 // in bf16), so all paths compute the same function up to summation order.
 // Paths (cpu::current_isa(), measured or forced: isa_select.cpp): generic
-// (portable C++, below), avx512 (fp32 FMA micro-kernel), avx512_bf16 (AMX
-// tiles where present, else vdpbf16ps). Threads claim packing and compute
+// (portable C++, below), avx2 (8-lane fp32 FMA micro-kernel), avx512 (16-lane
+// fp32 FMA micro-kernel), avx512_bf16 (AMX tiles where present, else
+// vdpbf16ps). Threads claim packing and compute
 // items one at a time (for_each_claimed), so a busy machine that deschedules
 // one thread does not leave the others idle at the end of each pass.
 #include "gemm_cpu.h"
@@ -270,6 +271,8 @@ KernelSet kernels_for(Isa isa) {
       return amx_usable() ? amx_kernels() : avx512_bf16_kernels();
     case Isa::kAvx512:
       return avx512_kernels();
+    case Isa::kAvx2:
+      return avx2_kernels();
     default:
       return generic_kernels();
   }
@@ -281,6 +284,8 @@ const char* kernel_name(Isa isa) {
       return amx_usable() ? "amx-bf16" : "vdpbf16ps";
     case Isa::kAvx512:
       return "fp32-fma";
+    case Isa::kAvx2:
+      return "fp32-fma-avx2";
     default:
       return "portable";
   }

@@ -90,6 +90,8 @@ const float* fp8_to_float_table(DType dtype);
 const uint16_t* fp8_magnitude_bf16_table(DType dtype);
 
 KernelSet generic_kernels();
+/*! \brief AVX2 fp32-FMA path (gemm_cpu_avx2.cpp); call only when the CPU has AVX2, FMA and F16C. */
+KernelSet avx2_kernels();
 /*! \brief AVX-512F fp32-FMA path (gemm_cpu_avx512.cpp); call only when the CPU has it. */
 KernelSet avx512_kernels();
 /*! \brief AVX512_BF16 vdpbf16ps path (gemm_cpu_avx512.cpp); call only when the CPU has it. */

@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kProbeRounds = 5;  // best of 5 interleaved runs: robust to a busy machine
 
-const char* const kExpected = "expected auto, generic, avx512 or avx512_bf16, in any case";
+const char* const kExpected = "expected auto, generic, avx2, avx512 or avx512_bf16, in any case";
 
 // TL_CPU_ISA, read once. A value that cannot be honoured falls back to the
 // measured choice, with a warning the Python module emits once at import.

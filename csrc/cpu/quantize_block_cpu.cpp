@@ -276,8 +276,18 @@ RowKernels generic_kernels(DType in, DType out) {
 void quantize_blockwise(const QuantizeBlockParams& p) {
   if (p.m == 0 || p.k == 0) return;
   using namespace quantize_block;
-  const RowKernels kn = current_isa() != Isa::kGeneric ? avx512_kernels(p.input.dtype, p.fp8_dtype)
-                                                       : generic_kernels(p.input.dtype, p.fp8_dtype);
+  RowKernels kn;
+  switch (current_isa()) {
+    case Isa::kAvx2:
+      kn = avx2_kernels(p.input.dtype, p.fp8_dtype);
+      break;
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+      kn = avx512_kernels(p.input.dtype, p.fp8_dtype);
+      break;
+    default:
+      kn = generic_kernels(p.input.dtype, p.fp8_dtype);
+  }
   const Quantizer quantizer(p, kn);
   // Columnwise blocks spanning every row of a tall input: the column scales need them all.
   const bool whole_columns = p.output_t.defined() && p.block_t.grid_cols == 1 && p.m > kMaxBandRows;

@@ -1,7 +1,7 @@
 // Internal interface of the CPU blockwise quantize: the driver
 // (quantize_block_cpu.cpp: tiling, threading, scales) and the row kernels it
 // runs on contiguous runs of one input row, portable (quantize_block_cpu.cpp)
-// or AVX-512 (quantize_block_cpu_avx512.cpp). Both compute the scalar
+// AVX2 (quantize_block_cpu_avx2.cpp) or AVX-512 (quantize_block_cpu_avx512.cpp). Both compute the scalar
 // functions of fp8_math.h bitwise; only the payload of a NaN amax may differ
 // (it gives the same scale).
 #pragma once
@@ -34,6 +34,9 @@ struct RowKernels {
 
 /*! \brief Portable kernels. */
 RowKernels generic_kernels(DType in, DType out);
+
+/*! \brief AVX2 kernels; call only when the CPU has AVX2, FMA and F16C. */
+RowKernels avx2_kernels(DType in, DType out);
 
 /*! \brief AVX-512 kernels; call only when the CPU has AVX-512 (BW, VL, F16C). */
 RowKernels avx512_kernels(DType in, DType out);

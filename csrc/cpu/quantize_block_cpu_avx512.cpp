@@ -10,28 +10,8 @@
 
 namespace tl {
 namespace cpu {
-namespace quantize_block {
+namespace avx512 {
 namespace {
-
-using avx512::abs_bits;
-using avx512::load_hp;
-using avx512::tail_mask;
-
-template <typename In>
-void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
-  const auto* x = static_cast<const typename In::storage*>(xv);
-  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
-    amax[j] = fp8::amax_update(amax[j], avx512::amax_range<In>(x, b, std::min(n, b + seg)));
-  }
-}
-
-template <typename In, typename Out>
-void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale) {
-  const auto* x = static_cast<const typename In::storage*>(xv);
-  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
-    avx512::cast_range<In, Out, false, false>(x, q, scale[j], b, std::min(n, b + seg));
-  }
-}
 
 // Running amaxes are non-negative floats or NaN, so their bits compare like the lanes'.
 template <typename In>
@@ -54,27 +34,23 @@ void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m128i b = avx512::to_fp8<Out>(load_hp<In>(x + i), _mm512_loadu_ps(scale + i));
+    const __m128i b = to_fp8<Out>(load_hp<In>(x + i), _mm512_loadu_ps(scale + i));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
   }
   if (i < n) {
     const __mmask16 m = tail_mask(n - i);
-    _mm_mask_storeu_epi8(q + i, m, avx512::to_fp8<Out>(load_hp<In>(x + i, m), _mm512_maskz_loadu_ps(m, scale + i)));
+    _mm_mask_storeu_epi8(q + i, m, to_fp8<Out>(load_hp<In>(x + i, m), _mm512_maskz_loadu_ps(m, scale + i)));
   }
 }
 
-}  // namespace
+#include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
 
-RowKernels avx512_kernels(DType in, DType out) {
-  return dispatch_high_precision(in, "quantize_blockwise: argument 'input'", [&](auto in_tag) {
-    using In = decltype(in_tag);
-    return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
-      using Out = decltype(out_tag);
-      return RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>, column_cast<In, Out>,
-                        avx512::transpose_bytes};
-    });
-  });
-}
+}  // namespace
+}  // namespace avx512
+
+namespace quantize_block {
+
+RowKernels avx512_kernels(DType in, DType out) { return avx512::block_row_kernels(in, out); }
 
 }  // namespace quantize_block
 }  // namespace cpu

@@ -9,7 +9,7 @@
 #include "../common/backend.h"
 #include "cpu_features.h"
 #include "parallel.h"
-#include "quantize_cpu_avx512.h"
+#include "quantize_cpu_isa.h"
 #include "transformer_linear/dispatch.h"
 
 namespace tl {
@@ -23,7 +23,21 @@ constexpr int64_t kTile = 64;        // transpose tile edge
 // a fifth of the traffic of an fp32 -> fp8 cast.
 constexpr int64_t kStreamBytes = 8 << 20;
 
-bool use_avx512() { return current_isa() != Isa::kGeneric; }
+// The vector kernels of the path in use, or null on the portable path.
+const QuantizeKernels* vector_kernels() {
+  static const QuantizeKernels avx2 = isa_supported(Isa::kAvx2) ? avx2_quantize_kernels() : QuantizeKernels{};
+  static const QuantizeKernels avx512 =
+      isa_supported(Isa::kAvx512) ? avx512_quantize_kernels() : QuantizeKernels{};
+  switch (current_isa()) {
+    case Isa::kAvx2:
+      return &avx2;
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+      return &avx512;
+    default:
+      return nullptr;
+  }
+}
 
 // Uninitialized scratch of a * b * c bytes, or std::bad_alloc (Python
 // MemoryError) when the size overflows or the memory cannot be had. nothrow
@@ -58,10 +72,10 @@ float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
 template <typename In>
 float parallel_amax(const typename In::storage* x, int64_t n, int threads) {
   std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
-  const bool vec = use_avx512();
+  const QuantizeKernels* vec = vector_kernels();
   parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
     partial[static_cast<size_t>(omp_get_thread_num())] =
-        vec ? avx512::amax(In::dtype, x, b, e) : amax_range<In>(x, b, e);
+        vec ? vec->amax(In::dtype, x, b, e) : amax_range<In>(x, b, e);
   });
   float r = 0.0f;
   for (float a : partial) r = fp8::amax_update(r, a);
@@ -151,13 +165,13 @@ void quantize_impl(const QuantizeParams& p) {
   uint8_t* qt = p.output_t.defined() ? p.output_t.ptr<uint8_t>() : nullptr;
 
   std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
-  const bool vec = use_avx512();
+  const QuantizeKernels* vec = vector_kernels();
   if (qt != nullptr) {
     const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
     // The vector path casts a stripe of rows before transposing it; without a
     // row-major output the stripe needs scratch, allocated here, outside the
     // parallel region (an allocation failure inside would abort).
-    const int64_t stripe_rows = std::min(avx512::kTransposeStripeRows, p.rows);
+    const int64_t stripe_rows = std::min(kTransposeStripeRows, p.rows);
     std::unique_ptr<uint8_t[]> scratch;
     int64_t stripe = 0;  // bytes per thread
     if (vec && q == nullptr) {
@@ -167,7 +181,7 @@ void quantize_impl(const QuantizeParams& p) {
     parallel_for(threads, p.rows, row_grain, [&](int64_t r0, int64_t r1) {
       const int t = omp_get_thread_num();
       partial[static_cast<size_t>(t)] =
-          vec ? avx512::cast_transpose(In::dtype, Out::dtype, x, q, qt,
+          vec ? vec->cast_transpose(In::dtype, Out::dtype, x, q, qt,
                                        scratch ? scratch.get() + t * stripe : nullptr, scale, p.rows,
                                        p.cols, r0, r1)
               : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
@@ -179,7 +193,7 @@ void quantize_impl(const QuantizeParams& p) {
     const bool stream = n >= kStreamBytes;
     parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
       partial[static_cast<size_t>(omp_get_thread_num())] =
-          vec ? avx512::cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
+          vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
               : cast_range<In, Out>(x, q, scale, b, e);
     });
   }
@@ -223,9 +237,9 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
     dispatch_high_precision(output.dtype, "dequantize: argument 'output'", [&](auto out_tag) {
       using Out = decltype(out_tag);
       auto* y = output.ptr<typename Out::storage>();
-      const bool vec = use_avx512();
+      const QuantizeKernels* vec = vector_kernels();
       parallel_for(input.numel(), kGrain, [&](int64_t b, int64_t e) {
-        if (vec) return avx512::dequantize(In::dtype, Out::dtype, q, s, y, b, e);
+        if (vec) return vec->dequantize(In::dtype, Out::dtype, q, s, y, b, e);
         for (int64_t i = b; i < e; ++i) y[i] = Out::store(In::load(q[i]) * s);
       });
     });

@@ -1,12 +1,13 @@
 // AVX-512 kernels of the CPU quantize family, 16 lanes at a time; the lane
-// kernels (loads, the bitwise FP8 cast, amax) are quantize_lanes_avx512.h's.
-#include "quantize_cpu_avx512.h"
+// kernels (loads, the bitwise FP8 cast, amax) are quantize_lanes_avx512.h's,
+// the range kernels built on them quantize_cpu_vec.h's.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <type_traits>
 
+#include "quantize_cpu_isa.h"
 #include "quantize_lanes_avx512.h"
 #include "transformer_linear/dispatch.h"
 
@@ -14,24 +15,6 @@ namespace tl {
 namespace cpu {
 namespace avx512 {
 namespace {
-
-constexpr int64_t kTile = kTransposeStripeRows;
-
-// Rows are cast in 64-row stripes with the contiguous cast (into q, or a
-// scratch stripe when only qt is wanted); the stripe, still in L2, is then
-// written out transposed in 16x16 blocks.
-template <typename In, typename Out>
-float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
-                          float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
-  float amax = 0.0f;
-  for (int64_t rb = r0; rb < r1; rb += kTile) {
-    const int64_t nr = std::min(r1, rb + kTile) - rb;
-    uint8_t* stripe = q != nullptr ? q + rb * cols : scratch;
-    amax = fp8::amax_update(amax, cast_range<In, Out, true, false>(x + rb * cols, stripe, scale, 0, nr * cols));
-    transpose_bytes(stripe, cols, nr, cols, qt + rb, rows);
-  }
-  return amax;
-}
 
 // --- dequantize -------------------------------------------------------------
 
@@ -97,58 +80,12 @@ void dequantize_range(const uint8_t* q, float scale_inv, typename Out::storage* 
   }
 }
 
-template <typename Fn>
-decltype(auto) dispatch_in_out(DType in, DType out, Fn&& fn) {
-  return dispatch_high_precision(in, "quantize: argument 'input'", [&](auto in_tag) {
-    return dispatch_fp8(out, "quantize: argument 'output'",
-                        [&](auto out_tag) { return fn(in_tag, out_tag); });
-  });
-}
+#include "quantize_cpu_vec.h"  // the range kernels, on the ones above
 
 }  // namespace
-
-float amax(DType in, const void* x, int64_t begin, int64_t end) {
-  return dispatch_high_precision(in, "amax: argument 'input'", [&](auto in_tag) {
-    using In = decltype(in_tag);
-    return amax_range<In>(static_cast<const typename In::storage*>(x), begin, end);
-  });
-}
-
-float cast(DType in, DType out, const void* x, uint8_t* q, float scale, int64_t begin, int64_t end,
-           bool want_amax, bool stream) {
-  return dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using In = decltype(in_tag);
-    using Out = decltype(out_tag);
-    const auto* xs = static_cast<const typename In::storage*>(x);
-    if (want_amax) {
-      return stream ? cast_range<In, Out, true, true>(xs, q, scale, begin, end)
-                    : cast_range<In, Out, true, false>(xs, q, scale, begin, end);
-    }
-    return stream ? cast_range<In, Out, false, true>(xs, q, scale, begin, end)
-                  : cast_range<In, Out, false, false>(xs, q, scale, begin, end);
-  });
-}
-
-float cast_transpose(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
-                     float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1) {
-  return dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using In = decltype(in_tag);
-    return cast_transpose_rows<In, decltype(out_tag)>(static_cast<const typename In::storage*>(x),
-                                                      q, qt, scratch, scale, rows, cols, r0, r1);
-  });
-}
-
-void dequantize(DType in, DType out, const uint8_t* q, float scale_inv, void* y, int64_t begin,
-                int64_t end) {
-  dispatch_fp8(in, "dequantize: argument 'input'", [&](auto in_tag) {
-    dispatch_high_precision(out, "dequantize: argument 'output'", [&](auto out_tag) {
-      using Out = decltype(out_tag);
-      dequantize_range<decltype(in_tag), Out>(q, scale_inv, static_cast<typename Out::storage*>(y),
-                                              begin, end);
-    });
-  });
-}
-
 }  // namespace avx512
+
+QuantizeKernels avx512_quantize_kernels() { return avx512::quantize_kernels(); }
+
 }  // namespace cpu
 }  // namespace tl

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "transformer_linear/dispatch.h"
+#include "transpose_bytes_sse2.h"
 
 namespace tl {
 namespace cpu {
@@ -181,27 +182,6 @@ float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
   }
 }
 
-// One round of the 16x16 byte transpose: interleave row i with row i + 8.
-inline void interleave_round(const __m128i (&in)[16], __m128i (&out)[16]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    out[2 * i] = _mm_unpacklo_epi8(in[i], in[i + 8]);
-    out[2 * i + 1] = _mm_unpackhi_epi8(in[i], in[i + 8]);
-  }
-}
-
-// In-register transpose of a 16x16 byte matrix: four interleaving rounds move
-// element (r, c) to (c, r). Written without a loop over the rounds so that the
-// compiler keeps all 16 rows in registers (a rounds loop spills them to the
-// stack, and the reloads stall on store forwarding).
-inline void transpose16x16(__m128i (&rows)[16]) {
-  __m128i tmp[16];
-  interleave_round(rows, tmp);
-  interleave_round(tmp, rows);
-  interleave_round(rows, tmp);
-  interleave_round(tmp, rows);
-}
-
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16
 // byte blocks transposed in registers into a buffer of 16 output rows x 128
 // bytes, which then goes out row by row in whole 64-byte stores. Storing each
@@ -230,7 +210,7 @@ inline void transpose_bytes(const uint8_t* src, int64_t ld_src, int64_t rows, in
             block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, src + (r0 + r + i) * ld_src + c) : _mm_setzero_si128();
           }
         }
-        transpose16x16(block);
+        sse2::transpose16x16(block);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
       }

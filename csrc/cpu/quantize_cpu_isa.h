@@ -1,0 +1,49 @@
+// Vector range kernels of the CPU quantize family, one set per instruction-set
+// path (quantize_cpu_avx2.cpp, quantize_cpu_avx512.cpp; both built from
+// quantize_cpu_vec.h). quantize_cpu.cpp owns threading and picks the set of
+// cpu::current_isa(). Results are bitwise those of the scalar functions in
+// fp8_math.h, except the payload of a NaN amax.
+#pragma once
+
+#include <cstdint>
+
+#include "transformer_linear/tensor.h"
+
+namespace tl {
+namespace cpu {
+
+// Rows cast_transpose casts at a time before transposing them.
+constexpr int64_t kTransposeStripeRows = 64;
+
+/*! \brief The quantize range kernels of one instruction-set path. */
+struct QuantizeKernels {
+  /*! \brief max |x[i]| over [begin, end) of a float32/bfloat16/float16 array (NaN-propagating). */
+  float (*amax)(DType in, const void* x, int64_t begin, int64_t end);
+  /*!
+   * \brief q[i] = quantize(x[i] * scale) for i in [begin, end); returns max |x| over the range
+   *        when `want_amax` (else 0). `stream` uses non-temporal stores for q, for outputs too
+   *        large to stay in cache.
+   */
+  float (*cast)(DType in, DType out, const void* x, uint8_t* q, float scale, int64_t begin,
+                int64_t end, bool want_amax, bool stream);
+  /*!
+   * \brief Rows [r0, r1) of the (rows, cols) input: q (row-major, may be null) and qt
+   *        (cols, rows). Returns max |x| over those rows. When q is null, `scratch` holds
+   *        kTransposeStripeRows * cols bytes (the caller allocates it: this runs inside
+   *        parallel regions, where an allocation failure must not be possible).
+   */
+  float (*cast_transpose)(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt,
+                          uint8_t* scratch, float scale, int64_t rows, int64_t cols, int64_t r0,
+                          int64_t r1);
+  /*! \brief y[i] = store(load(q[i]) * scale_inv) for i in [begin, end). */
+  void (*dequantize)(DType in, DType out, const uint8_t* q, float scale_inv, void* y,
+                     int64_t begin, int64_t end);
+};
+
+/*! \brief AVX2 + FMA + F16C kernels; call only when the CPU has them. */
+QuantizeKernels avx2_quantize_kernels();
+/*! \brief AVX-512 kernels; call only when the CPU has them. */
+QuantizeKernels avx512_quantize_kernels();
+
+}  // namespace cpu
+}  // namespace tl

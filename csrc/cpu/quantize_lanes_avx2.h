@@ -1,0 +1,248 @@
+// AVX2 lane kernels shared by the quantize families (quantize_cpu_avx2.cpp,
+// quantize_block_cpu_avx2.cpp): loads of 8 high-precision elements as fp32
+// lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
+// Include only from *_avx2.cpp files (compiled with -mavx2 -mfma -mf16c).
+//
+// The same function as quantize_lanes_avx512.h, 8 lanes wide: fp8_math.h's
+// e4m3_bits_from_float / e5m2_bits_from_float lane by lane, with the same
+// integer rounding for normals and the same float addition that rounds
+// subnormals (no FMA, -ffp-contract=off), so results are bitwise those of the
+// scalar path. AVX2 has no mask registers: comparisons give all-ones lanes
+// for vpblendvb, and the partial vectors at the end of a range are read
+// through a zeroed stack buffer, so no byte past the range is touched.
+//
+// Every lane value the comparisons see has its sign bit clear, so signed
+// 32-bit comparisons order them as unsigned ones would.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "transformer_linear/dispatch.h"
+#include "transpose_bytes_sse2.h"
+
+namespace tl {
+namespace cpu {
+namespace avx2 {
+
+// --- loads: 8 elements -> fp32 lanes ---------------------------------------
+
+template <typename In>
+__m256 widen(__m128i h) {
+  if constexpr (std::is_same_v<In, Float16>) {
+    return _mm256_cvtph_ps(h);
+  } else {  // bfloat16 is the top half of a float32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename In>
+__m256 load_hp(const typename In::storage* p) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return widen<In>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// The first n (< 8) elements at p; the other lanes read as +0.
+template <typename In>
+__m256 load_hp(const typename In::storage* p, int64_t n) {
+  typename In::storage buf[8] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(buf[0]));
+  return load_hp<In>(buf);
+}
+
+inline __m256i abs_bits(__m256 v) {
+  return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+}
+
+inline uint32_t reduce_max_epu32(__m256i v) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+inline __m256i lanes_gt(__m256i a, uint32_t b) {
+  return _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(b)));
+}
+inline __m256i lanes_lt(__m256i a, uint32_t b) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(b)), a);
+}
+
+// --- the cast: constants of fp8_math.h's two conversions -------------------
+
+template <typename Out>
+struct Fp8Bits;
+
+template <>
+struct Fp8Bits<Float8E4M3> {
+  static constexpr uint32_t kMantShift = 20;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
+  static constexpr uint32_t kSubnormalBelow = 121u << 23;  // 2^-6
+  static constexpr uint32_t kDenormMask = 141u << 23;
+  static constexpr uint32_t kSpecialFrom = 1087u << 20;  // 480: NaN after saturation
+  static __m256i special(__m256i) { return _mm256_set1_epi32(0x7f); }
+};
+
+template <>
+struct Fp8Bits<Float8E5M2> {
+  static constexpr uint32_t kMantShift = 21;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu;
+  static constexpr uint32_t kSubnormalBelow = 113u << 23;  // 2^-14
+  static constexpr uint32_t kDenormMask = 134u << 23;
+  static constexpr uint32_t kSpecialFrom = 143u << 23;  // 65536
+  static __m256i special(__m256i u) {
+    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7c), _mm256_set1_epi32(0x7f), lanes_gt(u, 255u << 23));
+  }
+};
+
+// Saturating RNE cast of x * scale: 8 lanes, each holding its FP8 byte (Out::quantize).
+template <typename Out>
+__m256i to_fp8(__m256 x, __m256 scale) {
+  using B = Fp8Bits<Out>;
+  __m256 v = _mm256_mul_ps(x, scale);
+  // vminps/vmaxps return the second operand when either is NaN, so NaN
+  // passes through as in fp8::saturate.
+  v = _mm256_min_ps(_mm256_set1_ps(Out::kMax), v);
+  v = _mm256_max_ps(_mm256_set1_ps(-Out::kMax), v);
+  __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  u = _mm256_xor_si256(u, sign);
+
+  const __m256i mant_odd = _mm256_and_si256(_mm256_srli_epi32(u, B::kMantShift), _mm256_set1_epi32(1));
+  __m256i normal = _mm256_add_epi32(u, _mm256_set1_epi32(static_cast<int>(B::kRebias)));
+  normal = _mm256_srli_epi32(_mm256_add_epi32(normal, mant_odd), B::kMantShift);
+
+  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(B::kDenormMask));
+  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm));
+  const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm);
+
+  __m256i r = _mm256_blendv_epi8(normal, subnormal, lanes_lt(u, B::kSubnormalBelow));
+  r = _mm256_blendv_epi8(r, B::special(u), lanes_gt(u, B::kSpecialFrom - 1));
+  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+}
+
+// The low bytes of 16 lanes (values 0..255), in order, as 16 bytes.
+inline __m128i pack_bytes(__m256i lo, __m256i hi) {
+  const __m128i w0 = _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+  const __m128i w1 = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  return _mm_packus_epi16(w0, w1);
+}
+
+// 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
+inline __m256 load_scales(const float* p, int64_t n) {
+  float buf[8] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(float));
+  return _mm256_loadu_ps(buf);
+}
+
+template <typename In, typename Out, bool kAmax, bool kStream>
+float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
+                 int64_t end) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256i acc = _mm256_setzero_si256();
+  // Fewer than 16 elements: through stack buffers, lanes past n read as +0.
+  auto partial = [&](int64_t i, int64_t n) {
+    const __m256 v0 = load_hp<In>(x + i, std::min<int64_t>(n, 8));
+    const __m256 v1 = n > 8 ? load_hp<In>(x + i + 8, n - 8) : _mm256_setzero_ps();
+    if (kAmax) acc = _mm256_max_epu32(acc, _mm256_max_epu32(abs_bits(v0), abs_bits(v1)));
+    alignas(16) uint8_t bytes[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), pack_bytes(to_fp8<Out>(v0, sc), to_fp8<Out>(v1, sc)));
+    std::memcpy(q + i, bytes, static_cast<size_t>(n));
+  };
+  int64_t i = begin;
+  if (kStream) {  // align q for the 16-byte non-temporal stores
+    const int64_t head = std::min<int64_t>(end - i, (16 - (reinterpret_cast<uintptr_t>(q + i) & 15)) & 15);
+    if (head > 0) partial(i, head);
+    i += head;
+  }
+  for (; i + 16 <= end; i += 16) {
+    const __m256 v0 = load_hp<In>(x + i), v1 = load_hp<In>(x + i + 8);
+    if (kAmax) acc = _mm256_max_epu32(acc, _mm256_max_epu32(abs_bits(v0), abs_bits(v1)));
+    const __m128i b = pack_bytes(to_fp8<Out>(v0, sc), to_fp8<Out>(v1, sc));
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), b);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
+    }
+  }
+  if (i < end) partial(i, end - i);
+  if (kStream) _mm_sfence();
+  return fp8::float_of(reduce_max_epu32(acc));
+}
+
+// amax of 16-bit formats straight on the bits, 32 lanes at a time.
+template <typename In>
+float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+      acc0 = _mm256_max_epu32(acc0, abs_bits(_mm256_loadu_ps(x + i)));
+      acc1 = _mm256_max_epu32(acc1, abs_bits(_mm256_loadu_ps(x + i + 8)));
+    }
+    for (; i < end; i += 8) acc0 = _mm256_max_epu32(acc0, abs_bits(load_hp<In>(x + i, std::min<int64_t>(8, end - i))));
+    return fp8::float_of(reduce_max_epu32(_mm256_max_epu32(acc0, acc1)));
+  } else {
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = begin;
+    for (; i + 32 <= end; i += 32) {
+      acc0 = _mm256_max_epu16(acc0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mag));
+      acc1 = _mm256_max_epu16(acc1, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16)), mag));
+    }
+    acc0 = _mm256_max_epu16(acc0, acc1);
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(acc0));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(acc0, 1));
+    uint32_t bits = reduce_max_epu32(_mm256_max_epu32(lo, hi));
+    for (; i < end; ++i) bits = std::max<uint32_t>(bits, x[i] & 0x7fffu);
+    return In::load(static_cast<uint16_t>(bits));
+  }
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16
+// byte blocks transposed in registers into a buffer of 16 output rows x 128
+// bytes, which then goes out row by row (see quantize_lanes_avx512.h for why).
+inline void transpose_bytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                            uint8_t* dst, int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;  // output bytes per row and buffer pass
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        __m128i block[16];
+        if (nc == 16 && nrows == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + r + i) * ld_src + c));
+          }
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            alignas(16) uint8_t row[16] = {};
+            if (i < nrows) std::memcpy(row, src + (r0 + r + i) * ld_src + c, static_cast<size_t>(nc));
+            block[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(row));
+          }
+        }
+        sse2::transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      for (int64_t j = 0; j < nc; ++j) {
+        std::memcpy(dst + (c + j) * ld_dst + r0, buffer + j * kChunk, static_cast<size_t>(nr0));
+      }
+    }
+  }
+}
+
+}  // namespace avx2
+}  // namespace cpu
+}  // namespace tl
