@@ -12,6 +12,10 @@ constexpr Isa kAllIsas[] = {Isa::kGeneric, Isa::kAvx2, Isa::kAvx512, Isa::kAvx51
 }  // namespace
 
 bool isa_supported(Isa isa) {
+#if !TL_CPU_X86_KERNELS
+  // A portable-only build (not x86, or TL_CPU_X86_KERNELS=OFF) has no other path.
+  return isa == Isa::kGeneric;
+#endif
   switch (isa) {
     case Isa::kGeneric:
       return true;

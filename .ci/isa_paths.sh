@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The CPU test suite once more on every other instruction-set path this CPU
+# runs (TL_CPU_ISA forces it), so each path's kernels are tested on every CI
+# machine that can run them, not only on CPUs where the measurement picks
+# them: on an AVX-512 machine the AVX2 and portable paths run the suite too.
+# Uses the virtualenv and install that the README's commands made (.venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=.venv/bin/python
+[ -x "$python" ] || { echo "isa_paths.sh: run the README's commands first (no .venv)" >&2; exit 1; }
+
+# Read from a neutral folder: the source tree's transformer_linear (no built
+# extension) must not shadow the installed one.
+repo="$PWD"
+read -r auto others < <(cd /tmp && "$repo/$python" -c '
+import transformer_linear._C as C
+info = C.cpu_isa_info()
+print(info["isa"], ",".join(i for i in info["supported"] if i != info["isa"]))
+')
+echo "isa_paths.sh: the suite ran on $auto (measured); now on: ${others:-nothing else}"
+IFS=, read -r -a paths <<< "$others"
+for isa in "${paths[@]}"; do
+  [ -n "$isa" ] || continue
+  start=$SECONDS
+  echo "== TL_CPU_ISA=$isa pytest"
+  TL_CPU_ISA="$isa" .venv/bin/pytest -q -x -p no:cacheprovider
+  echo "== TL_CPU_ISA=$isa took $((SECONDS - start)) s"
+done
