@@ -22,6 +22,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "fp8_cast_bits.h"
 #include "transformer_linear/dispatch.h"
 #include "transpose_bytes_sse2.h"
 
@@ -75,37 +76,22 @@ inline __m256i lanes_lt(__m256i a, uint32_t b) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(b)), a);
 }
 
-// --- the cast: constants of fp8_math.h's two conversions -------------------
+// --- the cast ------------------------------------------------------------
 
-template <typename Out>
-struct Fp8Bits;
-
-template <>
-struct Fp8Bits<Float8E4M3> {
-  static constexpr uint32_t kMantShift = 20;
-  static constexpr uint32_t kRebias = (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
-  static constexpr uint32_t kSubnormalBelow = 121u << 23;  // 2^-6
-  static constexpr uint32_t kDenormMask = 141u << 23;
-  static constexpr uint32_t kSpecialFrom = 1087u << 20;  // 480: NaN after saturation
-  static __m256i special(__m256i) { return _mm256_set1_epi32(0x7f); }
-};
-
-template <>
-struct Fp8Bits<Float8E5M2> {
-  static constexpr uint32_t kMantShift = 21;
-  static constexpr uint32_t kRebias = (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu;
-  static constexpr uint32_t kSubnormalBelow = 113u << 23;  // 2^-14
-  static constexpr uint32_t kDenormMask = 134u << 23;
-  static constexpr uint32_t kSpecialFrom = 143u << 23;  // 65536
-  static __m256i special(__m256i u) {
-    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7c), _mm256_set1_epi32(0x7f), lanes_gt(u, 255u << 23));
+// FP8 bits of the lanes at or above kSpecialFrom: NaN, or e5m2's infinity.
+template <typename B>
+__m256i special_bits(__m256i u) {
+  if constexpr (B::kHasInf) {
+    return _mm256_blendv_epi8(_mm256_set1_epi32(B::kInfBits), _mm256_set1_epi32(B::kNanBits), lanes_gt(u, B::kNanAbove));
+  } else {
+    return _mm256_set1_epi32(B::kNanBits);
   }
-};
+}
 
 // Saturating RNE cast of x * scale: 8 lanes, each holding its FP8 byte (Out::quantize).
 template <typename Out>
 __m256i to_fp8(__m256 x, __m256 scale) {
-  using B = Fp8Bits<Out>;
+  using B = Fp8CastBits<Out>;
   __m256 v = _mm256_mul_ps(x, scale);
   // vminps/vmaxps return the second operand when either is NaN, so NaN
   // passes through as in fp8::saturate.
@@ -124,7 +110,7 @@ __m256i to_fp8(__m256 x, __m256 scale) {
   const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm);
 
   __m256i r = _mm256_blendv_epi8(normal, subnormal, lanes_lt(u, B::kSubnormalBelow));
-  r = _mm256_blendv_epi8(r, B::special(u), lanes_gt(u, B::kSpecialFrom - 1));
+  r = _mm256_blendv_epi8(r, special_bits<B>(u), lanes_gt(u, B::kSpecialFrom - 1));
   return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
 }
 

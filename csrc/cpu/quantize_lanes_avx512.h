@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fp8_cast_bits.h"
 #include "transformer_linear/dispatch.h"
 #include "transpose_bytes_sse2.h"
 
@@ -65,38 +66,23 @@ inline __m512i abs_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
 }
 
-// --- the cast: constants of fp8_math.h's two conversions -------------------
+// --- the cast ------------------------------------------------------------
 
-template <typename Out>
-struct Fp8Bits;
-
-template <>
-struct Fp8Bits<Float8E4M3> {
-  static constexpr uint32_t kMantShift = 20;
-  static constexpr uint32_t kRebias = (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
-  static constexpr uint32_t kSubnormalBelow = 121u << 23;  // 2^-6
-  static constexpr uint32_t kDenormMask = 141u << 23;
-  static constexpr uint32_t kSpecialFrom = 1087u << 20;  // 480: NaN after saturation
-  static __m512i special(__m512i) { return _mm512_set1_epi32(0x7f); }
-};
-
-template <>
-struct Fp8Bits<Float8E5M2> {
-  static constexpr uint32_t kMantShift = 21;
-  static constexpr uint32_t kRebias = (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu;
-  static constexpr uint32_t kSubnormalBelow = 113u << 23;  // 2^-14
-  static constexpr uint32_t kDenormMask = 134u << 23;
-  static constexpr uint32_t kSpecialFrom = 143u << 23;  // 65536
-  static __m512i special(__m512i u) {
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(255 << 23));
-    return _mm512_mask_blend_epi32(nan, _mm512_set1_epi32(0x7c), _mm512_set1_epi32(0x7f));
+// FP8 bits of the lanes at or above kSpecialFrom: NaN, or e5m2's infinity.
+template <typename B>
+__m512i special_bits(__m512i u) {
+  if constexpr (B::kHasInf) {
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(B::kNanAbove));
+    return _mm512_mask_blend_epi32(nan, _mm512_set1_epi32(B::kInfBits), _mm512_set1_epi32(B::kNanBits));
+  } else {
+    return _mm512_set1_epi32(B::kNanBits);
   }
-};
+}
 
 // Saturating RNE cast of x * scale, 16 lanes -> 16 bytes (Out::quantize).
 template <typename Out>
 __m128i to_fp8(__m512 x, __m512 scale) {
-  using B = Fp8Bits<Out>;
+  using B = Fp8CastBits<Out>;
   __m512 v = _mm512_mul_ps(x, scale);
   // vminps/vmaxps return the second operand when either is NaN, so NaN
   // passes through as in fp8::saturate.
@@ -117,7 +103,7 @@ __m128i to_fp8(__m512 x, __m512 scale) {
   const __mmask16 is_sub = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(B::kSubnormalBelow));
   const __mmask16 is_special = _mm512_cmpge_epu32_mask(u, _mm512_set1_epi32(B::kSpecialFrom));
   __m512i r = _mm512_mask_blend_epi32(is_sub, normal, subnormal);
-  r = _mm512_mask_blend_epi32(is_special, r, B::special(u));
+  r = _mm512_mask_blend_epi32(is_special, r, special_bits<B>(u));
   r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
   return _mm512_cvtepi32_epi8(r);  // keeps the low byte, like static_cast<uint8_t>
 }

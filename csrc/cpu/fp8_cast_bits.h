@@ -1,0 +1,42 @@
+// The integer constants of fp8_math.h's two float -> FP8 conversions
+// (e4m3_bits_from_float, e5m2_bits_from_float), for the vector casts that
+// apply them lane by lane (quantize_lanes_avx2.h, quantize_lanes_avx512.h).
+// Lanes hold |x| as float32 bits after saturation.
+#pragma once
+
+#include <cstdint>
+
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+
+template <typename Out>
+struct Fp8CastBits;
+
+template <>
+struct Fp8CastBits<Float8E4M3> {
+  static constexpr uint32_t kMantShift = 20;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu;
+  static constexpr uint32_t kSubnormalBelow = 121u << 23;  // 2^-6
+  static constexpr uint32_t kDenormMask = 141u << 23;
+  static constexpr uint32_t kSpecialFrom = 1087u << 20;  // 480: NaN after saturation
+  static constexpr bool kHasInf = false;                  // every special lane is NaN
+  static constexpr uint32_t kNanBits = 0x7f;
+};
+
+template <>
+struct Fp8CastBits<Float8E5M2> {
+  static constexpr uint32_t kMantShift = 21;
+  static constexpr uint32_t kRebias = (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu;
+  static constexpr uint32_t kSubnormalBelow = 113u << 23;  // 2^-14
+  static constexpr uint32_t kDenormMask = 134u << 23;
+  static constexpr uint32_t kSpecialFrom = 143u << 23;  // 65536
+  static constexpr bool kHasInf = true;                  // special lanes above kNanAbove are NaN
+  static constexpr uint32_t kInfBits = 0x7c;
+  static constexpr uint32_t kNanAbove = 255u << 23;
+  static constexpr uint32_t kNanBits = 0x7f;
+};
+
+}  // namespace cpu
+}  // namespace tl
