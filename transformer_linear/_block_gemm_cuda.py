@@ -35,7 +35,7 @@ import torch
 
 from transformer_linear import _C, _cuda_fallback
 from transformer_linear._tensor import cublas_workspace, desc, stream_for
-from transformer_linear.reference import E8M0_DTYPE
+from transformer_linear.block_scaling import k_block_width
 
 __all__ = [
     "CUBLASLT_BLOCK_PAIRS",
@@ -43,7 +43,6 @@ __all__ = [
     "cublaslt_operands_fit",
     "cublaslt_scale",
     "fp8_gemm_cublaslt",
-    "scaling_of",
 ]
 
 
@@ -63,28 +62,6 @@ CUBLASLT_BLOCK_PAIRS: dict[tuple[str, str], tuple[int, Callable[[tuple[int, int]
     ("BlockWise1x128", "BlockWise1x128"): (120900, _sm90),
     ("RowWise", "RowWise"): (120900, _sm90),
 }
-
-# Block width along K of each block scaling.
-_BLOCK_K = {"BlockWise1x32": 32, "BlockWise1x128": 128, "BlockWise128x128": 128}
-
-
-def scaling_of(block: tuple[int, int] | list[int], scale_dtype: torch.dtype, k: int) -> str:
-    """The ScalingType name of an operand's resolved block (see ops.fp8_gemm_scalings).
-
-    A (1, w) block with w >= K and a (1, 128) block with K <= 128 describe the
-    same blocks; the first is named RowWise, the second BlockWise1x128.
-    """
-    rows, cols = block
-    if scale_dtype == E8M0_DTYPE:
-        return "BlockWise1x32"
-    if (rows, cols) == (128, 128):
-        return "BlockWise128x128"
-    if (rows, cols) == (1, 128):
-        return "BlockWise1x128"
-    if rows == 1 and cols >= k:
-        return "RowWise"
-    return "TensorWise"
-
 
 def cublaslt_block_applies(
     a_scaling: str, b_scaling: str, capability: tuple[int, int], build_info: Optional[dict]
@@ -111,7 +88,7 @@ def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_sc
     (m, k), n = a.shape, b.shape[0]
     both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
     k_major = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
-    blocks_whole = all(k % _BLOCK_K.get(s, 1) == 0 for s in (a_scaling, b_scaling))
+    blocks_whole = all(k % k_block_width(s) == 0 for s in (a_scaling, b_scaling))
     outer = a_scaling != "BlockWise1x128" or m % 8 == 0
     return not both_e5m2 and k_major and k > 0 and k % 16 == 0 and n % 16 == 0 and blocks_whole and outer
 
@@ -167,15 +144,14 @@ def cublaslt_scale(scale_inv: torch.Tensor, scaling: str, rows: int) -> torch.Te
     raise ValueError(f"fp8_gemm: cuBLASLt has no block-scaled matmul for {scaling} scales")
 
 
-def fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block) -> Optional[torch.Tensor]:
+def fp8_gemm_cublaslt(
+    a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_scaling: str, b_scaling: str
+) -> Optional[torch.Tensor]:
     """The block-scaled GEMM through cuBLASLt, or None where it does not run (the caller runs Triton).
 
     Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops_blockwise.py): CUDA
-    tensors, ``a_block`` / ``b_block`` the blocks resolve_gemm_scalings found.
+    tensors, ``a_scaling`` / ``b_scaling`` the ScalingTypes resolve_gemm_scalings found.
     """
-    k = a.shape[1]
-    a_scaling = scaling_of(a_block, a_scale_inv.dtype, k)
-    b_scaling = scaling_of(b_block, b_scale_inv.dtype, k)
     capability = torch.cuda.get_device_capability(a.device)
     if not (
         cublaslt_block_applies(a_scaling, b_scaling, capability, _cuda_fallback.build_info())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from transformer_linear.reference import FP8_DTYPES
+from transformer_linear.dtypes import FP8_DTYPES
 
 __all__ = ["needs_columnwise", "saved_form", "transposed"]
 

@@ -39,7 +39,8 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, FP8_DTYPES
+from transformer_linear.block_scaling import E8M0_ROUNDINGS
+from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES
 
 __all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "flat", "quantization_spec"]
 

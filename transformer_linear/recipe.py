@@ -16,7 +16,7 @@ from typing import Union
 
 import torch
 
-from transformer_linear.reference import E8M0_ROUNDINGS
+from transformer_linear.block_scaling import E8M0_ROUNDINGS
 
 __all__ = [
     "CurrentScaling",
