@@ -36,6 +36,7 @@ import torch
 from transformer_linear import _C, _cuda_fallback
 from transformer_linear._tensor import cublas_workspace, desc, stream_for
 from transformer_linear.block_scaling import k_block_width
+from transformer_linear.layout import fp8_tensor_cores_take
 
 __all__ = [
     "CUBLASLT_BLOCK_PAIRS",
@@ -85,12 +86,10 @@ def cublaslt_block_applies(
 
 def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: str) -> bool:
     """Whether the operands meet cuBLASLt's block-scaled layout rules (the list above)."""
-    (m, k), n = a.shape, b.shape[0]
-    both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
-    k_major = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+    m, k = a.shape
     blocks_whole = all(k % k_block_width(s) == 0 for s in (a_scaling, b_scaling))
     outer = a_scaling != "BlockWise1x128" or m % 8 == 0
-    return not both_e5m2 and k_major and k > 0 and k % 16 == 0 and n % 16 == 0 and blocks_whole and outer
+    return fp8_tensor_cores_take(a, b, aligned=True) and k > 0 and blocks_whole and outer
 
 
 def _round_up(x: int, m: int) -> int:

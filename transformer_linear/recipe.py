@@ -157,6 +157,7 @@ class CurrentScaling:
 Float8CurrentScaling = CurrentScaling
 """TransformerEngine's name for :class:`CurrentScaling`."""
 
+# block_scaling_dim (TE's values) -> block shape: 1 -> 1x128 tiles, 2 -> 128x128 blocks.
 _BLOCK_SCALING_DIMS = {1: (1, 128), 2: (128, 128)}
 
 
