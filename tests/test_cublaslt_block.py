@@ -77,6 +77,18 @@ def test_pairs_cublaslt_has_not_take_triton(pair):
         assert not cublaslt_block_applies(*pair, capability, build(V129, V129))
 
 
+@pytest.mark.parametrize("pair", list(PAIRS.values()))
+def test_pair_table_lives_in_the_extension(pair):
+    """Every build answers from the C++ table (csrc/common/cublaslt_block_pairs.cpp), CPU-only ones too:
+    each pair from its cuBLAS version on, never one version earlier, never for unknown names."""
+    major = 10 if pair[0] == "BlockWise1x32" else 9
+    version = V128 if pair[0] == "BlockWise1x32" else V129
+    assert _C.cublaslt_block_pair_runs(*pair, major, 0, version)
+    assert not _C.cublaslt_block_pair_runs(*pair, major, 0, version - 1)
+    assert not _C.cublaslt_block_pair_runs(pair[0], "NoSuchScaling", major, 0, version)
+    assert not _C.cublaslt_block_pair_runs(*reversed(pair), 8, 9, version)
+
+
 def fp8(rows: int, cols: int, fmt=E4M3) -> torch.Tensor:
     return torch.randn(rows, cols).to(fmt)
 

@@ -4,15 +4,13 @@
 matmul (csrc/cuda/gemm_block_cuda.cpp) when all of these hold, and the Triton
 kernel (``transformer_linear.triton.fp8_gemm``) otherwise:
 
-==============================================  =========  ===========================
-scaling pair (a, b)                             GPU        cuBLAS (headers and library)
-==============================================  =========  ===========================
-(BlockWise1x32, BlockWise1x32): MXFP8, E8M0     sm_100+    >= 12.8
-(BlockWise1x128, BlockWise128x128), reversed,   sm_90      >= 12.9
-(BlockWise1x128, BlockWise1x128)
-(RowWise, RowWise)                              sm_90      >= 12.9
-==============================================  =========  ===========================
-
+- cuBLASLt has a block-scaled matmul for the scaling pair (a, b) on this GPU,
+  in this build's cuBLAS headers and the loaded library: the table of
+  csrc/common/cublaslt_block_pairs.cpp, asked through
+  ``_C.cublaslt_block_pair_runs`` (at the time of writing: MXFP8's
+  (BlockWise1x32, BlockWise1x32) on sm_100+ from cuBLAS 12.8; (BlockWise1x128,
+  BlockWise128x128), reversed, (BlockWise1x128, BlockWise1x128) and (RowWise,
+  RowWise) on sm_90 from 12.9);
 - the extension's CUDA kernels run on this GPU (``_cuda_fallback.kernel_problem``);
 - FP8 tensor-core layout: both operands K-major (row-major ``a`` (M, K) and
   ``b`` (N, K)), K, N and the leading dimensions multiples of 16, 16-byte
@@ -29,7 +27,7 @@ are unit-tested on the CPU.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -39,7 +37,6 @@ from transformer_linear.block_scaling import k_block_width
 from transformer_linear.layout import fp8_tensor_cores_take
 
 __all__ = [
-    "CUBLASLT_BLOCK_PAIRS",
     "cublaslt_block_applies",
     "cublaslt_operands_fit",
     "cublaslt_scale",
@@ -47,27 +44,15 @@ __all__ = [
 ]
 
 
-def _sm90(capability: tuple[int, int]) -> bool:
-    return capability[0] == 9
+# The extension's table of the pairs (csrc/common/cublaslt_block_pairs.cpp), in every build.
+_pair_runs = _C.cublaslt_block_pair_runs
 
-
-def _sm100_and_newer(capability: tuple[int, int]) -> bool:
-    return capability >= (10, 0)
-
-
-# (a, b) ScalingType pair -> (minimum cuBLAS version, GPUs cuBLASLt runs it on).
-CUBLASLT_BLOCK_PAIRS: dict[tuple[str, str], tuple[int, Callable[[tuple[int, int]], bool]]] = {
-    ("BlockWise1x32", "BlockWise1x32"): (120800, _sm100_and_newer),
-    ("BlockWise1x128", "BlockWise128x128"): (120900, _sm90),
-    ("BlockWise128x128", "BlockWise1x128"): (120900, _sm90),
-    ("BlockWise1x128", "BlockWise1x128"): (120900, _sm90),
-    ("RowWise", "RowWise"): (120900, _sm90),
-}
 
 def cublaslt_block_applies(
     a_scaling: str, b_scaling: str, capability: tuple[int, int], build_info: Optional[dict]
 ) -> bool:
-    """Whether this build's cuBLASLt runs the scaling pair on a GPU of ``capability`` (the table above).
+    """Whether this build's cuBLASLt runs the scaling pair on a GPU of ``capability`` (the extension's table)
+    and the extension's CUDA kernels run there.
 
     Args:
         a_scaling, b_scaling: ScalingType names of a and b.
@@ -76,12 +61,10 @@ def cublaslt_block_applies(
             ``cublas_header_version`` and ``cublaslt_version`` are CUBLAS_VERSION
             encodings (major * 10000 + minor * 100 + patch).
     """
-    rule = CUBLASLT_BLOCK_PAIRS.get((a_scaling, b_scaling))
-    if rule is None or build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
+    if build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
         return False
-    min_version, gpu_has_it = rule
-    versions = (build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
-    return min(versions) >= min_version and gpu_has_it(capability)
+    version = min(build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
+    return _pair_runs(a_scaling, b_scaling, capability[0], capability[1], version)
 
 
 def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: str) -> bool:
