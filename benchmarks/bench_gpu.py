@@ -280,10 +280,9 @@ def bench_block_gemm(shapes: list[tuple[int, int, int]], graph: bool) -> None:
         for name, (qa, qb, a_scaling, b_scaling) in BLOCK_GEMMS.items():
             a, sa = _block_quantize(x, qa)[:2]
             b, sb = _block_quantize(w, qb)[:2]
-            blocks = [[BLOCK_QUANTIZE[q][0][0], BLOCK_QUANTIZE[q][0][1] or k] for q in (qa, qb)]  # resolved blocks
 
             def cublaslt() -> Optional[torch.Tensor]:
-                return _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.bfloat16, None, *blocks)
+                return _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.bfloat16, None, a_scaling, b_scaling)
 
             cells = {}
             cells["cuBLASLt"] = flops / cuda_time(cublaslt, graph=graph) if cublaslt() is not None else None

@@ -40,13 +40,7 @@ SQUARE = {f"{n}": (n, n, n) for n in (512, 1024, 2048, 4096)}
 LLM = {"llama-qkv 2048x4096x12288": (2048, 4096, 12288), "llama-mlp-down 2048x11008x4096": (2048, 11008, 4096)}
 TINY = {"tiny 16x64x64": (16, 64, 64)}
 # Row name -> recipe of the tl.Linear rows: tensorwise, then block-scaled.
-RECIPES = {
-    "current": recipe.CurrentScaling(),
-    "delayed": recipe.DelayedScaling(),
-    "block": recipe.Float8BlockScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "rowwise": recipe.Float8RowwiseScaling(),
-}
+RECIPES = {name: recipe.from_name(name) for name in ("current", "delayed", "block", "mxfp8", "rowwise")}
 
 
 def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from transformer_linear import reference
-from transformer_linear.ops_blockwise import columnwise_block_shape
+from transformer_linear.block_scaling import columnwise_block_shape
 from tolerances import assert_bitwise_equal
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu

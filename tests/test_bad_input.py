@@ -306,7 +306,9 @@ def test_block_gemm_ops_check_their_own_arguments(op, arg, kind):
     args[arg] = args[arg].to("meta") if kind == "meta" else _as_uint8(args[arg])
     rest = (torch.float32, None) if op == "fp8_gemm_blockwise" else (torch.zeros(8, 4),)
     with pytest.raises(TypeError, match=rf"(?=.*'{arg}')(?=.*\b{kind}\b)"):
-        getattr(torch.ops.transformer_linear, op)(*args.values(), *rest, [1, 128], [1, 128])
+        getattr(torch.ops.transformer_linear, op)(
+            *args.values(), *rest, [1, 128], [1, 128], "BlockWise1x128", "BlockWise1x128"
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -115,12 +115,12 @@ def test_scaling_table():
 @pytest.mark.parametrize("scaling", ["1x128_x_128x128", "1x32_x_1x32_e8m0"])
 def test_opcheck(scaling):
     a, sa, b, sb = block_operands(20, 24, 160, E4M3, E4M3, scaling)
-    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
+    a_scaling, a_block, b_scaling, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
     # test_schema compares inputs with arithmetic that FP8 tensors lack; the kernel's
     # inputs are read-only views (checked by test_operands_unchanged).
     torch.library.opcheck(
         torch.ops.transformer_linear.fp8_gemm_blockwise.default,
-        (a, sa, b, sb, torch.bfloat16, None, list(a_block), list(b_block)),
+        (a, sa, b, sb, torch.bfloat16, None, list(a_block), list(b_block), a_scaling, b_scaling),
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
@@ -176,9 +176,9 @@ def test_accumulate_bad_arguments(make, error, match):
 
 def test_accumulate_opcheck():
     a, sa, b, sb = block_operands(20, 24, 160, E4M3, E4M3, "1x32_x_1x32_e8m0")
-    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
+    a_scaling, a_block, b_scaling, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)
     torch.library.opcheck(
         torch.ops.transformer_linear.fp8_gemm_blockwise_accumulate.default,
-        (a, sa, b, sb, torch.randn(20, 24), list(a_block), list(b_block)),
+        (a, sa, b, sb, torch.randn(20, 24), list(a_block), list(b_block), a_scaling, b_scaling),
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )

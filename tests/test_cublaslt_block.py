@@ -19,12 +19,7 @@ from blockwise_cases import E4M3, E5M2, E8M0, GEMM_SCALINGS, block_operands, deq
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 from transformer_linear import _C, _block_gemm_cuda, _cuda_fallback, ops, reference
 from transformer_linear._tensor import desc
-from transformer_linear._block_gemm_cuda import (
-    cublaslt_block_applies,
-    cublaslt_operands_fit,
-    cublaslt_scale,
-    scaling_of,
-)
+from transformer_linear._block_gemm_cuda import cublaslt_block_applies, cublaslt_operands_fit, cublaslt_scale
 
 HAS_CUDA_KERNELS = torch.cuda.is_available() and _C.built_with_cuda()
 BUILD = {"runtime_version": 13000, "driver_version": 13000, "archs": "80,90-real,100-real"}
@@ -82,19 +77,16 @@ def test_pairs_cublaslt_has_not_take_triton(pair):
         assert not cublaslt_block_applies(*pair, capability, build(V129, V129))
 
 
-@pytest.mark.parametrize(
-    "block,dtype,k,expected",
-    [
-        ((1, 32), E8M0, 64, "BlockWise1x32"),
-        ((128, 128), torch.float32, 300, "BlockWise128x128"),
-        ((1, 128), torch.float32, 300, "BlockWise1x128"),
-        ((1, 300), torch.float32, 300, "RowWise"),
-        ((1, 100), torch.float32, 100, "RowWise"),
-        ((40, 300), torch.float32, 300, "TensorWise"),
-    ],
-)
-def test_scaling_of_resolved_blocks(block, dtype, k, expected):
-    assert scaling_of(block, dtype, k) == expected
+@pytest.mark.parametrize("pair", list(PAIRS.values()))
+def test_pair_table_lives_in_the_extension(pair):
+    """Every build answers from the C++ table (csrc/common/cublaslt_block_pairs.cpp), CPU-only ones too:
+    each pair from its cuBLAS version on, never one version earlier, never for unknown names."""
+    major = 10 if pair[0] == "BlockWise1x32" else 9
+    version = V128 if pair[0] == "BlockWise1x32" else V129
+    assert _C.cublaslt_block_pair_runs(*pair, major, 0, version)
+    assert not _C.cublaslt_block_pair_runs(*pair, major, 0, version - 1)
+    assert not _C.cublaslt_block_pair_runs(pair[0], "NoSuchScaling", major, 0, version)
+    assert not _C.cublaslt_block_pair_runs(*reversed(pair), 8, 9, version)
 
 
 def fp8(rows: int, cols: int, fmt=E4M3) -> torch.Tensor:
@@ -238,15 +230,14 @@ def test_scales_handed_to_cublaslt_read_back_as_the_reference(monkeypatch, scali
     fake_c = type("FakeC", (), {"fp8_gemm_blockwise_cublaslt": staticmethod(fake_cublaslt(calls))})
     monkeypatch.setattr(_block_gemm_cuda, "_C", fake_c)
     a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling, power_2=False)
-    _, a_block, _, b_block = ops.resolve_gemm_scalings(a, sa, b, sb)  # as ops.fp8_gemm resolves them
-    a_scaling = scaling_of(a_block, sa.dtype, k)  # K <= 128: rowwise and 1x128 scales are the same blocks
+    a_scaling, _, b_scaling, _ = ops.resolve_gemm_scalings(a, sa, b, sb)  # as ops.fp8_gemm resolves them
     whole_blocks = a_scaling == "RowWise" or k % (32 if a_scaling == "BlockWise1x32" else 128) == 0
     bias = torch.randn(n)
-    d = _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_block, b_block)
+    d = _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_scaling, b_scaling)
     if not whole_blocks:
         assert d is None and not calls, "K not whole blocks is the Triton kernel's case"
         return
-    assert calls == [(a_scaling, scaling_of(b_block, sb.dtype, k))]
+    assert calls == [(a_scaling, b_scaling)], "the resolved scalings, handed down as they are"
     expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
     assert_close_to_reference(d, expected, dequantized_mm_fp32(a, sa, b, sb, torch.float32, bias), what=scaling)
 

@@ -21,6 +21,7 @@ import torch
 
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 from transformer_linear import _C, _cuda_fallback, ops, reference
+from transformer_linear.layout import fp8_tensor_cores_take
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HAS_GPU = torch.cuda.is_available()
@@ -189,8 +190,8 @@ def test_cuda_build_info_matches_the_build():
 )
 def test_scaled_mm_shape_rule_leaves_m_free(m, n, k, fmt_b, column_major, fits):
     a, b = fp8_operand(m, k, E4M3, "cpu"), fp8_operand(n, k, fmt_b, "cpu", column_major)
-    assert _cuda_fallback._scaled_mm_shapes_fit(a, b) is fits
-    assert not _cuda_fallback._scaled_mm_shapes_fit(fp8_operand(m, k, E5M2, "cpu"), fp8_operand(n, k, E5M2, "cpu"))
+    assert fp8_tensor_cores_take(a, b, aligned=False) is fits
+    assert not fp8_tensor_cores_take(fp8_operand(m, k, E5M2, "cpu"), fp8_operand(n, k, E5M2, "cpu"), aligned=False)
 
 
 def fake_scaled_mm(calls):

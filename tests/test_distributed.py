@@ -40,15 +40,11 @@ CURRENT_SCALING_TOL = 2e-2
 
 RECIPES = {
     "none": None,
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.CurrentScaling(),
+    "delayed": recipe.from_name("delayed", amax_history_len=4),
+    "current": recipe.from_name("current"),
 }
 # Block-scaled recipes: stateless like current scaling, with their own tests below.
-BLOCK_RECIPES = {
-    "block": recipe.Float8BlockScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "rowwise": recipe.Float8RowwiseScaling(),
-}
+BLOCK_RECIPES = {name: recipe.from_name(name) for name in ("block", "mxfp8", "rowwise")}
 _ALL_RECIPES = {**RECIPES, **BLOCK_RECIPES}
 # A rank's rows quantize as in the single process for the forward and dgrad (blocks along a row), but
 # the columnwise copies wgrad reads (xᵀ, grad_outputᵀ) have blocks along the rows, which on a rank hold

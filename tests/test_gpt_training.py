@@ -20,11 +20,7 @@ FINAL_STEPS = 10  # the final loss: the mean over these last steps
 # block, MXFP8 and rowwise end within 0.1% of it.
 FINAL_LOSS_TOLERANCE = 0.01
 
-BLOCK_RECIPES = {
-    "block": recipe.Float8BlockScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
-    "rowwise": recipe.Float8RowwiseScaling(),
-}
+BLOCK_RECIPES = {name: recipe.from_name(name) for name in ("block", "mxfp8", "rowwise")}
 
 
 def _final_loss(curve):

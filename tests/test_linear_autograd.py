@@ -9,10 +9,10 @@ from transformer_linear import recipe, reference
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 
 RECIPES = {
-    "current_hybrid": recipe.CurrentScaling(),
-    "current_e4m3": recipe.CurrentScaling(fp8_format=recipe.Format.E4M3),
-    "delayed_hybrid": recipe.DelayedScaling(amax_history_len=4),
-    "delayed_e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_compute_algo="most_recent", margin=1),
+    "current_hybrid": recipe.from_name("current"),
+    "current_e4m3": recipe.from_name("current-e4m3"),
+    "delayed_hybrid": recipe.from_name("delayed", amax_history_len=4),
+    "delayed_e4m3": recipe.from_name("delayed-e4m3", amax_compute_algo="most_recent", margin=1),
 }
 SHAPES = [(5, 24, 10), (2, 3, 17, 33), (0, 16, 8), (1, 1, 1), (7, 1, 5), (7, 5, 1)]  # (*batch, in_features, out_features)
 

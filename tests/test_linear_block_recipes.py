@@ -24,13 +24,13 @@ ROW = "row"  # a block covering a whole row (rowwise scaling)
 # recipe -> (x block, w block, grad block, scale dtype, power_2_scale, grad dtype), written out
 # independently of quantization.py: what each recipe means (TE / DeepSeek-V3 / OCP MX / torchao).
 RECIPES = {
-    "block": (recipe.Float8BlockScaling(), ((1, 128), (128, 128), (1, 128), torch.float32, True, E4M3)),
+    "block": (recipe.from_name("block"), ((1, 128), (128, 128), (1, 128), torch.float32, True, E4M3)),
     "block_hybrid_1x128_w": (
-        recipe.Float8BlockScaling(fp8_format=recipe.Format.HYBRID, w_block_scaling_dim=1, power_2_scale=False),
+        recipe.from_name("block", fp8_format=recipe.Format.HYBRID, w_block_scaling_dim=1, power_2_scale=False),
         ((1, 128), (1, 128), (1, 128), torch.float32, False, E5M2),
     ),
-    "mxfp8": (recipe.MXFP8BlockScaling(), ((1, 32), (1, 32), (1, 32), E8M0, False, E4M3)),
-    "rowwise": (recipe.Float8RowwiseScaling(), (ROW, ROW, ROW, torch.float32, True, E4M3)),
+    "mxfp8": (recipe.from_name("mxfp8"), ((1, 32), (1, 32), (1, 32), E8M0, False, E4M3)),
+    "rowwise": (recipe.from_name("rowwise"), (ROW, ROW, ROW, torch.float32, True, E4M3)),
 }
 
 # Minimum SQNR (dB) vs fp32 nn.Linear, measured on _data() (in=256, out=192, 70 rows, seed 0): e4m3

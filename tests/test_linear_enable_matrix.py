@@ -26,10 +26,8 @@ from tolerances import assert_bitwise_equal
 RECIPES = {
     # A short history: the layers built without a recipe (default-sized
     # history) use its leading rows, the others are built with it.
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.CurrentScaling(),
-    "block": recipe.Float8BlockScaling(),
-    "mxfp8": recipe.MXFP8BlockScaling(),
+    "delayed": recipe.from_name("delayed", amax_history_len=4),
+    **{name: recipe.from_name(name) for name in ("current", "block", "mxfp8")},
 }
 ENABLES = ("module_recipe", "convert", "autocast_around", "autocast_inside")
 STEPS = 3

@@ -15,8 +15,8 @@ from tolerances import assert_bitwise_equal
 
 RECIPES = {
     "none": None,
-    "current": recipe.CurrentScaling(),
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.from_name("current"),
+    "delayed": recipe.from_name("delayed", amax_history_len=4),
 }
 
 

@@ -14,10 +14,10 @@ from tolerances import assert_bitwise_equal
 from transformer_linear.autocast import get_fp8_recipe
 
 RECIPES = {
-    "current_hybrid": recipe.CurrentScaling(),
-    "current_e4m3": recipe.CurrentScaling(fp8_format=recipe.Format.E4M3),
-    "delayed_hybrid": recipe.DelayedScaling(amax_history_len=4),
-    "delayed_e4m3": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_compute_algo="most_recent"),
+    "current_hybrid": recipe.from_name("current"),
+    "current_e4m3": recipe.from_name("current-e4m3"),
+    "delayed_hybrid": recipe.from_name("delayed", amax_history_len=4),
+    "delayed_e4m3": recipe.from_name("delayed-e4m3", amax_compute_algo="most_recent"),
 }
 
 
@@ -180,8 +180,7 @@ def test_meta_init_then_to_empty_starts_the_state_fresh(r):
     assert torch.isfinite(y).all()
 
 
-ALL_RECIPES = [None, recipe.DelayedScaling(), recipe.CurrentScaling(), recipe.Float8BlockScaling(),
-               recipe.MXFP8BlockScaling(), recipe.Float8RowwiseScaling()]
+ALL_RECIPES = [None, *(recipe.from_name(name) for name in ("delayed", "current", "block", "mxfp8", "rowwise"))]
 
 
 @pytest.mark.parametrize("r", ALL_RECIPES, ids=lambda r: type(r).__name__)

@@ -32,19 +32,12 @@ MLP_LOSS_TOLERANCE = 0.03
 
 
 # Block recipes (tests/test_linear_block_recipes.py has their own numerics tests); stateless like current.
-_BLOCK_RECIPES = {
-    "block": recipe.Float8BlockScaling,
-    "mxfp8": recipe.MXFP8BlockScaling,
-    "rowwise": recipe.Float8RowwiseScaling,
-}
+_BLOCK_RECIPES = ("block", "mxfp8", "rowwise")
 
 
 def _make_recipe(kind, fmt):
-    if kind == "current":
-        return recipe.CurrentScaling(fp8_format=fmt)
-    if kind in _BLOCK_RECIPES:
-        return _BLOCK_RECIPES[kind](fp8_format=fmt)
-    return recipe.DelayedScaling(fp8_format=fmt, amax_history_len=16)
+    history = {"amax_history_len": 16} if kind == "delayed" else {}
+    return recipe.from_name(kind, fp8_format=fmt, **history)
 
 
 def assert_fp8_close(actual, expected, thresholds, what):

@@ -19,11 +19,11 @@ E4M3 = torch.float8_e4m3fn
 NAN_AT, INF_AT = (5, 10), (200, 140)
 # recipe -> the input's block (rows, cols); None: a whole row.
 BLOCK_RECIPES = {
-    "block_1x128": (recipe.Float8BlockScaling(), (1, 128)),
-    "block_128x128": (recipe.Float8BlockScaling(x_block_scaling_dim=2), (128, 128)),
-    "mxfp8": (recipe.MXFP8BlockScaling(), (1, 32)),
-    "mxfp8_floor": (recipe.MXFP8BlockScaling(e8m0_rounding="floor"), (1, 32)),
-    "rowwise": (recipe.Float8RowwiseScaling(), None),
+    "block_1x128": (recipe.from_name("block"), (1, 128)),
+    "block_128x128": (recipe.from_name("block", x_block_scaling_dim=2), (128, 128)),
+    "mxfp8": (recipe.from_name("mxfp8"), (1, 32)),
+    "mxfp8_floor": (recipe.from_name("mxfp8", e8m0_rounding="floor"), (1, 32)),
+    "rowwise": (recipe.from_name("rowwise"), None),
 }
 
 

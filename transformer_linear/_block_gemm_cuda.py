@@ -4,15 +4,13 @@
 matmul (csrc/cuda/gemm_block_cuda.cpp) when all of these hold, and the Triton
 kernel (``transformer_linear.triton.fp8_gemm``) otherwise:
 
-==============================================  =========  ===========================
-scaling pair (a, b)                             GPU        cuBLAS (headers and library)
-==============================================  =========  ===========================
-(BlockWise1x32, BlockWise1x32): MXFP8, E8M0     sm_100+    >= 12.8
-(BlockWise1x128, BlockWise128x128), reversed,   sm_90      >= 12.9
-(BlockWise1x128, BlockWise1x128)
-(RowWise, RowWise)                              sm_90      >= 12.9
-==============================================  =========  ===========================
-
+- cuBLASLt has a block-scaled matmul for the scaling pair (a, b) on this GPU,
+  in this build's cuBLAS headers and the loaded library: the table of
+  csrc/common/cublaslt_block_pairs.cpp, asked through
+  ``_C.cublaslt_block_pair_runs`` (at the time of writing: MXFP8's
+  (BlockWise1x32, BlockWise1x32) on sm_100+ from cuBLAS 12.8; (BlockWise1x128,
+  BlockWise128x128), reversed, (BlockWise1x128, BlockWise1x128) and (RowWise,
+  RowWise) on sm_90 from 12.9);
 - the extension's CUDA kernels run on this GPU (``_cuda_fallback.kernel_problem``);
 - FP8 tensor-core layout: both operands K-major (row-major ``a`` (M, K) and
   ``b`` (N, K)), K, N and the leading dimensions multiples of 16, 16-byte
@@ -29,67 +27,32 @@ are unit-tested on the CPU.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from transformer_linear import _C, _cuda_fallback
 from transformer_linear._tensor import cublas_workspace, desc, stream_for
-from transformer_linear.reference import E8M0_DTYPE
+from transformer_linear.block_scaling import k_block_width
+from transformer_linear.layout import fp8_tensor_cores_take
 
 __all__ = [
-    "CUBLASLT_BLOCK_PAIRS",
     "cublaslt_block_applies",
     "cublaslt_operands_fit",
     "cublaslt_scale",
     "fp8_gemm_cublaslt",
-    "scaling_of",
 ]
 
 
-def _sm90(capability: tuple[int, int]) -> bool:
-    return capability[0] == 9
-
-
-def _sm100_and_newer(capability: tuple[int, int]) -> bool:
-    return capability >= (10, 0)
-
-
-# (a, b) ScalingType pair -> (minimum cuBLAS version, GPUs cuBLASLt runs it on).
-CUBLASLT_BLOCK_PAIRS: dict[tuple[str, str], tuple[int, Callable[[tuple[int, int]], bool]]] = {
-    ("BlockWise1x32", "BlockWise1x32"): (120800, _sm100_and_newer),
-    ("BlockWise1x128", "BlockWise128x128"): (120900, _sm90),
-    ("BlockWise128x128", "BlockWise1x128"): (120900, _sm90),
-    ("BlockWise1x128", "BlockWise1x128"): (120900, _sm90),
-    ("RowWise", "RowWise"): (120900, _sm90),
-}
-
-# Block width along K of each block scaling.
-_BLOCK_K = {"BlockWise1x32": 32, "BlockWise1x128": 128, "BlockWise128x128": 128}
-
-
-def scaling_of(block: tuple[int, int] | list[int], scale_dtype: torch.dtype, k: int) -> str:
-    """The ScalingType name of an operand's resolved block (see ops.fp8_gemm_scalings).
-
-    A (1, w) block with w >= K and a (1, 128) block with K <= 128 describe the
-    same blocks; the first is named RowWise, the second BlockWise1x128.
-    """
-    rows, cols = block
-    if scale_dtype == E8M0_DTYPE:
-        return "BlockWise1x32"
-    if (rows, cols) == (128, 128):
-        return "BlockWise128x128"
-    if (rows, cols) == (1, 128):
-        return "BlockWise1x128"
-    if rows == 1 and cols >= k:
-        return "RowWise"
-    return "TensorWise"
+# The extension's table of the pairs (csrc/common/cublaslt_block_pairs.cpp), in every build.
+_pair_runs = _C.cublaslt_block_pair_runs
 
 
 def cublaslt_block_applies(
     a_scaling: str, b_scaling: str, capability: tuple[int, int], build_info: Optional[dict]
 ) -> bool:
-    """Whether this build's cuBLASLt runs the scaling pair on a GPU of ``capability`` (the table above).
+    """Whether this build's cuBLASLt runs the scaling pair on a GPU of ``capability`` (the extension's table)
+    and the extension's CUDA kernels run there.
 
     Args:
         a_scaling, b_scaling: ScalingType names of a and b.
@@ -98,22 +61,18 @@ def cublaslt_block_applies(
             ``cublas_header_version`` and ``cublaslt_version`` are CUBLAS_VERSION
             encodings (major * 10000 + minor * 100 + patch).
     """
-    rule = CUBLASLT_BLOCK_PAIRS.get((a_scaling, b_scaling))
-    if rule is None or build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
+    if build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
         return False
-    min_version, gpu_has_it = rule
-    versions = (build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
-    return min(versions) >= min_version and gpu_has_it(capability)
+    version = min(build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
+    return _pair_runs(a_scaling, b_scaling, capability[0], capability[1], version)
 
 
 def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: str) -> bool:
     """Whether the operands meet cuBLASLt's block-scaled layout rules (the list above)."""
-    (m, k), n = a.shape, b.shape[0]
-    both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
-    k_major = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
-    blocks_whole = all(k % _BLOCK_K.get(s, 1) == 0 for s in (a_scaling, b_scaling))
+    m, k = a.shape
+    blocks_whole = all(k % k_block_width(s) == 0 for s in (a_scaling, b_scaling))
     outer = a_scaling != "BlockWise1x128" or m % 8 == 0
-    return not both_e5m2 and k_major and k > 0 and k % 16 == 0 and n % 16 == 0 and blocks_whole and outer
+    return fp8_tensor_cores_take(a, b, aligned=True) and k > 0 and blocks_whole and outer
 
 
 def _round_up(x: int, m: int) -> int:
@@ -167,15 +126,14 @@ def cublaslt_scale(scale_inv: torch.Tensor, scaling: str, rows: int) -> torch.Te
     raise ValueError(f"fp8_gemm: cuBLASLt has no block-scaled matmul for {scaling} scales")
 
 
-def fp8_gemm_cublaslt(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block) -> Optional[torch.Tensor]:
+def fp8_gemm_cublaslt(
+    a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_scaling: str, b_scaling: str
+) -> Optional[torch.Tensor]:
     """The block-scaled GEMM through cuBLASLt, or None where it does not run (the caller runs Triton).
 
     Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops_blockwise.py): CUDA
-    tensors, ``a_block`` / ``b_block`` the blocks resolve_gemm_scalings found.
+    tensors, ``a_scaling`` / ``b_scaling`` the ScalingTypes resolve_gemm_scalings found.
     """
-    k = a.shape[1]
-    a_scaling = scaling_of(a_block, a_scale_inv.dtype, k)
-    b_scaling = scaling_of(b_block, b_scale_inv.dtype, k)
     capability = torch.cuda.get_device_capability(a.device)
     if not (
         cublaslt_block_applies(a_scaling, b_scaling, capability, _cuda_fallback.build_info())

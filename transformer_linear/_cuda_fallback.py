@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from transformer_linear import _C, reference
+from transformer_linear.layout import fp8_tensor_cores_take
 
 REBUILD = "TL_CUDA=1 pip install --no-build-isolation --force-reinstall ."
 BUILD_HINT = f"pip install nvidia-cublas && {REBUILD}"
@@ -182,18 +183,12 @@ def _dequantized_product(a, a_scale_inv, b, b_scale_inv) -> torch.Tensor:
     return (a.float() @ b.float().t()) * alpha
 
 
-def _scaled_mm_shapes_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # torch._scaled_mm's FP8 layout rules: `a` row-major and `b.t()`
-    # column-major, K and N multiples of 16 (M is free), not e5m2 x e5m2.
-    both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
-    return not both_e5m2 and a.stride(-1) == 1 and b.stride(-1) == 1 and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
-
-
 def _scaled_mm_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # torch._scaled_mm takes `a` row-major and `b.t()` column-major (fp8_tensor_cores_take), on
     # FP8 tensor cores: sm_89+.
     return (
         a.device.type == "cuda"
-        and _scaled_mm_shapes_fit(a, b)
+        and fp8_tensor_cores_take(a, b, aligned=False)
         and torch.cuda.get_device_capability(a.device) >= (8, 9)
     )
 

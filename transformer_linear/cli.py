@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from transformer_linear.convert import ConversionPlan, conversion_plan
 from transformer_linear.numerics import monitor_report
-from transformer_linear.numerics.compare import RECIPE_NAMES, RunSpec, observed_steps, recipe_label, resolve_recipe, run_into
+from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
+from transformer_linear.recipe import available_names, from_name
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.numerics.report import CompareReport, TrainReport
 from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
@@ -73,7 +74,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--batch-size", type=int, help="batch size: built-in GPT (default 16) and --hf (default 4; or --input-shape)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--recipes", default="delayed,current",
-                   help=f"comma-separated, from: {', '.join(RECIPE_NAMES)} (default delayed,current)")
+                   help=f"comma-separated, from: {', '.join(available_names())} (default delayed,current)")
     p.add_argument("--layers", metavar="REGEX", help="report only layers whose name matches (re.search)")
     p.add_argument("--max-gap", type=float, default=1.0, help="allowed |loss gap| in percent, either way (default 1)")
     p.add_argument("--noise-floor", default="auto", choices=NOISE_FLOOR_CHOICES,
@@ -289,9 +290,9 @@ def _check_args(args: argparse.Namespace) -> tuple[Optional[re.Pattern], list[st
     except re.error as e:
         raise UsageError(f"--layers: not a regular expression: {e}") from e
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    unknown = [r for r in recipes if r.lower() not in RECIPE_NAMES]
+    unknown = [r for r in recipes if r.lower() not in available_names()]
     if unknown or not recipes:
-        raise UsageError(f"--recipes: unknown recipe {', '.join(unknown) or '(none)'}; expected {', '.join(RECIPE_NAMES)}")
+        raise UsageError(f"--recipes: unknown recipe {', '.join(unknown) or '(none)'}; expected {', '.join(available_names())}")
     return pattern, recipes
 
 
@@ -307,7 +308,7 @@ def run_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"the model ({type(workload.model).__name__}) has no nn.Linear layers: nothing to compare")
     _probe(workload)
     floors, note = floor_runs(args.noise_floor, args.seeds, device)
-    recipes = [(name, resolve_recipe(name)) for name in recipe_names]
+    recipes = [(name, from_name(name)) for name in recipe_names]
     labels = [recipe_label(r) for _, r in recipes]
     runs = 1 + len(floors) + len(recipes)
     n_params = sum(p.numel() for p in workload.model.parameters())

@@ -19,8 +19,9 @@ Public functions::
     q, scale_inv = ops.quantize_blockwise(x, dtype, block_shape)  # one scale per block
     out = ops.quantize_blockwise_fused(x, dtype, block_shape, columnwise=True)
 
-``fp8_gemm`` takes tensorwise and block scales (see fp8_gemm_scalings); the
-block-scaled ops live in ops_blockwise.py and are re-exported here.
+``fp8_gemm`` takes tensorwise and block scales (see fp8_gemm_scalings); it
+resolves the pair once (block_scaling.py) and hands it down. The block-scaled
+ops live in ops_blockwise.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,14 +34,12 @@ import torch
 # Helpers are reached through their modules (or imported with a leading underscore): every public
 # name here is an op that validates its arguments (tests/test_bad_input.py walks them all).
 from transformer_linear import _C, _checks, _cuda_fallback, _tensor
+from transformer_linear.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
 from transformer_linear.ops_blockwise import (
-    BlockQuantizeOutput,
     _fp8_gemm_blockwise,
     _fp8_gemm_blockwise_accumulate_,
-    fp8_gemm_scalings,
     quantize_blockwise,
     quantize_blockwise_fused,
-    resolve_gemm_scalings,
 )
 
 __all__ = [
@@ -410,17 +409,11 @@ def fp8_gemm(
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
     )
-    blocks = _block_scalings(a, a_scale_inv, b, b_scale_inv)
-    if blocks is None:
+    scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
-    return _fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, *blocks)
-
-
-def _block_scalings(a, a_scale_inv, b, b_scale_inv) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
-    """(a's block, b's block) of a block-scaled GEMM; None for TensorWise x TensorWise (the tensorwise ops)."""
-    a_type, a_block, b_type, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
-    return None if (a_type, b_type) == ("TensorWise", "TensorWise") else (a_block, b_block)
+    return _fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings)
 
 
 def fp8_gemm_accumulate_(
@@ -447,9 +440,9 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
-    blocks = _block_scalings(a, a_scale_inv, b, b_scale_inv)
-    if blocks is None:
+    scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
         _fp8_gemm_accumulate_op(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
     else:
-        _fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, *blocks)
+        _fp8_gemm_blockwise_accumulate_(a, a_scale_inv, b, b_scale_inv, out, scalings)

@@ -39,7 +39,8 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.reference import E8M0_DTYPE, E8M0_ROUNDINGS, FP8_DTYPES
+from transformer_linear.block_scaling import E8M0_ROUNDINGS
+from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES
 
 __all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "flat", "quantization_spec"]
 
@@ -194,16 +195,12 @@ def _tensorwise(recipe: DelayedScaling | CurrentScaling) -> QuantizationSpec:
     return QuantizationSpec(fwd, fwd, bwd)
 
 
-# Float8BlockScaling's block_scaling_dim values (TE): 1 -> 1x128 tiles, 2 -> 128x128 blocks.
-_BLOCK_DIM = {1: [1, 128], 2: [128, 128]}
-
-
 def _float8_block(recipe: Float8BlockScaling) -> QuantizationSpec:
     fmt, p2 = recipe.fp8_format, recipe.power_2_scale
     return QuantizationSpec(
-        TensorQuantizer(fmt.fwd_dtype, _BLOCK_DIM[recipe.x_block_scaling_dim], torch.float32, p2),
-        TensorQuantizer(fmt.fwd_dtype, _BLOCK_DIM[recipe.w_block_scaling_dim], torch.float32, p2),
-        TensorQuantizer(fmt.bwd_dtype, _BLOCK_DIM[recipe.grad_block_scaling_dim], torch.float32, p2),
+        TensorQuantizer(fmt.fwd_dtype, list(recipe.x_block_shape), torch.float32, p2),
+        TensorQuantizer(fmt.fwd_dtype, list(recipe.w_block_shape), torch.float32, p2),
+        TensorQuantizer(fmt.bwd_dtype, list(recipe.grad_block_shape), torch.float32, p2),
     )
 
 

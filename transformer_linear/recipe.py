@@ -4,19 +4,25 @@ Names follow TransformerEngine (``recipe.Format.HYBRID``,
 ``recipe.DelayedScaling``) so TE users feel at home. Recipes are frozen
 dataclasses validated at construction, so a bad value fails where it is
 written rather than deep inside a forward pass.
+
+Each built-in recipe also has a short name (``"delayed"``, ``"mxfp8"``, ...):
+:func:`from_name` builds it, :func:`available_names` lists them. The CLI,
+``numerics.compare``, the benchmarks and the tests all build recipes from that
+one table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Callable, Union
 
 import torch
 
-from transformer_linear.reference import E8M0_ROUNDINGS
+from transformer_linear.block_scaling import E8M0_ROUNDINGS
 
 __all__ = [
     "CurrentScaling",
@@ -27,6 +33,8 @@ __all__ = [
     "Format",
     "MXFP8BlockScaling",
     "Recipe",
+    "available_names",
+    "from_name",
 ]
 
 
@@ -157,6 +165,7 @@ class CurrentScaling:
 Float8CurrentScaling = CurrentScaling
 """TransformerEngine's name for :class:`CurrentScaling`."""
 
+# block_scaling_dim (TE's values) -> block shape: 1 -> 1x128 tiles, 2 -> 128x128 blocks.
 _BLOCK_SCALING_DIMS = {1: (1, 128), 2: (128, 128)}
 
 
@@ -267,3 +276,42 @@ class Float8RowwiseScaling:
 
 Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling]
 """Every recipe ``tl.Linear``, ``tl.autocast`` and ``tl.convert_to_fp8`` accept."""
+
+
+# The built-in recipes by name: the one table the CLI, numerics.compare, the benchmarks and the tests use.
+_BUILT_IN: dict[str, Callable[..., Recipe]] = {
+    "delayed": DelayedScaling,
+    "current": CurrentScaling,
+    "delayed-e4m3": functools.partial(DelayedScaling, fp8_format=Format.E4M3),
+    "current-e4m3": functools.partial(CurrentScaling, fp8_format=Format.E4M3),
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+    "rowwise": Float8RowwiseScaling,
+}
+
+
+def available_names() -> tuple[str, ...]:
+    """The names :func:`from_name` knows, in the order the CLI lists them."""
+    return tuple(_BUILT_IN)
+
+
+def from_name(name: str, **options: Any) -> Recipe:
+    """The built-in recipe called ``name``, e.g. ``from_name("mxfp8")`` or ``from_name("delayed", margin=1)``.
+
+    Args:
+        name: one of :func:`available_names` (case and surrounding spaces ignored):
+            ``"delayed"`` / ``"current"`` (HYBRID formats) and their ``"-e4m3"``
+            variants, ``"block"`` (Float8BlockScaling), ``"mxfp8"``, ``"rowwise"``.
+        **options: fields of the recipe's dataclass that replace its defaults
+            (validated like any recipe's).
+
+    Raises:
+        TypeError: ``name`` is not a string, or an option is not a field of the recipe.
+        ValueError: an unknown name (the message lists the known ones), or a bad option value.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"recipe name must be a str, got {name!r}")
+    factory = _BUILT_IN.get(name.strip().lower())
+    if factory is None:
+        raise ValueError(f"unknown recipe {name!r}; expected one of {', '.join(_BUILT_IN)}")
+    return factory(**options)

@@ -13,18 +13,13 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes and the scale layouts are the kernels' own definitions, shared with them (and re-exported
+# here, where tests and users have always found them); the numerics below are the oracle's alone.
+from transformer_linear.block_scaling import E8M0_ROUNDINGS, check_quantize_blockwise_args, scale_layouts
+from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES, SCALE_DTYPES, fp8_max
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
 _FLOAT_MIN_NORMAL = torch.finfo(torch.float32).tiny
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 format (448 for e4m3fn, 57344 for e5m2)."""
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    return float(torch.finfo(dtype).max)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -210,9 +205,6 @@ def linear_wgrad(
 # Block scaling (Float8BlockScaling, MXFP8, rowwise): one scale per block
 # ---------------------------------------------------------------------------
 
-E8M0_DTYPE = torch.float8_e8m0fnu
-SCALE_DTYPES = (torch.float32, E8M0_DTYPE)
-E8M0_ROUNDINGS = ("ceil", "floor")
 _E8M0_BIAS = 127
 _SIGN_EXP_MASK = -(1 << 23)  # 0xff800000 as an int32: sign and exponent of a float32
 
@@ -283,23 +275,6 @@ def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
 
 
-def _check_block_args(x: torch.Tensor, dtype, block_shape, scale_dtype) -> tuple[int, int]:
-    if x.dim() != 2:
-        raise ValueError(f"quantize_blockwise: argument 'x' must be 2-D (M, K), got shape {list(x.shape)}")
-    fp8_max(dtype)
-    if scale_dtype not in SCALE_DTYPES:
-        raise TypeError(
-            f"quantize_blockwise: argument 'scale_dtype' must be torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}"
-        )
-    if (
-        not isinstance(block_shape, (tuple, list))
-        or len(block_shape) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_shape)
-    ):
-        raise ValueError(f"quantize_blockwise: argument 'block_shape' must be two positive ints, got {block_shape!r}")
-    return int(block_shape[0]), int(block_shape[1])
-
-
 def quantize_blockwise_ref(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -323,7 +298,7 @@ def quantize_blockwise_ref(
         power_2_scale: round float32 scales down to powers of two (E8M0 always is).
         e8m0_rounding: "ceil" or "floor", see e8m0_exponent.
     """
-    bm, bk = _check_block_args(x, dtype, block_shape, scale_dtype)
+    bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     m, k = x.shape
     limit = fp8_max(dtype)
     block_amaxes = block_amax(x, (bm, bk))
@@ -337,29 +312,6 @@ def quantize_blockwise_ref(
     full = scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
     q = torch.clamp(x.float() * full, -limit, limit).to(dtype)
     return q, scale_inv
-
-
-def scale_layouts(
-    dtype: torch.dtype, rows: int, cols: int
-) -> dict[str, tuple[Optional[tuple[int, ...]], tuple[int, int]]]:
-    """The scaled_mm ScalingTypes a scale_inv of ``dtype`` can stand for on a (rows, cols) operand:
-    ScalingType -> (the scale_inv's shape, the block); TensorWise's shape is None (any 1-element
-    scale of at most 2 dims). The table of :func:`scaling_types`.
-
-    ``rows`` and ``cols`` may be symbolic (torch.SymInt): nothing here branches on them.
-    """
-    block_rows, block_cols = torch.sym_max(rows, 1), torch.sym_max(cols, 1)
-    if dtype == E8M0_DTYPE:
-        return {"BlockWise1x32": ((rows, -(-cols // 32)), (1, 32))}
-    if dtype != torch.float32:
-        return {}
-    c128 = -(-cols // 128)
-    return {
-        "TensorWise": (None, (block_rows, block_cols)),
-        "RowWise": ((rows, 1), (1, block_cols)),
-        "BlockWise1x128": ((rows, c128), (1, 128)),
-        "BlockWise128x128": ((-(-rows // 128), c128), (128, 128)),
-    }
 
 
 def scaling_types(scale_inv: torch.Tensor, rows: int, cols: int) -> dict[str, tuple[int, int]]:

@@ -1,9 +1,11 @@
 // What a CUDA build reports about itself (versions, architectures, GEMM
-// paths), and cuBLASLt's block-scaled matmul. A CPU-only build has the same
-// functions: cuda_build_info() is None there, the counters stay zero and the
-// block-scaled matmul raises.
+// paths), and cuBLASLt's block-scaled matmul with the table of the scaling
+// pairs it runs. A CPU-only build has the same functions: cuda_build_info() is
+// None there, the counters stay zero, the table answers and the block-scaled
+// matmul raises.
 #include <pybind11/pybind11.h>
 
+#include "../common/cublaslt_block_pairs.h"
 #include "../common/validate.h"
 #include "bindings.h"
 #include "tensor_caster.h"
@@ -54,6 +56,11 @@ void register_cuda(py::module_& m) {
     cuda::reset_gemm_path_counts();
 #endif
   });
+  m.def("cublaslt_block_pair_runs", &cublaslt_block_pair_runs, "a_scaling"_a, "b_scaling"_a, "major"_a, "minor"_a,
+        "cublas_version"_a,
+        "Whether cuBLASLt of cublas_version (CUBLAS_VERSION encoding) has a block-scaled matmul for the "
+        "ScalingType pair (a_scaling, b_scaling) on a GPU of compute capability (major, minor); the table "
+        "of csrc/common/cublaslt_block_pairs.cpp, in every build");
   m.def(
       "fp8_gemm_blockwise_cublaslt",
       [](const TensorDesc& a, const TensorDesc& a_scale_inv, const std::string& a_scaling, const TensorDesc& b,

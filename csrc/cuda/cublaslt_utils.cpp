@@ -36,6 +36,17 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
+bool fp8_layout_fits(const Fp8MatmulLayout& l) {
+  const bool both_e5m2 = l.a.dtype == DType::kFloat8E5M2 && l.b.dtype == DType::kFloat8E5M2;
+  const bool k_major = l.a_col == 1 && l.b_col == 1;
+  const bool output16 = l.n % 16 == 0 && aligned(l.d.data, 16) && (!l.bias.defined() || aligned(l.bias.data, 16));
+  return !both_e5m2 && k_major && output16 && l.k > 0;
+}
+
+bool fp8_operands_aligned(const Fp8MatmulLayout& l) {
+  return l.k % 16 == 0 && l.a_row % 16 == 0 && l.b_row % 16 == 0 && aligned(l.a.data, 16) && aligned(l.b.data, 16);
+}
+
 MatmulDesc make_matmul_desc() {
   cublasLtMatmulDesc_t raw = nullptr;
   TL_CHECK_CUBLAS(cublasLtMatmulDescCreate(&raw, CUBLAS_COMPUTE_32F, CUDA_R_32F));

@@ -1,6 +1,6 @@
 // What the cuBLASLt callers (gemm_cuda.cpp, gemm_block_cuda.cpp) share: the
-// per-thread handle, descriptor ownership, data types, alignment, and the
-// bounded cache of heuristic answers.
+// per-thread handle, descriptor ownership, data types, alignment, the FP8
+// tensor-core layout rule, and the bounded cache of heuristic answers.
 #pragma once
 
 #include <cublasLt.h>
@@ -29,6 +29,35 @@ cublasLtHandle_t lt_handle();
 
 /*! \brief Largest power of two (<= 256) dividing the address: what the heuristic must assume of a buffer. */
 uint32_t alignment_of(const void* p);
+
+/*!
+ * \brief The layout of an FP8 matmul D (M, N) = A (M, K) @ B (N, K)^T [+ bias]: the operands with
+ *        their element strides (a[i, p] = a.data[i * a_row + p * a_col], likewise b), the output
+ *        and the bias (undefined when there is none).
+ */
+struct Fp8MatmulLayout {
+  const TensorDesc& a;
+  int64_t a_row, a_col;
+  const TensorDesc& b;
+  int64_t b_row, b_col;
+  const TensorDesc& d;
+  const TensorDesc& bias;
+  int64_t n, k;
+};
+
+/*!
+ * \brief What cuBLASLt's FP8 tensor-core matmul needs that no copy of the operands can change: not
+ *        e5m2 x e5m2, both operands K-major, N a multiple of 16, D and the bias 16-byte aligned, K > 0.
+ *        With fp8_operands_aligned, the rule transformer_linear/layout.py's fp8_tensor_cores_take
+ *        states for Python (M is free).
+ */
+bool fp8_layout_fits(const Fp8MatmulLayout& l);
+
+/*!
+ * \brief ... and what a zero-padded copy of the operands provides: K and the leading dimensions
+ *        multiples of 16, the operand addresses 16-byte aligned.
+ */
+bool fp8_operands_aligned(const Fp8MatmulLayout& l);
 
 template <typename T, cublasStatus_t (*Destroy)(T)>
 struct LtDeleter {

@@ -14,6 +14,7 @@
 #include <climits>
 #include <optional>
 
+#include "../common/cublaslt_block_pairs.h"
 #include "../common/validate.h"
 #include "cublaslt_utils.h"
 #include "cuda_utils.h"
@@ -34,25 +35,11 @@ namespace {
 
 constexpr const char* kOp = "fp8_gemm";
 
-enum class Scaling { kRowWise, kBlock1x128, kBlock128x128, kBlock1x32 };
-
-Scaling parse_scaling(const std::string& name, const char* arg) {
-  if (name == "RowWise") return Scaling::kRowWise;
-  if (name == "BlockWise1x128") return Scaling::kBlock1x128;
-  if (name == "BlockWise128x128") return Scaling::kBlock128x128;
-  if (name == "BlockWise1x32") return Scaling::kBlock1x32;
+BlockScaling parse_scaling(const std::string& name, const char* arg) {
+  const std::optional<BlockScaling> scaling = parse_block_scaling(name);
+  if (scaling) return *scaling;
   TL_ERROR(ValueError, kOp, ": argument '", arg, "' must be RowWise, BlockWise1x128, BlockWise128x128 or ",
            "BlockWise1x32, got '", name, "'");
-}
-
-bool pair_supported(Scaling a, Scaling b) {
-  switch (a) {
-    case Scaling::kRowWise: return b == Scaling::kRowWise;
-    case Scaling::kBlock1x128: return b == Scaling::kBlock1x128 || b == Scaling::kBlock128x128;
-    case Scaling::kBlock128x128: return b == Scaling::kBlock1x128;
-    case Scaling::kBlock1x32: return b == Scaling::kBlock1x32;
-  }
-  return false;
 }
 
 int64_t checked_mul(int64_t x, int64_t y) {
@@ -66,25 +53,25 @@ int64_t round_up(int64_t x, int64_t m) { return checked_mul(ceil_div(x, m), m); 
 
 // Validate one operand's scale tensor against the layout of its scaling
 // (gemm_block_cuda.h) for an operand of `rows` rows and inner dimension k.
-void check_scale(const char* name, const TensorDesc& s, Scaling scaling, int64_t rows, int64_t k,
+void check_scale(const char* name, const TensorDesc& s, BlockScaling scaling, int64_t rows, int64_t k,
                  const TensorDesc& like) {
   check_defined(kOp, name, s);
   check_device(kOp, name, s, like.device, like.device_index);
   check_contiguous(kOp, name, s);
   switch (scaling) {
-    case Scaling::kRowWise:
+    case BlockScaling::kRowWise:
       check_dtype(kOp, name, s, {DType::kFloat32});
       check_shape(kOp, name, s, {rows, 1});
       break;
-    case Scaling::kBlock1x128:
+    case BlockScaling::kBlock1x128:
       check_dtype(kOp, name, s, {DType::kFloat32});
       check_shape(kOp, name, s, {ceil_div(k, 128), round_up(rows, 4)});
       break;
-    case Scaling::kBlock128x128:
+    case BlockScaling::kBlock128x128:
       check_dtype(kOp, name, s, {DType::kFloat32});
       check_shape(kOp, name, s, {ceil_div(rows, 128), round_up(ceil_div(k, 128), 4)});
       break;
-    case Scaling::kBlock1x32:
+    case BlockScaling::kBlock1x32:
       check_dtype(kOp, name, s, {DType::kUInt8});
       check_shape(kOp, name, s, {checked_mul(round_up(rows, 128), round_up(ceil_div(k, 32), 4))});
       break;
@@ -93,27 +80,17 @@ void check_scale(const char* name, const TensorDesc& s, Scaling scaling, int64_t
            "' must be 16-byte aligned for cuBLASLt's block-scaled matmul");
 }
 
-// cuBLASLt's mode for a scaling, or nothing when this build's headers or the
-// loaded library lack it.
-std::optional<int32_t> scale_mode(Scaling scaling) {
-  const int64_t loaded = cublaslt_version();
-  (void)loaded;  // unused when the headers have no block-scale modes
+// cuBLASLt's mode for a scaling, or nothing when this build's headers lack it (the
+// loaded library's version is checked against the pair's, cublaslt_block_pairs.h).
+std::optional<int32_t> scale_mode(BlockScaling scaling) {
   switch (scaling) {
 #ifdef TL_CUBLAS_HAS_BLOCK128
-    case Scaling::kRowWise:
-      if (loaded >= 120900) return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-      break;
-    case Scaling::kBlock1x128:
-      if (loaded >= 120900) return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-      break;
-    case Scaling::kBlock128x128:
-      if (loaded >= 120900) return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-      break;
+    case BlockScaling::kRowWise: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    case BlockScaling::kBlock1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case BlockScaling::kBlock128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
 #endif
 #ifdef TL_CUBLAS_HAS_MXFP8
-    case Scaling::kBlock1x32:
-      if (loaded >= 120800) return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
-      break;
+    case BlockScaling::kBlock1x32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
 #endif
     default: break;
   }
@@ -125,13 +102,9 @@ std::optional<int32_t> scale_mode(Scaling scaling) {
 // scales too; the Triton kernel takes these cases instead).
 bool operands_fit(const TensorDesc& a, int64_t a_row, int64_t a_col, const TensorDesc& b, int64_t b_row,
                   int64_t b_col, const TensorDesc& d, const TensorDesc& bias, int64_t m, int64_t n, int64_t k) {
-  const bool both_e5m2 = a.dtype == DType::kFloat8E5M2 && b.dtype == DType::kFloat8E5M2;
-  const bool k_major = a_col == 1 && b_col == 1;
-  const bool sixteens = k % 16 == 0 && n % 16 == 0 && a_row % 16 == 0 && b_row % 16 == 0 &&
-                        aligned(a.data, 16) && aligned(b.data, 16) && aligned(d.data, 16) &&
-                        (!bias.defined() || aligned(bias.data, 16));
+  const Fp8MatmulLayout layout{a, a_row, a_col, b, b_row, b_col, d, bias, n, k};
   const bool int32_dims = m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && a_row <= INT_MAX && b_row <= INT_MAX;
-  return !both_e5m2 && k_major && sixteens && int32_dims && k > 0;
+  return fp8_layout_fits(layout) && fp8_operands_aligned(layout) && int32_dims;
 }
 
 AlgoCache algo_cache;
@@ -157,9 +130,10 @@ bool fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
   const int64_t m = a.shape[0], k = a.shape[1], n = b.shape[0];
   TL_CHECK(b.shape[1] == k, kOp, ": inner dimensions differ: 'a' is ", shape_str(a), " and 'b' is ", shape_str(b),
            " (expected b of shape [N, ", k, "] for a @ b.T)");
-  const Scaling sa = parse_scaling(a_scaling, "a_scaling"), sb = parse_scaling(b_scaling, "b_scaling");
-  TL_CHECK(pair_supported(sa, sb), kOp, ": cuBLASLt has no block-scaled matmul for the scaling pair (",
-           a_scaling, ", ", b_scaling, ")");
+  const BlockScaling sa = parse_scaling(a_scaling, "a_scaling"), sb = parse_scaling(b_scaling, "b_scaling");
+  const std::optional<CublasLtBlockPair> pair = cublaslt_block_pair(sa, sb);
+  TL_CHECK(pair, kOp, ": cuBLASLt has no block-scaled matmul for the scaling pair (", a_scaling, ", ", b_scaling,
+           ")");
   check_scale("a_scale_inv", a_scale_inv, sa, m, k, a);
   check_scale("b_scale_inv", b_scale_inv, sb, n, k, a);
   check_defined(kOp, "d", d);
@@ -184,7 +158,10 @@ bool fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
                   {"bias", &bias}});
 
   const std::optional<int32_t> mode_a = scale_mode(sa), mode_b = scale_mode(sb);
-  if (!mode_a || !mode_b || !operands_fit(a, a_row, a_col, b, b_row, b_col, d, bias, m, n, k)) return false;
+  if (!mode_a || !mode_b || cublaslt_version() < pair->min_cublas_version ||
+      !operands_fit(a, a_row, a_col, b, b_row, b_col, d, bias, m, n, k)) {
+    return false;
+  }
   if (m == 0 || n == 0) return true;
 
   DeviceGuard guard(a.device_index);
@@ -204,7 +181,7 @@ bool fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
 #ifdef TL_CUBLAS_HAS_MXFP8
   set_attr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, *mode_b);
   set_attr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, *mode_a);
-  if (sa == Scaling::kBlock1x32 && cublaslt_version() <= 120803) {
+  if (sa == BlockScaling::kBlock1x32 && cublaslt_version() <= 120803) {
     // cuBLASLt <= 12.8.3 keys its heuristic cache without the scale mode; an
     // attribute block scaling ignores keeps MXFP8 apart (as TE does).
     set_attr(desc.get(), CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, static_cast<int64_t>(1));

@@ -17,24 +17,24 @@ namespace cuda {
  *        block-scaled matmul; false (d untouched) when cuBLASLt, this build or
  *        this GPU cannot run the problem, so the caller runs another kernel.
  *
- * Scalings are torch.nn.functional.scaled_mm's ScalingType names; the pairs
- * are (BlockWise1x128, BlockWise128x128), (BlockWise128x128, BlockWise1x128),
- * (BlockWise1x128, BlockWise1x128), (BlockWise1x32, BlockWise1x32) and
- * (RowWise, RowWise). For an operand of R rows (M for a, N for b), with
+ * Scalings are torch.nn.functional.scaled_mm's ScalingType names; the pairs,
+ * with the cuBLAS version each needs, are the table of
+ * common/cublaslt_block_pairs.h. For an operand of R rows (M for a, N for b), with
  * Kb = ceil(K / block width), each scale arrives contiguous in cuBLASLt's layout:
  *
- *   RowWise           float32 (R, 1)                                  cuBLAS >= 12.9
- *   BlockWise1x128    float32 (Kb, round_up(R, 4)): R-major           cuBLAS >= 12.9
- *   BlockWise128x128  float32 (ceil(R / 128), round_up(Kb, 4))        cuBLAS >= 12.9
+ *   RowWise           float32 (R, 1)
+ *   BlockWise1x128    float32 (Kb, round_up(R, 4)): R-major
+ *   BlockWise128x128  float32 (ceil(R / 128), round_up(Kb, 4))
  *   BlockWise1x32     uint8 E8M0 bits, round_up(R, 128) * round_up(Kb, 4)
- *                     elements in 128x4 tiles (scaled_mm's swizzle)    cuBLAS >= 12.8
+ *                     elements in 128x4 tiles (scaled_mm's swizzle)
  *
  * Validated (clear errors): dtypes, devices, shapes (int64 overflow included),
  * the scale layouts above and their 16-byte alignment, the pair, d and bias,
  * overlap of d with the inputs. Declined (false): a mode this build's cuBLAS
- * headers or the loaded libcublasLt lack; operands that are not K-major with
- * K, N, the leading dimensions and the addresses in multiples of 16; e5m2 x
- * e5m2; a dimension beyond int32; no algorithm from the heuristic.
+ * headers lack; a loaded libcublasLt older than the pair's version; operands
+ * outside the FP8 tensor-core layout rule (cublaslt_utils.h: K-major, K, N,
+ * the leading dimensions and the addresses in multiples of 16, not e5m2 x
+ * e5m2); a dimension beyond int32; no algorithm from the heuristic.
  *
  * \param workspace  contiguous uint8 cuBLASLt workspace on a's device, or undefined.
  */

@@ -20,21 +20,16 @@ namespace tl {
 namespace cuda {
 namespace {
 
-// What cuBLASLt's FP8 matmul needs on every FP8-capable GPU (sm_89+) that no
-// copy of the operands can change.
-bool fp8_tensor_cores_apply(const GemmParams& p) {
-  const bool both_e5m2 = p.a.dtype == DType::kFloat8E5M2 && p.b.dtype == DType::kFloat8E5M2;
-  const bool k_major = p.a_col == 1 && p.b_col == 1;
-  const bool output16 = p.n % 16 == 0 && aligned(p.d.data, 16) && (!p.bias.defined() || aligned(p.bias.data, 16));
-  return !both_e5m2 && k_major && output16 && p.k > 0 && sm_version() >= 89;
+Fp8MatmulLayout fp8_layout(const GemmParams& p) {
+  return {p.a, p.a_row, p.a_col, p.b, p.b_row, p.b_col, p.d, p.bias, p.n, p.k};
 }
 
-// ... and what a zero-padded copy of the operands provides: K, the leading
-// dimensions and the operand addresses in multiples of 16.
-bool operands_fit(const GemmParams& p) {
-  return p.k % 16 == 0 && p.a_row % 16 == 0 && p.b_row % 16 == 0 && aligned(p.a.data, 16) &&
-         aligned(p.b.data, 16);
-}
+// What cuBLASLt's FP8 matmul needs on every FP8-capable GPU (sm_89+) that no
+// copy of the operands can change.
+bool fp8_tensor_cores_apply(const GemmParams& p) { return fp8_layout_fits(fp8_layout(p)) && sm_version() >= 89; }
+
+// ... and what a zero-padded copy of the operands provides (run_cublaslt_padded makes one where not).
+bool operands_fit(const GemmParams& p) { return fp8_operands_aligned(fp8_layout(p)); }
 
 AlgoCache algo_cache;
 

@@ -17,15 +17,7 @@ from transformer_linear.convert import conversion_plan, convert_to_fp8
 from transformer_linear.linear import Linear
 from transformer_linear.numerics import blame, verdict
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
-from transformer_linear.recipe import (
-    CurrentScaling,
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8RowwiseScaling,
-    Format,
-    MXFP8BlockScaling,
-    Recipe,
-)
+from transformer_linear.recipe import Recipe, available_names, from_name
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -64,16 +56,8 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-# Recipe names accepted by compare, train_compare and ``--recipes``: one row per name.
-RECIPE_NAMES: dict[str, Callable[[], Recipe]] = {
-    "delayed": lambda: DelayedScaling(),
-    "current": lambda: CurrentScaling(),
-    "delayed-e4m3": lambda: DelayedScaling(fp8_format=Format.E4M3),
-    "current-e4m3": lambda: CurrentScaling(fp8_format=Format.E4M3),
-    "block": lambda: Float8BlockScaling(),
-    "mxfp8": lambda: MXFP8BlockScaling(),
-    "rowwise": lambda: Float8RowwiseScaling(),
-}
+# Recipe names accepted by compare, train_compare and ``--recipes``: recipe.py's table of built-in recipes.
+RECIPE_NAMES: tuple[str, ...] = available_names()
 
 
 def recipe_label(recipe: Any) -> str:
@@ -83,17 +67,14 @@ def recipe_label(recipe: Any) -> str:
 
 
 def resolve_recipe(r: Any) -> Recipe:
-    """A recipe object, or the recipe a name in :data:`RECIPE_NAMES` stands for (case-insensitive).
+    """A recipe object, or the recipe a name in :data:`RECIPE_NAMES` stands for (case-insensitive, recipe.from_name).
 
     Raises:
         ValueError: an unknown name.
         TypeError: something that is neither a name nor a recipe.
     """
     if isinstance(r, str):
-        factory = RECIPE_NAMES.get(r.strip().lower())
-        if factory is None:
-            raise ValueError(f"unknown recipe {r!r}; expected one of {', '.join(RECIPE_NAMES)}")
-        return factory()
+        return from_name(r)
     if not isinstance(r, typing.get_args(Recipe)):
         raise TypeError(f"recipes: expected recipe names or transformer_linear.recipe objects, got {r!r}")
     return r

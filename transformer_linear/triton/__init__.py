@@ -6,7 +6,7 @@ triton is first imported), which is how the tests run them without a GPU.
 ``transformer_linear.ops`` routes CUDA block-scaled calls here.
 """
 
-from transformer_linear.triton.fp8_gemm import fp8_gemm
+from transformer_linear.triton.fp8_gemm import fp8_gemm, fp8_gemm_resolved
 from transformer_linear.triton.quantize_blockwise import quantize_blockwise, quantize_blockwise_fused
 
-__all__ = ["fp8_gemm", "quantize_blockwise", "quantize_blockwise_fused"]
+__all__ = ["fp8_gemm", "fp8_gemm_resolved", "quantize_blockwise", "quantize_blockwise_fused"]

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_linear.ops_blockwise import resolve_gemm_scalings
-from transformer_linear.reference import E8M0_DTYPE, HIGH_PRECISION_DTYPES
+from transformer_linear._checks import check_hp_dtype
+from transformer_linear.block_scaling import resolve_gemm_scalings
+from transformer_linear.dtypes import E8M0_DTYPE
 from transformer_linear.triton._fp8_bits import e8m0_to_float
 from transformer_linear.triton.quantize_blockwise import INTERPRETED, _next_pow2
 
@@ -81,9 +82,23 @@ def fp8_gemm(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.fp8_gemm (tensorwise and block scales); CUDA or (interpreter) CPU tensors."""
-    if out_dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"fp8_gemm: argument 'out_dtype' must be float32, bfloat16 or float16, got {out_dtype}")
-    _, a_block, _, b_block = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
+    return fp8_gemm_resolved(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings.a_block, scalings.b_block)
+
+
+def fp8_gemm_resolved(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    a_block: tuple[int, int],
+    b_block: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`fp8_gemm` for operands already checked and blocks already resolved
+    (block_scaling.resolve_gemm_scalings): what the block-GEMM ops run on CUDA tensors."""
     (m, k), n = a.shape, b.shape[0]
     d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
