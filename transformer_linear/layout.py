@@ -9,11 +9,14 @@ what is kept for backward. High-precision tensors are always row-major.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
+from transformer_linear import ops
 from transformer_linear.reference import FP8_DTYPES
 
-__all__ = ["needs_columnwise", "saved_form", "transposed"]
+__all__ = ["needs_columnwise", "quantize_tensorwise", "saved_form", "transposed"]
 
 
 def needs_columnwise(device: torch.device) -> bool:
@@ -31,3 +34,11 @@ def transposed(saved: torch.Tensor) -> torch.Tensor:
     if saved.dtype in FP8_DTYPES and needs_columnwise(saved.device):
         return saved
     return saved.t()
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor], margin: int, **kwargs: Any
+) -> ops.QuantizeOutput:
+    """``ops.quantize_fused`` (``scale`` None: current scaling) with the transposed copy where the backend
+    needs it."""
+    return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=needs_columnwise(x.device), **kwargs)
