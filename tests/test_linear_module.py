@@ -378,7 +378,9 @@ class TestStateOwnership:
         y.sum().backward()  # the graph outlives its layer: its updates reach the buffers it holds
         assert x.grad is not None
 
-    @pytest.mark.parametrize("copy_fn", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+    @pytest.mark.parametrize(
+        "copy_fn", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"]
+    )
     def test_a_copy_has_its_own_state_and_queue(self, copy_fn):
         layer = tl.Linear(16, 8, recipe=RECIPES["delayed_hybrid"], delay_wgrad_compute=True)
         x = torch.randn(4, 16, requires_grad=True)

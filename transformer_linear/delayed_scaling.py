@@ -51,7 +51,13 @@ from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.linear_args import DelayedScalingArgs, LinearFwdArgs, LinearFwdOutputs
 from transformer_linear.recipe import DelayedScaling
 from transformer_linear.reference import compute_scale, fp8_max
-from transformer_linear.scaling import FP8_STATE_COLUMNS, FP8_STATES, checked_fp8_state, no_amax_yet, update_delayed_scaling_
+from transformer_linear.scaling import (
+    FP8_STATE_COLUMNS,
+    FP8_STATES,
+    checked_fp8_state,
+    no_amax_yet,
+    update_delayed_scaling_,
+)
 
 __all__ = [
     "FWD_SCALE_KEY",
@@ -148,7 +154,8 @@ class DelayedScalingState:
                 owner.register_buffer(state.history_key, torch.zeros(rows, width, dtype=torch.float32, device=device))
                 owner.register_buffer(state.scale_key, torch.ones(width, dtype=torch.float32, device=device))
             columns = len(FP8_STATE_COLUMNS)
-            owner.register_buffer(FWD_SCALE_KEY, torch.ones(columns, dtype=torch.float32, device=device), persistent=False)
+            fwd_scale = torch.ones(columns, dtype=torch.float32, device=device)
+            owner.register_buffer(FWD_SCALE_KEY, fwd_scale, persistent=False)
 
     def _histories(self, owner: nn.Module, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
         """The forward and backward histories the recipe uses: their leading ``amax_history_len`` rows."""
@@ -276,7 +283,8 @@ class DelayedScalingState:
     def finish_reductions(self, owner: nn.Module) -> None:
         """Apply the reductions still in flight to ``owner``'s buffers."""
         for direction, state in FP8_STATES.items():
-            delayed_scaling_flush(owner._buffers[state.history_key], owner._buffers[state.scale_key], self.handle, direction)
+            history, scale = owner._buffers[state.history_key], owner._buffers[state.scale_key]
+            delayed_scaling_flush(history, scale, self.handle, direction)
 
     # ------------------------------------------------------------------
     # reductions in flight (called by the ops)
@@ -332,7 +340,9 @@ def _delayed_scaling_update_op(
 
 
 @_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=-1, state_handle=-1, direction="forward"):
+def _(
+    amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=-1, state_handle=-1, direction="forward"
+):
     return None
 
 
@@ -363,11 +373,14 @@ def delayed_scaling_update(
 
 def _apply_reductions(amax_history: Tensor, scale: Tensor, reductions: list[PendingReduction]) -> None:
     for r in reductions:
-        update_delayed_scaling_(amax_history[: r.rows], scale, r.amax, r.first, r.fp8_max, r.margin, r.amax_compute_algo)
+        update = (r.first, r.fp8_max, r.margin, r.amax_compute_algo)
+        update_delayed_scaling_(amax_history[: r.rows], scale, r.amax, *update)
 
 
 @torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward") -> None:
+def _delayed_scaling_flush_op(
+    amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward"
+) -> None:
     state = _STATES.get(state_handle)
     if state is not None:
         _apply_reductions(amax_history, scale, state.take_reductions(direction))

@@ -85,7 +85,7 @@ class DelayedScalingArgs:
 
 @dataclasses.dataclass(slots=True)
 class LinearFwdArgs:
-    """Everything ``linear_fwd`` needs; one field = one op argument."""
+    """Everything ``linear_fwd`` needs; one field = one op argument (a config: one per leaf)."""
 
     # --- tensors ---
     inp: Tensor
