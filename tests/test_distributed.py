@@ -14,6 +14,8 @@ half the rows plus an all-reduce instead of one GEMM over all rows).
 """
 
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -159,8 +161,6 @@ def _fp8_state(model):
 
 
 def _amax_reduction_rank(rank, world, reduce):
-    from transformer_linear.amax_reduction import _PENDING
-
     layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))
     if not reduce:
         tl.distributed.set_amax_reduction_group(layer, None)
@@ -169,9 +169,9 @@ def _amax_reduction_rank(rank, world, reduce):
     for _ in range(2):  # the second forward applies the first step's reductions
         layer(x).square().sum().backward()
     # Launched in forward and backward; applied by the next forward or state_dict().
-    assert len(_PENDING.get(id(layer), [])) == (2 if reduce else 0)
+    assert len(layer.delayed_scaling_state.pending_reductions) == (2 if reduce else 0)
     history, scale = layer.state_dict()["fp8_amax_history"], layer.fp8_scale
-    assert id(layer) not in _PENDING
+    assert not layer.delayed_scaling_state.pending_reductions
     local = torch.stack([x.detach().abs().max(), layer.weight.detach().abs().max()])
     # The latest step's amaxes have rolled into the last row.
     expected = torch.stack(_gathered(local)).amax(0) if reduce else local
@@ -194,19 +194,21 @@ class TestAmaxReduction:
 
     @pytest.mark.parametrize("drop", ["reset_fp8_state", "load_state_dict", "del"])
     def test_pending_reductions_go_with_the_state_they_update(self, drop):
-        """Reset, load_state_dict and the layer's end drop its pending reductions (keyed by id(layer))."""
-        from transformer_linear.amax_reduction import _PENDING
-
+        """Reset, load_state_dict and the layer's end drop its pending reductions (kept by its state)."""
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling())
-        key = id(layer)
-        _PENDING[key] = [("work", "reduced amax")]  # a stand-in: it must be dropped, never applied
+        state = layer.delayed_scaling_state
+        state._pending.append(("work", "reduced amax"))  # a stand-in: it must be dropped, never applied
         if drop == "reset_fp8_state":
             layer.reset_fp8_state()
         elif drop == "load_state_dict":
             layer.load_state_dict(tl.Linear(16, 8, recipe=layer.recipe).state_dict())
         else:
+            state = weakref.ref(state)
             del layer
-        assert key not in _PENDING
+            gc.collect()
+            assert state() is None, "the state outlived its layer"
+            return
+        assert not state.pending_reductions
 
     def test_without_process_group_is_single_process(self):
         layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling(amax_history_len=4))

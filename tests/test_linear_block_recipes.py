@@ -425,7 +425,7 @@ def test_opcheck_linear_fwd(name, cached):
     if cached:
         layer(x, is_first_microbatch=True)
     args = layer._fwd_args(x.requires_grad_(), r, False if cached else None)
-    assert (args.weight_fp8 is not None) == cached
+    assert (args.cached_weight is not None) == cached
     flat = linear_ops.linear_fwd.flatten(args)
     op = linear_ops.linear_fwd.op
     torch.library.opcheck(op, flat, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -11,7 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import transformer_linear as tl
 from transformer_linear import linear_ops, recipe, reference
-from transformer_linear.linear_args import LinearBwdArgs, LinearFwdArgs
+from transformer_linear.linear_args import CachedWeight, DelayedScalingArgs, LinearBwdArgs, LinearFwdArgs
 from tolerances import assert_bitwise_equal
 
 RECIPES = {
@@ -70,7 +70,7 @@ class TestOpcheck:
         x = torch.randn(4, 16)
         layer(x, is_first_microbatch=True)
         args = layer._fwd_args(x, layer.recipe, False)
-        assert args.weight_fp8 is not None
+        assert args.cached_weight is not None
         _opcheck_fwd(args)
 
     @pytest.mark.parametrize("fp8", [True, False])
@@ -113,16 +113,40 @@ class TestOpcheck:
 
     def test_schema_comes_from_the_dataclass(self):
         schema = linear_ops.linear_fwd.op._opoverload._schema
-        # One parameter per field; the nested QuantizationSpec gives one per leaf, named by its path.
+        # One parameter per field; a nested config (QuantizationSpec, DelayedScalingArgs, CachedWeight)
+        # gives one per leaf, named by its path.
+        quantizer_leaves = ("dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding")
+        nested = {
+            "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves],
+            "delayed": list(DelayedScalingArgs.__dataclass_fields__),
+            "cached_weight": list(CachedWeight.__dataclass_fields__),
+        }
         expected = []
         for name in LinearFwdArgs.__dataclass_fields__:
-            if name == "quantization":
-                expected += [f"quantization__{t}__{f}" for t in ("input", "weight", "grad_output")
-                             for f in ("dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding")]
-            else:
-                expected.append(name)
+            expected += [f"{name}__{leaf}" for leaf in nested[name]] if name in nested else [name]
         assert [a.name for a in schema.arguments] == expected
-        assert str(schema.arguments[0].type) == "Tensor" and str(schema.arguments[2].type) == "Optional[Tensor]"
+        types = {a.name: str(a.type) for a in schema.arguments}
+        assert types["inp"] == "Tensor" and types["bias"] == "Optional[Tensor]"
+        # An optional config's leaves are all optional (None when the config is None).
+        assert types["delayed__scale"] == "Optional[Tensor]" and types["delayed__just_in_time"] == "Optional[bool]"
+        assert types["cached_weight__weight_fp8"] == "Optional[Tensor]"
+
+    @pytest.mark.parametrize("name", [None, *RECIPES])
+    @pytest.mark.parametrize("cached", [False, True])
+    def test_args_round_trip_through_the_op_parameters(self, name, cached):
+        layer = tl.Linear(16, 8, recipe=RECIPES.get(name) or recipe.CurrentScaling())
+        x = torch.randn(4, 16)
+        layer(x, is_first_microbatch=True)
+        args = layer._fwd_args(x, layer.recipe, False if cached else None)
+        assert (args.cached_weight is not None) == cached
+        assert (args.delayed is not None) == (name == "delayed")
+        op = linear_ops.linear_fwd
+        flat = op.flatten(args)
+        assert len(flat) == len(op.params)
+        rebuilt = op.unflatten(flat)
+        for field in LinearFwdArgs.__dataclass_fields__:
+            assert type(getattr(rebuilt, field)) is type(getattr(args, field)), field
+        assert all(a is b for a, b in zip(op.flatten(rebuilt), flat, strict=True))
 
 
 def _train_steps(model, sizes, mark_dynamic):

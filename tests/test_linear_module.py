@@ -1,15 +1,17 @@
 """tl.Linear as a module: recipes, drop-in compatibility with nn.Linear, state, conversions."""
 
 import copy
+import gc
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
 import transformer_linear as tl
-from transformer_linear import recipe
+from transformer_linear import delayed_scaling, linear, linear_ops, recipe
 from tolerances import assert_bitwise_equal
 from transformer_linear.autocast import get_fp8_recipe
 
@@ -351,3 +353,75 @@ class TestModes:
             y = layer(x)
         assert not torch.equal(y, ref(x))
         assert_bitwise_equal(layer(x), ref(x), "outside autocast")
+
+
+# ---------------------------------------------------------------------------
+# who owns the delayed-scaling state and the delayed-wgrad queue
+# ---------------------------------------------------------------------------
+
+
+class TestStateOwnership:
+    def test_state_and_wgrad_queue_are_freed_with_the_layer(self):
+        layer = tl.Linear(16, 8, recipe=RECIPES["delayed_hybrid"], delay_wgrad_compute=True)
+        x = torch.randn(4, 16, requires_grad=True)
+        layer(x).sum().backward()  # leaves a weight gradient queued for backward_dw()
+        y = layer(x)  # a graph still holding what the ops need
+        state, queue = layer.delayed_scaling_state, layer._wgrad_queue
+        handles = (state.handle, queue.handle)
+        refs = (weakref.ref(state), weakref.ref(queue))
+        del layer, state, queue
+        gc.collect()
+        assert [r() for r in refs] == [None, None], "a global table kept the layer's state or queue alive"
+        assert delayed_scaling._STATES.get(handles[0]) is None
+        assert linear_ops._WGRAD_QUEUES.get(handles[1]) is None
+        y.sum().backward()  # the graph outlives its layer: its updates reach the buffers it holds
+        assert x.grad is not None
+
+    @pytest.mark.parametrize(
+        "copy_fn", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"]
+    )
+    def test_a_copy_has_its_own_state_and_queue(self, copy_fn):
+        layer = tl.Linear(16, 8, recipe=RECIPES["delayed_hybrid"], delay_wgrad_compute=True)
+        x = torch.randn(4, 16, requires_grad=True)
+        layer(x).sum().backward()
+        layer.delayed_scaling_state._pending.append(("work", "reduced amax"))  # a stand-in, not copied
+        twin = copy_fn(layer)
+        assert twin.delayed_scaling_state.handle != layer.delayed_scaling_state.handle
+        assert twin._wgrad_queue.handle != layer._wgrad_queue.handle
+        assert twin.delayed_scaling_state.pending_reductions == ()
+        twin.backward_dw()  # the copy's queue starts empty
+        assert twin.weight.grad is None
+        layer.backward_dw()
+        assert layer.weight.grad is not None
+        layer.delayed_scaling_state._pending.clear()
+
+    def test_a_forward_and_a_backward_each_call_the_state_once(self, monkeypatch):
+        """Forward: one call into the layer's state, inside which its buffers are updated once (after
+        linear_fwd read them); backward: one call, likewise."""
+        layer = tl.Linear(16, 8, recipe=RECIPES["delayed_hybrid"])
+        events = []
+
+        def spy(name, fn):
+            def wrapper(*args, **kwargs):
+                events.append(f"enter {name}")
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    events.append(f"exit {name}")
+
+            return wrapper
+
+        state = layer.delayed_scaling_state
+        monkeypatch.setattr(state, "forward", spy("forward", state.forward))
+        backward = linear_ops.quantize_and_record_grad_output
+        monkeypatch.setattr(linear_ops, "quantize_and_record_grad_output", spy("backward", backward))
+        update = delayed_scaling.delayed_scaling_update
+        monkeypatch.setattr(delayed_scaling, "delayed_scaling_update", spy("update", update))
+        monkeypatch.setattr(linear, "linear_fwd", spy("linear_fwd", linear.linear_fwd))
+        y = layer(torch.randn(4, 16, requires_grad=True))
+        assert events == ["enter forward", "enter linear_fwd", "exit linear_fwd", "enter update", "exit update",
+                          "exit forward"]
+        events.clear()
+        y.sum().backward()
+        assert events == ["enter backward", "enter update", "exit update", "exit backward"]
+        assert not bool(layer.fp8_grad_amax_history.eq(0).all()), "backward recorded no grad_output amax"

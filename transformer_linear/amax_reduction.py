@@ -1,8 +1,9 @@
 """Delayed scaling's amax reduction across ranks: the plumbing below the Linear.
 
-Process groups as int keys the custom ops can take, and the background
-all-reduces the delayed-scaling update launches and the flush applies. The
-user-facing knobs (``set_amax_reduction_group``, ``finish_amax_reductions``)
+Process groups as int keys the custom ops can take, and the all-reduces
+themselves, blocking or launched in the background (the layer's
+``DelayedScalingState``, delayed_scaling.py, keeps a launched one until the
+flush applies it). The user-facing knobs (``set_amax_reduction_group``, ``finish_amax_reductions``)
 are in distributed.py.
 
 What is reduced, and why, is told in distributed.py.
@@ -19,9 +20,9 @@ all-reduce asynchronously and returns; ``delayed_scaling_flush`` applies it
 (wait, record, update the scales) before the state is next updated: the
 forward state (input, weight) at the start of the layer's next forward, the
 grad_output state at the start of its next backward (each direction's state
-is mutated by that direction only, see linear.py). The next forward reads
-the grad_output scale its backward will use with the pending updates
-applied to a copy (:func:`peek_amax_reductions`). The scales are the same as
+is mutated by that direction only, see delayed_scaling.py). The next forward
+reads the grad_output scale its backward will use with the pending updates
+applied to a copy (``delayed_scaling.flushed_state``). The scales are the same as
 a blocking reduction's, but no rank waits for the others in the middle of
 forward or backward (on a GPU, the compute stream does not wait behind the
 gradient collectives queued on the same group). Until then the layer's
@@ -39,17 +40,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = [
-    "DEFAULT_GROUP",
-    "NO_GROUP",
-    "all_reduce_amax",
-    "discard_amax_reductions",
-    "group_key",
-    "launch_amax_reduction",
-    "peek_amax_reductions",
-    "pop_amax_reductions",
-    "reduces_amax",
-]
+__all__ = ["DEFAULT_GROUP", "NO_GROUP", "all_reduce_amax", "group_key", "launch_amax_reduction", "reduces_amax"]
 
 NO_GROUP = -1
 """Key: no amax reduction."""
@@ -97,47 +88,17 @@ def reduces_amax(key: int) -> bool:
     return _resolve(key) is not None
 
 
-# A layer's launched, not yet applied reductions, in launch order:
-# (work, amax being reduced, direction, *the update's arguments after amax).
-_PENDING: dict[int, list[tuple[Any, ...]]] = {}
+def launch_amax_reduction(amax: Tensor, key: int) -> Optional[tuple[Any, Tensor]]:
+    """Start an async MAX all-reduce of a copy of ``amax`` over the group of ``key``.
 
-DIRECTIONS = ("forward", "backward")
-"""Which of a layer's two delayed-scaling states an update is for (linear.py)."""
-
-
-def launch_amax_reduction(amax: Tensor, key: int, layer_key: int, direction: str, *update_args: Any) -> bool:
-    """Start an async MAX all-reduce of a copy of ``amax``; False (nothing started) without a live group.
-
-    ``update_args`` are kept for :func:`pop_amax_reductions`'s caller, which
-    applies the update to the ``direction`` state once the reduction is done.
+    Returns:
+        (the collective's work handle, the copy being reduced), or None
+        (nothing started) without a live group. The caller keeps both until
+        it waits for the work (delayed_scaling.py keeps them with the layer's
+        state).
     """
     group = _resolve(key)
     if group is None:
-        return False
+        return None
     reduced = amax.detach().clone()  # ``amax`` may be saved or returned elsewhere
-    work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _PENDING.setdefault(layer_key, []).append((work, reduced, direction, *update_args))
-    return True
-
-
-def peek_amax_reductions(layer_key: int, direction: str) -> list[tuple[Any, ...]]:
-    """The layer's launched reductions for ``direction`` as (reduced amax, *update_args), waited for, in
-    launch order; they stay pending."""
-    pending = [entry for entry in _PENDING.get(layer_key, []) if entry[2] == direction]
-    for work, *_ in pending:
-        work.wait()
-    return [(reduced, *rest) for _, reduced, _, *rest in pending]
-
-
-def pop_amax_reductions(layer_key: int, direction: str) -> list[tuple[Any, ...]]:
-    """:func:`peek_amax_reductions`, and those reductions are no longer pending."""
-    done = peek_amax_reductions(layer_key, direction)
-    rest = [entry for entry in _PENDING.pop(layer_key, []) if entry[2] != direction]
-    if rest:
-        _PENDING[layer_key] = rest
-    return done
-
-
-def discard_amax_reductions(layer_key: int) -> None:
-    """Forget the layer's launched reductions (its state is being replaced, or the layer is gone)."""
-    _PENDING.pop(layer_key, None)
+    return dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True), reduced

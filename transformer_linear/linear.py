@@ -5,27 +5,15 @@ Same parameters, default initialization and ``state_dict`` keys as
 ``F.linear``: outputs and gradients are bitwise ``nn.Linear``'s. With one, the
 forward and backward go through the custom ops of linear_ops.py.
 
-Delayed scaling keeps its state in float32 buffers that every layer owns
-from construction: the forward state ``fp8_amax_history`` (rows, 2) and
-``fp8_scale`` (2,), columns [input, weight], which only forward updates, and
-the backward state ``fp8_grad_amax_history`` (rows, 1) and
-``fp8_grad_scale`` (1,), grad_output's, which only backward updates (forward
-reads it). Nothing is created on first use, so a cold ``torch.compile`` or
-``torch.export`` sees them as real buffers and records their updates; and as
-no buffer is updated by both forward and backward, AOT autograd can place
-every update in its own graph, whatever backend settings compile it.
-``rows`` is the layer's own recipe's ``amax_history_len``, else
-``DelayedScaling``'s default (1024); a recipe with a shorter history uses the
-leading rows. They are saved in ``state_dict`` (a checkpoint in the earlier
-layout, one (rows, 3) history and (3,) scale, loads too), and a
-``state_dict`` without them (an ``nn.Linear``'s) loads with ``strict=True``
-and starts the state fresh.
+Delayed scaling keeps its state (amax histories and scales) in float32
+buffers every layer holds from construction, saved in ``state_dict``; the
+layer's ``DelayedScalingState`` (delayed_scaling.py) owns them and is what
+forward and backward call.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Optional
 
 import torch
@@ -34,31 +22,15 @@ from torch import Tensor, nn
 
 from transformer_linear import amax_reduction, tensor_parallel
 from transformer_linear._checks import check_linear_devices
+from transformer_linear._handles import NO_HANDLE
 from transformer_linear.autocast import get_fp8_recipe
-from transformer_linear.linear_args import LinearFwdArgs
-from transformer_linear.linear_ops import WGRAD_QUEUES, compute_wgrad, linear_fwd
+from transformer_linear.delayed_scaling import DelayedScalingState
+from transformer_linear.linear_args import CachedWeight, LinearFwdArgs
+from transformer_linear.linear_ops import WgradQueue, compute_wgrad, linear_fwd
 from transformer_linear.quantization import NO_QUANTIZATION, quantization_spec
 from transformer_linear.recipe import DelayedScaling, Recipe
-from transformer_linear.scaling import (
-    FP8_STATE_COLUMNS,
-    FP8_STATES,
-    checked_fp8_state,
-    delayed_scaling_flush,
-    delayed_scaling_update,
-)
 
 __all__ = ["Linear"]
-
-_HISTORIES = tuple(state.history_key for state in FP8_STATES.values())
-_FP8_STATE = (*_HISTORIES, *(state.scale_key for state in FP8_STATES.values()))
-_FWD_SCALE = "fp8_fwd_scale"
-_DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
-_FWD_COLUMN = FP8_STATE_COLUMNS["input"]
-
-
-def _run_by_backward() -> bool:
-    """Whether autograd is running a backward (a forward now is a recompute), in eager mode."""
-    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def _finish_amax_reductions_hook(module: "Linear", prefix: str, keep_vars: bool) -> None:
@@ -114,9 +86,10 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         # Not a state: the FP8 weight of the current microbatch group.
-        # (weight_fp8, weight_fp8_t, weight_scale_inv, weight_scale_inv_t, weight_amax); the transposed
-        # copy and its scales exist where the backward needs them (CUDA layout, block scaling).
-        self._weight_cache: Optional[tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor], Optional[Tensor]]] = None
+        self._weight_cache: Optional[CachedWeight] = None
+        self.delayed_scaling_state = DelayedScalingState()
+        """The delayed-scaling state (delayed_scaling.py); its buffers are this layer's."""
+        self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
         self.reset_fp8_state()
         # A checkpoint holds the scales as of the last step, not lagging behind
@@ -147,93 +120,28 @@ class Linear(nn.Module):
                 the layer holds needs this before ``torch.compile`` /
                 ``torch.export`` (eagerly the history grows by itself).
         """
-        if amax_history_len is None:
-            own = self.recipe
-            amax_history_len = own.amax_history_len if isinstance(own, DelayedScaling) else _DEFAULT_HISTORY_LEN
-        rows = operator.index(amax_history_len)
-        if rows < 1:
-            raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
-        amax_reduction.discard_amax_reductions(id(self))
-        device = self.weight.device
-        # Normal tensors even under inference_mode: training updates them in place later.
-        with torch.inference_mode(False):
-            for state in FP8_STATES.values():
-                width = len(state.columns)
-                self.register_buffer(state.history_key, torch.zeros(rows, width, dtype=torch.float32, device=device))
-                self.register_buffer(state.scale_key, torch.ones(width, dtype=torch.float32, device=device))
-            # Not state: what the last forward quantized with (activation checkpointing's recompute reads it).
-            columns = len(FP8_STATE_COLUMNS)
-            self.register_buffer(_FWD_SCALE, torch.ones(columns, dtype=torch.float32, device=device), persistent=False)
-
-    def _fp8_histories(self, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
-        """The forward and backward histories the recipe uses: their leading ``amax_history_len`` rows."""
-        wanted = recipe.amax_history_len
-        rows = min(self._buffers[name].shape[0] for name in _HISTORIES)  # loaded ones may differ
-        if wanted > rows:
-            if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    f"tl.Linear: the recipe's amax_history_len={wanted} exceeds the {rows} rows of this layer's "
-                    f"delayed-scaling history, which cannot grow inside torch.compile / torch.export; give the "
-                    f"layer that recipe (tl.Linear(..., recipe=...), tl.convert_to_fp8(model, recipe=...)), call "
-                    f"layer.reset_fp8_state(amax_history_len={wanted}), or run one eager step first"
-                )
-            self._grow_histories(wanted)
-        histories = (self._buffers[name] for name in _HISTORIES)
-        return tuple(h[:wanted] if wanted < h.shape[0] else h for h in histories)
-
-    def _grow_histories(self, rows: int) -> None:
-        """Eagerly: histories of at least ``rows`` rows, keeping the recorded rows on top (pending
-        reductions still apply)."""
-        for name in _HISTORIES:
-            old = self._buffers[name]
-            if old.shape[0] >= rows:
-                continue
-            with torch.inference_mode(False):  # a normal tensor, as in reset_fp8_state
-                history = old.new_zeros(rows, old.shape[1])
-                history[: old.shape[0]].copy_(old)
-            self.register_buffer(name, history)
-
-    def __del__(self, _discard=amax_reduction.discard_amax_reductions) -> None:
-        # Pending reductions are keyed by id(self): a later layer given the
-        # same id must not inherit them. (_discard is bound early: module
-        # globals may be gone when this runs at interpreter exit.)
-        _discard(id(self))
+        self.delayed_scaling_state.reset(self, amax_history_len)
 
     def finish_amax_reductions(self) -> None:
         """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
-        for direction, state in FP8_STATES.items():
-            delayed_scaling_flush(self._buffers[state.history_key], self._buffers[state.scale_key], id(self), direction)
+        self.delayed_scaling_state.finish_reductions(self)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        amax_reduction.discard_amax_reductions(id(self))  # updates of the state being replaced
-        # load_state_dict passes its own copy of the dict: the checked float32
-        # tensors (split from the earlier layout) replace what was given.
-        present = checked_fp8_state(state_dict, prefix)
-        for name in _HISTORIES:
-            history = state_dict.get(prefix + name)
-            if history is not None:  # a history of any length loads: the buffer takes its shape
-                with torch.inference_mode(False):
-                    self._buffers[name] = torch.empty_like(history, device=self.weight.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if not present:
-            # A state without the FP8 keys (an nn.Linear's) starts the state fresh.
-            for name in _FP8_STATE:
-                if prefix + name in missing_keys:
-                    missing_keys.remove(prefix + name)
-            self.reset_fp8_state()
+        load_module = functools.partial(
+            super()._load_from_state_dict,
+            state_dict,
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
+        )
+        self.delayed_scaling_state.load(self, state_dict, prefix, missing_keys, load_module)
 
     def _apply(self, fn, recurse=True):
-        # .to(dtype) / .half() must not round the FP8 scales: move them as float32.
-        state = {name: self._buffers.pop(name) for name in (*_FP8_STATE, _FWD_SCALE) if name in self._buffers}
-        super()._apply(fn, recurse)
-        device = self.weight.device
-        for name, t in state.items():
-            if t.is_meta and device.type != "meta":
-                # to_empty() after meta-device init: a meta state holds no data, start it fresh.
-                fresh = torch.zeros if name in _HISTORIES else torch.ones
-                self._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
-            else:
-                self._buffers[name] = t.to(device=device)
+        with self.delayed_scaling_state.float32_buffers(self):
+            super()._apply(fn, recurse)
         self._weight_cache = None
         return self
 
@@ -268,34 +176,18 @@ class Linear(nn.Module):
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
-        delayed = isinstance(recipe, DelayedScaling)
-        # A forward run by backward is activation checkpointing's recompute:
-        # it quantizes with fwd_scale as the original forward left it and
-        # records no amax a second time.
-        recompute = delayed and _run_by_backward()
-        if delayed and not recompute:
-            if args.amax_reduction_layer_key != -1:
-                delayed_scaling_flush(self.fp8_amax_history, args.scale, args.amax_reduction_layer_key)
-            args.fwd_scale = None  # a forward quantizes with the current scales
-        o = linear_fwd(args)
-        if delayed and not recompute:
-            getattr(self, _FWD_SCALE).copy_(o.fwd_scales)  # just-in-time ones included
-            delayed_scaling_update(
-                args.amax_history,
-                args.scale,
-                o.amax,
-                _FWD_COLUMN,
-                args.fwd_dtype,
-                recipe.margin,
-                recipe.amax_compute_algo,
-                args.amax_reduction_group,
-                args.amax_reduction_layer_key,
+        if args.delayed is not None:
+            o = self.delayed_scaling_state.forward(self, args, linear_fwd)
+        else:
+            o = linear_fwd(args)
+        if recipe is not None and is_first_microbatch and args.cached_weight is None:
+            self._weight_cache = CachedWeight(
+                weight_fp8=o.weight_fp8.detach(),
+                weight_fp8_t=o.weight_fp8_t.detach() if o.weight_fp8_t.numel() else None,
+                weight_scale_inv=o.weight_scale_inv.detach(),
+                weight_scale_inv_t=o.weight_scale_inv_t.detach() if o.weight_scale_inv_t.numel() else None,
+                weight_amax=o.amax[1].detach() if o.amax.numel() else None,  # block scaling records no amax
             )
-        if recipe is not None and is_first_microbatch and args.weight_fp8 is None:
-            t = o.weight_fp8_t.detach() if o.weight_fp8_t.numel() else None
-            t_scale_inv = o.weight_scale_inv_t.detach() if o.weight_scale_inv_t.numel() else None
-            amax = o.amax[1].detach() if o.amax.numel() else None  # block scaling records no amax
-            self._weight_cache = (o.weight_fp8.detach(), t, o.weight_scale_inv.detach(), t_scale_inv, amax)
         # The op's output is 2-D. Other inputs get it in their leading dims through
         # _unsafe_view, as nn.Linear does: not a view to autograd, so in-place
         # ops on it work and FSDP2 sees no view returned.
@@ -321,10 +213,6 @@ class Linear(nn.Module):
         fp8 = recipe is not None
         fmt = recipe.fp8_format if fp8 else None
         delayed = isinstance(recipe, DelayedScaling)
-        history, grad_history = self._fp8_histories(recipe) if delayed else (None, None)
-        # Across ranks, amax reductions run in the background until the next forward.
-        layer_key = id(self) if delayed and amax_reduction.reduces_amax(self.amax_reduction_group) else -1
-        cache = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
             if getattr(self.weight, "main_grad", None) is None:
@@ -335,12 +223,7 @@ class Linear(nn.Module):
             inp=inp,
             weight=weight,
             bias=bias,
-            # cached FP8 weight
-            weight_fp8=cache[0] if cache else None,
-            weight_fp8_t=cache[1] if cache else None,
-            weight_scale_inv=cache[2] if cache else None,
-            weight_scale_inv_t=cache[3] if cache else None,
-            weight_amax=cache[4] if cache else None,
+            cached_weight=self._weight_cache if fp8 and is_first_microbatch is False else None,
             # requires-grad flags
             input_requires_grad=grad and inp.requires_grad,
             weight_requires_grad=grad and weight.requires_grad,
@@ -351,19 +234,11 @@ class Linear(nn.Module):
             fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
             bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
             margin=getattr(recipe, "margin", 0),  # block recipes have no margin: their scales are per block
-            scale=self.fp8_scale if delayed else None,
-            fwd_scale=getattr(self, _FWD_SCALE) if delayed else None,
-            amax_history=history,
-            grad_scale=self.fp8_grad_scale if delayed else None,
-            grad_amax_history=grad_history,
-            amax_compute_algo=recipe.amax_compute_algo if delayed else "max",
-            amax_reduction_group=self.amax_reduction_group if delayed else amax_reduction.NO_GROUP,
-            amax_reduction_layer_key=layer_key,
-            just_in_time=delayed and recipe.first_step_just_in_time,
+            delayed=self.delayed_scaling_state.op_args(self, recipe) if delayed else None,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,
-            wgrad_queue=id(self) if self.delay_wgrad_compute else -1,
+            wgrad_queue=self._wgrad_queue.handle if self.delay_wgrad_compute else NO_HANDLE,
         )
 
     # ------------------------------------------------------------------
@@ -378,12 +253,12 @@ class Linear(nn.Module):
         """
         if not self.delay_wgrad_compute:
             return
-        for bwd, dbias in WGRAD_QUEUES.pop(id(self), []):
-            if bwd is not None:
+        for queued in self._wgrad_queue.drain():
+            if queued.wgrad_args is not None:
                 main_grad = self.weight.main_grad if self.fuse_wgrad_accumulation else None
-                _accumulate_grad(self.weight, compute_wgrad(bwd, main_grad))
-            if dbias is not None:
-                _accumulate_grad(self.bias, dbias)
+                _accumulate_grad(self.weight, compute_wgrad(queued.wgrad_args, main_grad))
+            if queued.dbias is not None:
+                _accumulate_grad(self.bias, queued.dbias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "Linear":

@@ -6,9 +6,12 @@ rule pass around. A custom op cannot take a dataclass (an exported program
 must save and load), so :func:`args_op` registers an op whose parameters are
 the dataclass fields, in declaration order, with the schema inferred from the
 field annotations: adding a field to the dataclass is the only edit needed.
-A field whose type is itself a dataclass (the recipe's ``QuantizationSpec``) is
-expanded into one op parameter per leaf field, named by its path
-(``quantization__input__dtype``), so nested configs need no schema of their own.
+A field whose type is itself a dataclass (the recipe's ``QuantizationSpec``,
+``DelayedScalingArgs``, ``CachedWeight``) is expanded into one op parameter
+per leaf field, named by its path (``quantization__input__dtype``), so nested
+configs need no schema of their own. An optional config (``Optional[...]``)
+makes each of its leaves optional, all None when the config is None; it must
+have a leaf that is never None, which tells the two apart.
 """
 
 # No ``from __future__ import annotations``: the op schema is read from the
@@ -24,12 +27,65 @@ from torch import Tensor
 
 from transformer_linear.quantization import NO_QUANTIZATION, QuantizationSpec
 
-__all__ = ["ArgsOp", "LinearBwdArgs", "LinearBwdContext", "LinearFwdArgs", "LinearFwdOutputs", "args_op"]
+__all__ = [
+    "ArgsOp",
+    "CachedWeight",
+    "DelayedScalingArgs",
+    "LinearBwdArgs",
+    "LinearBwdContext",
+    "LinearFwdArgs",
+    "LinearFwdOutputs",
+    "args_op",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedWeight:
+    """The FP8 weight of the current microbatch group (``is_first_microbatch=False`` reuses it)."""
+
+    weight_fp8: Tensor
+    """Row-major (out_features, in_features)."""
+    weight_fp8_t: Optional[Tensor]
+    """The columnwise copy where layout.py needs one (and under block scaling), else None."""
+    weight_scale_inv: Tensor
+    weight_scale_inv_t: Optional[Tensor]
+    """Block scaling: the scales of ``weight_fp8_t``, else None."""
+    weight_amax: Optional[Tensor]
+    """Tensorwise scaling: the weight's amax, which delayed scaling records (block scaling records none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingArgs:
+    """What the ops need of a layer's delayed-scaling state (delayed_scaling.py): its buffers and the
+    recipe's knobs. None in the args of every other recipe."""
+
+    scale: Tensor
+    """(2,) float32 scales of [input, weight], updated after forward."""
+    fwd_scale: Optional[Tensor]
+    """(3,) what forward quantizes [input, weight, grad_output] with; None in a forward (``scale`` and
+    ``grad_scale`` as they are); in activation checkpointing's recompute (during backward, when the scales
+    have moved on) the copy of the scales the original forward used, which the state records from
+    linear_fwd's last output."""
+    amax_history: Tensor
+    """(history_len, 2), the forward state's history."""
+    grad_scale: Tensor
+    """(1,) grad_output's scale; only backward updates it (forward reads it)."""
+    grad_amax_history: Tensor
+    """(history_len, 1); backward records grad_output's amax in it."""
+    amax_compute_algo: str
+    amax_reduction_group: int
+    """amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
+    reduction_handle: int
+    """Across ranks: the handle (_handles.py) of the layer's state, which keeps the reductions launched in
+    the background until they are applied; -1: reductions block (or there are none)."""
+    just_in_time: bool
+    """A tensor whose history column holds no amax yet is quantized with a scale from its own amax
+    (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
 
 
 @dataclasses.dataclass(slots=True)
 class LinearFwdArgs:
-    """Everything ``linear_fwd`` needs; one field = one op argument."""
+    """Everything ``linear_fwd`` needs; one field = one op argument (a config: one per leaf)."""
 
     # --- tensors ---
     inp: Tensor
@@ -37,15 +93,8 @@ class LinearFwdArgs:
     weight: Tensor
     """(out_features, in_features)."""
     bias: Optional[Tensor]
-    # --- cached FP8 weight (is_first_microbatch=False reuses it) ---
-    weight_fp8: Optional[Tensor]
-    """Row-major (out_features, in_features)."""
-    weight_fp8_t: Optional[Tensor]
-    """The columnwise copy where layout.py needs one, else None."""
-    weight_scale_inv: Optional[Tensor]
-    weight_scale_inv_t: Optional[Tensor]
-    """Block scaling: the scales of ``weight_fp8_t``."""
-    weight_amax: Optional[Tensor]
+    cached_weight: Optional[CachedWeight]
+    """is_first_microbatch=False: the FP8 weight to reuse; None quantizes the weight."""
     # --- requires-grad flags ---
     input_requires_grad: bool
     weight_requires_grad: bool
@@ -58,35 +107,15 @@ class LinearFwdArgs:
     fwd_dtype: torch.dtype
     bwd_dtype: torch.dtype
     margin: int
-    scale: Optional[Tensor]
-    """Delayed scaling: (2,) float32 scales of [input, weight], updated after forward; None: current
-    scaling."""
-    fwd_scale: Optional[Tensor]
-    """Delayed scaling: (3,) what forward quantizes [input, weight, grad_output] with; None in a forward
-    (``scale`` and ``grad_scale`` as they are); in activation checkpointing's recompute (during backward,
-    when the scales have moved on) the copy of the scales the original forward used, which the module
-    records from linear_fwd's last output."""
-    amax_history: Optional[Tensor]
-    """Delayed scaling: (history_len, 2), the forward state's history."""
-    grad_scale: Optional[Tensor]
-    """Delayed scaling: (1,) grad_output's scale; only backward updates it (forward reads it)."""
-    grad_amax_history: Optional[Tensor]
-    """Delayed scaling: (history_len, 1); backward records grad_output's amax in it."""
-    amax_compute_algo: str
-    amax_reduction_group: int
-    """Delayed scaling: amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
-    amax_reduction_layer_key: int
-    """Delayed scaling across ranks: the layer's key for reductions applied at its next forward (-1: at once)."""
-    just_in_time: bool
-    """Delayed scaling: a tensor whose history column holds no amax yet is quantized with a scale from its own
-    amax (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
+    delayed: Optional[DelayedScalingArgs]
+    """Delayed scaling's state; None: current or block scaling (or no FP8)."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""
     main_grad: Optional[Tensor]
     """fuse_wgrad_accumulation: fp32 buffer backward accumulates wgrad into."""
     wgrad_queue: int
-    """delay_wgrad_compute: key of the queue backward_dw() drains; -1 when off."""
+    """delay_wgrad_compute: handle (_handles.py) of the layer's queue backward_dw() drains; -1 when off."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,24 +187,18 @@ class LinearBwdContext:
     quantization: QuantizationSpec
     bwd_dtype: torch.dtype
     margin: int
-    amax_compute_algo: str
-    amax_reduction_group: int
-    amax_reduction_layer_key: int
-    just_in_time: bool
+    delayed: Optional[DelayedScalingArgs]
+    """Delayed scaling: the state backward updates (grad_output's history and scale), by reference (not
+    saved: its updates would trip the saved-tensor version check); None otherwise."""
     input_shape: list[int]
     input_dtype: torch.dtype
     weight_dtype: torch.dtype
     bias_dtype: Optional[torch.dtype]
     wgrad_queue: int
-    amax_history: Optional[Tensor]
-    """Delayed scaling: grad_output's history and scale, the state backward updates, by reference (not
-    saved: its updates would trip the saved-tensor version check); None otherwise."""
-    scale: Optional[Tensor]
     main_grad: Optional[Tensor]
 
     @classmethod
     def from_fwd_args(cls, a: LinearFwdArgs) -> "LinearBwdContext":
-        delayed = a.fp8 and a.scale is not None
         return cls(
             input_requires_grad=a.input_requires_grad,
             weight_requires_grad=a.weight_requires_grad,
@@ -184,17 +207,12 @@ class LinearBwdContext:
             quantization=a.quantization,
             bwd_dtype=a.bwd_dtype,
             margin=a.margin,
-            amax_compute_algo=a.amax_compute_algo,
-            amax_reduction_group=a.amax_reduction_group,
-            amax_reduction_layer_key=a.amax_reduction_layer_key,
-            just_in_time=a.just_in_time,
+            delayed=a.delayed if a.fp8 else None,
             input_shape=list(a.inp.shape),
             input_dtype=a.inp.dtype,
             weight_dtype=a.weight.dtype,
             bias_dtype=a.bias.dtype if a.bias is not None else None,
             wgrad_queue=a.wgrad_queue,
-            amax_history=a.grad_amax_history if delayed else None,
-            scale=a.grad_scale if delayed else None,
             main_grad=a.main_grad,
         )
 
@@ -204,25 +222,66 @@ def _is_config(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-def _leaves(cls: type, name: str) -> list[tuple[str, Any]]:
-    """(op parameter name, annotation) of field ``name`` of ``cls``, nested dataclasses expanded."""
+def _optional_of(hint: Any) -> Any:
+    """X for ``Optional[X]``, else None."""
+    if typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        if len(args) == 2 and type(None) in args:
+            return next(a for a in args if a is not type(None))
+    return None
+
+
+class _Field(NamedTuple):
+    """How one field (or a config's field) becomes op parameters: a leaf, or a config of fields."""
+
+    attr: str
+    """The field's name in its dataclass."""
+    name: str
+    """The op parameter name (a config's leaves are named ``config__leaf``)."""
+    hint: Any
+    """The parameter's annotation (a leaf), or the config's dataclass."""
+    optional: bool
+    """An ``Optional`` config: its leaves are optional, all None when it is None."""
+    fields: tuple["_Field", ...] = ()
+    """A config's fields, in declaration order; empty for a leaf."""
+    size: int = 1
+    """How many op parameters the field takes."""
+
+    def params(self) -> list[tuple[str, Any]]:
+        if not self.fields:
+            return [(self.name, self.hint)]
+        params = [p for f in self.fields for p in f.params()]
+        return [(n, Optional[h]) for n, h in params] if self.optional else params
+
+    def flatten(self, value: Any) -> tuple:
+        if not self.fields:
+            return (value,)
+        return tuple(v for f in self.fields for v in f.flatten(None if value is None else getattr(value, f.attr)))
+
+    def unflatten(self, values: Iterator[Any]) -> Any:
+        if not self.fields:
+            return next(values)
+        if self.optional:
+            taken = [next(values) for _ in range(self.size)]
+            if all(v is None for v in taken):
+                return None
+            values = iter(taken)
+        return self.hint(**{f.attr: f.unflatten(values) for f in self.fields})
+
+
+def _field(cls: type, name: str, param: str) -> _Field:
+    """The :class:`_Field` of field ``name`` of ``cls``, whose op parameter is named ``param``."""
     hint = typing.get_type_hints(cls)[name]
-    if not _is_config(hint):
-        return [(name, hint)]
-    return [(f"{name}__{leaf}", h) for f in dataclasses.fields(hint) for leaf, h in _leaves(hint, f.name)]
-
-
-def _flatten_value(value: Any) -> tuple:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return tuple(v for f in dataclasses.fields(value) for v in _flatten_value(getattr(value, f.name)))
-    return (value,)
-
-
-def _unflatten_value(hint: Any, values: Iterator[Any]) -> Any:
-    if not _is_config(hint):
-        return next(values)
-    hints = typing.get_type_hints(hint)
-    return hint(**{f.name: _unflatten_value(hints[f.name], values) for f in dataclasses.fields(hint)})
+    inner = _optional_of(hint)
+    config, optional = (inner, True) if _is_config(inner) else (hint, False)
+    if not _is_config(config):
+        return _Field(name, param, hint, False)
+    fields = tuple(_field(config, f.name, f"{param}__{f.name}") for f in dataclasses.fields(config))
+    node = _Field(name, param, config, optional, fields, sum(f.size for f in fields))
+    if optional and all(_optional_of(h) is not None for _, h in node._replace(optional=False).params()):
+        # Nothing would tell a config whose leaves are all None from no config.
+        raise TypeError(f"args_op: the optional config {config.__name__} ('{param}') needs a leaf that is never None")
+    return node
 
 
 class ArgsOp:
@@ -234,19 +293,19 @@ class ArgsOp:
         self.fields = tuple(fields)
         self.result = result
         self._all_fields = tuple(f.name for f in dataclasses.fields(cls))
-        self._hints = typing.get_type_hints(cls)
-        self.params = tuple(p for f in self.fields for p in _leaves(cls, f))
+        self._fields = tuple(_field(cls, f, f) for f in self.fields)
+        self.params = tuple(p for f in self._fields for p in f.params())
         """(name, annotation) of the op's parameters."""
 
     def flatten(self, args: Any) -> tuple:
         """The op's positional arguments taken from ``args``."""
-        return tuple(v for f in self.fields for v in _flatten_value(getattr(args, f)))
+        return tuple(v for f in self._fields for v in f.flatten(getattr(args, f.attr)))
 
     def unflatten(self, values: Sequence[Any]) -> Any:
         """The dataclass rebuilt from the op's positional arguments (other fields None)."""
         kwargs = dict.fromkeys(self._all_fields)
         it = iter(values)
-        kwargs.update({f: _unflatten_value(self._hints[f], it) for f in self.fields})
+        kwargs.update({f.attr: f.unflatten(it) for f in self._fields})
         return self.cls(**kwargs)
 
     def __call__(self, args: Any) -> Any:

@@ -1,6 +1,6 @@
 """The Linear as custom ops: ``linear_fwd``, ``linear_dgrad``, ``linear_wgrad``
 (autograd via ``register_autograd``); the mutating ``delayed_scaling_update``
-and ``delayed_scaling_flush`` are in scaling.py.
+and ``delayed_scaling_flush`` are in delayed_scaling.py.
 
 Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
 the FP8 copies so autograd saves those, not the high-precision tensors.
@@ -15,44 +15,63 @@ the columnwise copies of the input and weight that wgrad and dgrad read and
 whose backward quantizes grad_output in both layouts in one pass.
 
 ``register_autograd`` refuses ops that mutate, so the delayed-scaling update
-is an op of its own (scaling.py), called by the module after forward and by
-backward for grad_output: the same operations run in eager and under
-``torch.compile``.
+is an op of its own (delayed_scaling.py), run by the layer's state after
+forward and by backward for grad_output: the same operations run in eager and
+under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from transformer_linear import amax_reduction, layout, ops
+from transformer_linear import layout, ops
+from transformer_linear._handles import NO_HANDLE, HandleTable
+from transformer_linear.delayed_scaling import forward_scales, quantize_and_record_grad_output
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
-from transformer_linear.quantization import BlockQuantized, TensorQuantizer, flat
-from transformer_linear.reference import bias_grad, compute_scale, fp8_max
-from transformer_linear.scaling import (
-    FP8_STATE_COLUMNS,
-    delayed_scaling_flush,
-    delayed_scaling_update,
-    flushed_state,
-    no_amax_yet,
-)
+from transformer_linear.quantization import BlockQuantized, TensorQuantizer, flat, quantize_tensorwise
+from transformer_linear.reference import bias_grad
 
-__all__ = [
-    "WGRAD_QUEUES",
-    "compute_wgrad",
-    "linear_dgrad",
-    "linear_fwd",
-    "linear_wgrad",
-    "quantize_grad_output",
-]
+__all__ = ["QueuedWgrad", "WgradQueue", "compute_wgrad", "linear_dgrad", "linear_fwd", "linear_wgrad"]
 
 
-# delay_wgrad_compute: per module key, what backward_dw() still has to compute.
-WGRAD_QUEUES: dict[int, list[tuple[LinearBwdArgs, Optional[Tensor]]]] = {}
+class QueuedWgrad(NamedTuple):
+    """What one backward left for ``backward_dw()``."""
+
+    wgrad_args: Optional[LinearBwdArgs]
+    """What wgrad reads (None: the weight needs no gradient)."""
+    dbias: Optional[Tensor]
+
+
+class WgradQueue:
+    """delay_wgrad_compute: the weight gradients a layer's backwards left for its ``backward_dw()``.
+
+    The layer owns its queue; backward reaches it through :attr:`handle`
+    (_handles.py), which ``linear_fwd`` takes as ``wgrad_queue``. A copy
+    (``deepcopy``, ``pickle``) is a new, empty queue.
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[QueuedWgrad] = []
+        self.handle = _WGRAD_QUEUES.add(self)
+
+    def __reduce__(self) -> tuple:
+        return (WgradQueue, ())
+
+    def append(self, queued: QueuedWgrad) -> None:
+        self._queued.append(queued)
+
+    def drain(self) -> list[QueuedWgrad]:
+        """What was queued, in order; the queue is left empty."""
+        queued, self._queued = self._queued, []
+        return queued
+
+
+_WGRAD_QUEUES: HandleTable[WgradQueue] = HandleTable()
 
 
 # ---------------------------------------------------------------------------
@@ -67,70 +86,28 @@ def _rows(inp: Tensor) -> int:
     return math.prod(inp.shape[:-1])
 
 
-def _column(scale: Optional[Tensor], name: str) -> Optional[Tensor]:
-    """The 1-element scale of one tensor under delayed scaling; None under current scaling."""
-    if scale is None:
-        return None
-    i = FP8_STATE_COLUMNS[name]
-    return scale[i : i + 1]
-
-
-def _fwd_side_outputs_like(a: LinearFwdArgs) -> tuple[Tensor, ...]:
-    """Metadata of linear_fwd's outputs after the first; unused slots are empty."""
+def _fwd_outputs_like(a: LinearFwdArgs, out: Optional[Tensor] = None) -> LinearFwdOutputs:
+    """Metadata of linear_fwd's outputs on the tensorwise (and no-FP8) path, with ``out`` when given;
+    unused slots are empty."""
     inp, weight = a.inp, a.weight
     n, k, m = weight.shape[0], weight.shape[1], _rows(inp)
     col = layout.needs_columnwise(inp.device)
-    quantize_weight = a.fp8 and a.weight_fp8 is None
+    quantize_weight = a.fp8 and a.cached_weight is None
+    delayed = a.delayed is not None
     fp8 = a.fwd_dtype if a.fp8 else inp.dtype
     f32 = torch.float32
-    return (
-        inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8),
-        inp.new_empty((1,) if a.fp8 else (0,), dtype=f32),
-        inp.new_empty((n, k) if quantize_weight else (0,), dtype=fp8),
-        inp.new_empty((k, n) if quantize_weight and col else (0,), dtype=fp8),
-        inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
-        inp.new_empty((0,), dtype=f32),
-        inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
-        inp.new_empty((1,) if a.scale is not None else (0,), dtype=f32),
-        inp.new_empty((3,) if a.scale is not None else (0,), dtype=f32),
+    return LinearFwdOutputs(
+        out=inp.new_empty((m, n), dtype=a.out_dtype) if out is None else out,
+        inp_saved=inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8),
+        inp_scale_inv=inp.new_empty((1,) if a.fp8 else (0,), dtype=f32),
+        weight_fp8=inp.new_empty((n, k) if quantize_weight else (0,), dtype=fp8),
+        weight_fp8_t=inp.new_empty((k, n) if quantize_weight and col else (0,), dtype=fp8),
+        weight_scale_inv=inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
+        weight_scale_inv_t=inp.new_empty((0,), dtype=f32),
+        amax=inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
+        grad_output_scale=inp.new_empty((1,) if delayed else (0,), dtype=f32),
+        fwd_scales=inp.new_empty((3,) if delayed else (0,), dtype=f32),
     )
-
-
-def _quantize(x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: int, **kw) -> ops.QuantizeOutput:
-    """quantize_fused with the columnwise copy where layout.py asks for it."""
-    return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=layout.needs_columnwise(x.device), **kw)
-
-
-def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Tensor, group: int) -> Tensor:
-    """Delayed scaling's first step: the scale of ``x``'s own amax, all-reduced over ``group`` first.
-
-    Bitwise the scale the history update computes from that amax afterwards.
-    Runs inside an op (eagerly, also under torch.compile): it reads the state.
-    """
-    amax = amax_reduction.all_reduce_amax(ops.amax(x).reshape(1), group)
-    return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
-
-
-@torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
-def _quantize_grad_output_op(
-    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if bool(scale.lt(0).item()):
-        # linear_fwd saw no grad_output amax in the history yet: just in time.
-        scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
-    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
-
-
-@_quantize_grad_output_op.register_fake
-def _(g, scale, dtype, margin, dbias_dtype, group):
-    return tuple(_quantize(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
-
-
-def quantize_grad_output(
-    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
-) -> ops.QuantizeOutput:
-    """Delayed scaling's grad_output quantize; a negative ``scale`` (from linear_fwd) asks for a just-in-time one."""
-    return ops.QuantizeOutput(*_quantize_grad_output_op(g, scale, dtype, margin, dbias_dtype, group))
 
 
 @args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs, result=LinearFwdOutputs)
@@ -148,53 +125,43 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return LinearFwdOutputs(out, *_fwd_side_outputs_like(a))
+        return _fwd_outputs_like(a, out)
     if a.quantization.blockwise:
         return _blockwise_fwd(a, x2d.contiguous(), bias)
     x2d = x2d.contiguous()
-    delayed = a.scale is not None
-    if delayed:
-        # Only backward updates the grad_output state; this reads it as its pending updates will leave it.
-        grad_history, grad_state_scale = flushed_state(
-            a.grad_amax_history, a.grad_scale, a.amax_reduction_layer_key, "backward"
-        )
-        used = a.fwd_scale if a.fwd_scale is not None else torch.cat([a.scale, grad_state_scale])
+    cached = a.cached_weight
+    if a.delayed is not None:
+        scales = forward_scales(a.delayed, x2d, weight if cached is None else None, a.fwd_dtype, a.margin)
+        x_scale, w_scale = scales.input, scales.weight
     else:
-        used = None
-    x_scale, w_scale, grad_scale = (_column(used, name) for name in FP8_STATE_COLUMNS)
-    grad_scale_out = grad_scale
-    if delayed and a.just_in_time:
-        # One read of the state (a device sync on a GPU) for all three tensors.
-        x_empty, w_empty, g_empty = torch.cat(
-            [no_amax_yet(a.amax_history, used[: a.scale.numel()]), no_amax_yet(grad_history, grad_scale)]
-        ).tolist()
-        group = a.amax_reduction_group
-        if x_empty:
-            x_scale = _just_in_time_scale(x2d, a.fwd_dtype, a.margin, x_scale, group)
-        if w_empty and a.weight_fp8 is None:
-            w_scale = _just_in_time_scale(weight, a.fwd_dtype, a.margin, w_scale, group)
-        if g_empty:
-            grad_scale_out = grad_scale.neg()  # backward's quantize_grad_output: just in time
-    qx = _quantize(x2d, a.fwd_dtype, x_scale, a.margin)
+        scales = x_scale = w_scale = None  # current scaling
+    qx = quantize_tensorwise(x2d, a.fwd_dtype, x_scale, a.margin)
     no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
-    if a.weight_fp8 is None:
-        qw = _quantize(weight.contiguous(), a.fwd_dtype, w_scale, a.margin)
+    empty_f32 = inp.new_empty(0, dtype=f32)
+    if cached is None:
+        qw = quantize_tensorwise(weight.contiguous(), a.fwd_dtype, w_scale, a.margin)
         w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
-        w_outputs = (qw.data, qw.data_t if layout.needs_columnwise(weight.device) else no_fp8, qw.scale_inv)
+        w_fp8_out, w_fp8_t_out, w_scale_inv_out = (
+            qw.data,
+            qw.data_t if layout.needs_columnwise(weight.device) else no_fp8,
+            qw.scale_inv,
+        )
     else:
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
-        w_fp8, w_scale_inv, w_amax = a.weight_fp8, a.weight_scale_inv, a.weight_amax
-        w_outputs = (no_fp8, no_fp8.clone(), inp.new_empty(0, dtype=f32))
-    w_outputs += (inp.new_empty(0, dtype=f32),)  # weight_scale_inv_t: block scaling only
+        w_fp8, w_scale_inv, w_amax = cached.weight_fp8, cached.weight_scale_inv, cached.weight_amax
+        w_fp8_out, w_fp8_t_out, w_scale_inv_out = no_fp8, no_fp8.clone(), empty_f32.clone()
     out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
     return LinearFwdOutputs(
         out,
-        layout.saved_form(qx.data, qx.data_t),
-        qx.scale_inv,
-        *w_outputs,
+        inp_saved=layout.saved_form(qx.data, qx.data_t),
+        inp_scale_inv=qx.scale_inv,
+        weight_fp8=w_fp8_out,
+        weight_fp8_t=w_fp8_t_out,
+        weight_scale_inv=w_scale_inv_out,
+        weight_scale_inv_t=empty_f32,  # block scaling only
         amax=torch.stack([qx.amax, w_amax.reshape(())]),
-        grad_output_scale=grad_scale_out.clone() if delayed else inp.new_empty(0, dtype=f32),
-        fwd_scales=torch.cat([x_scale, w_scale, grad_scale]) if delayed else inp.new_empty(0, dtype=f32),
+        grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
+        fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
 
 
@@ -208,11 +175,12 @@ def _blockwise_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> Lin
     spec = a.quantization
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
     qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad)
-    if a.weight_fp8 is None:
+    cached = a.cached_weight
+    if cached is None:
         qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=True)
         w_outputs = tuple(qw)
     else:
-        qw = BlockQuantized(a.weight_fp8, a.weight_scale_inv, a.weight_fp8_t, a.weight_scale_inv_t)
+        qw = BlockQuantized(cached.weight_fp8, cached.weight_scale_inv, cached.weight_fp8_t, cached.weight_scale_inv_t)
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
         w_outputs = (no_fp8, empty_f32.clone(), no_fp8.clone(), empty_f32.clone())
@@ -238,7 +206,7 @@ def _(*values):
     if a.fp8 and a.quantization.blockwise:
         x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
         return tuple(_blockwise_fwd(a, x2d, a.bias.to(a.out_dtype) if a.bias is not None else None))
-    return (a.inp.new_empty((_rows(a.inp), a.weight.shape[0]), dtype=a.out_dtype), *_fwd_side_outputs_like(a))
+    return tuple(_fwd_outputs_like(a))
 
 
 # ---------------------------------------------------------------------------
@@ -359,12 +327,13 @@ def _setup_context(ctx, inputs, output) -> None:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
     elif a.quantization.blockwise:
         # dgrad reads the columnwise weight (from the cache when one was given: outputs may not alias inputs).
-        cached = a.weight_fp8 is not None
-        w_saved = a.weight_fp8_t if cached else o.weight_fp8_t
-        w_scale_inv = a.weight_scale_inv_t if cached else o.weight_scale_inv_t
-    elif a.weight_fp8 is not None:
+        cached = a.cached_weight
+        w_saved = cached.weight_fp8_t if cached else o.weight_fp8_t
+        w_scale_inv = cached.weight_scale_inv_t if cached else o.weight_scale_inv_t
+    elif a.cached_weight is not None:
         # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
-        w_saved, w_scale_inv = layout.saved_form(a.weight_fp8, a.weight_fp8_t), a.weight_scale_inv
+        cached = a.cached_weight
+        w_saved, w_scale_inv = layout.saved_form(cached.weight_fp8, cached.weight_fp8_t), cached.weight_scale_inv
     else:
         w_saved = layout.saved_form(o.weight_fp8, o.weight_fp8_t)
     bwd = LinearBwdContext.from_fwd_args(a)
@@ -373,7 +342,7 @@ def _setup_context(ctx, inputs, output) -> None:
         x_scale_inv,
         w_saved if a.input_requires_grad else None,
         w_scale_inv,
-        o.grad_output_scale if bwd.scale is not None else None,
+        o.grad_output_scale if bwd.delayed is not None else None,
     )
     ctx.bwd = bwd
 
@@ -394,26 +363,10 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             )
         dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
     elif c.fp8:
-        if c.scale is not None and c.amax_reduction_layer_key != -1:
-            # The updates this layer's last backward launched, before this one records its own.
-            delayed_scaling_flush(c.amax_history, c.scale, c.amax_reduction_layer_key, "backward")
-        if c.scale is not None and c.just_in_time:
-            qg = quantize_grad_output(g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype, c.amax_reduction_group)
+        if c.delayed is not None:
+            qg = quantize_and_record_grad_output(c.delayed, g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype)
         else:
-            qg = _quantize(g2d, c.bwd_dtype, grad_scale, c.margin, dbias_dtype=dbias_dtype)
-        if c.scale is not None:
-            delayed_scaling_update(
-                c.amax_history,
-                c.scale,
-                qg.amax,
-                0,  # the backward state's one column
-                c.bwd_dtype,
-                c.margin,
-                c.amax_compute_algo,
-                c.amax_reduction_group,
-                c.amax_reduction_layer_key,
-                "backward",
-            )
+            qg = quantize_tensorwise(g2d, c.bwd_dtype, None, c.margin, dbias_dtype=dbias_dtype)
         g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
         g_t_scale_inv = g_scale_inv
     else:
@@ -438,11 +391,12 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     )
     dgrad = linear_dgrad(b) if c.input_requires_grad else None
     wgrad = None
-    if c.wgrad_queue >= 0:
-        if c.weight_requires_grad or c.bias_requires_grad:
+    if c.wgrad_queue != NO_HANDLE:
+        queue = _WGRAD_QUEUES.get(c.wgrad_queue)  # None: its layer is gone, and nothing would drain it
+        if queue is not None and (c.weight_requires_grad or c.bias_requires_grad):
             # The queue keeps what wgrad reads, not the weight dgrad needed.
             queued = dataclasses.replace(b, weight=None, weight_scale_inv=None) if c.weight_requires_grad else None
-            WGRAD_QUEUES.setdefault(c.wgrad_queue, []).append((queued, dbias))
+            queue.append(QueuedWgrad(queued, dbias))
         dbias = None
     elif c.weight_requires_grad:
         wgrad = compute_wgrad(b, c.main_grad)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from transformer_linear import ops
+from transformer_linear import layout, ops
 from transformer_linear.recipe import (
     CurrentScaling,
     DelayedScaling,
@@ -42,7 +42,14 @@ from transformer_linear.recipe import (
 from transformer_linear.block_scaling import E8M0_ROUNDINGS
 from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES
 
-__all__ = ["BlockQuantized", "QuantizationSpec", "TensorQuantizer", "flat", "quantization_spec"]
+__all__ = [
+    "BlockQuantized",
+    "QuantizationSpec",
+    "TensorQuantizer",
+    "flat",
+    "quantization_spec",
+    "quantize_tensorwise",
+]
 
 
 class BlockQuantized(NamedTuple):
@@ -241,3 +248,11 @@ def quantization_spec(recipe: Recipe) -> QuantizationSpec:
         names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
         raise TypeError(f"'recipe' must be one of {names}, got {recipe!r}")
     return builder(recipe)
+
+
+def quantize_tensorwise(
+    x: Tensor, dtype: torch.dtype, scale: Optional[Tensor], margin: int, **kwargs: Any
+) -> ops.QuantizeOutput:
+    """``ops.quantize_fused`` (``scale`` None: current scaling) with the transposed copy where the backend
+    needs it (``layout.needs_columnwise``)."""
+    return ops.quantize_fused(x, dtype, scale, margin=margin, columnwise=layout.needs_columnwise(x.device), **kwargs)

@@ -1,9 +1,9 @@
-"""Delayed scaling: the amax-history roll and scale update (TE's rule), in plain
-torch, and the mutating custom ops that run it: ``delayed_scaling_update``
-(after forward and in backward) and ``delayed_scaling_flush`` (applies the
-background amax reductions), so eager and compiled runs execute exactly these
-operations. ``register_autograd`` refuses ops that mutate, so these are ops
-of their own, called by the Linear around its forward and backward.
+"""Delayed scaling's rules, in plain torch: the amax-history roll and scale
+update (TE's rule), the test for a column that has seen no amax yet, the
+buffers of a layer's two states and the checks of a loaded checkpoint.
+
+The layer's ``DelayedScalingState`` (delayed_scaling.py) applies them, through
+custom ops where they mutate its buffers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from transformer_linear import amax_reduction
 from transformer_linear.reference import compute_scale, fp8_max
 
 __all__ = [
@@ -22,11 +21,8 @@ __all__ = [
     "FORWARD_STATE",
     "FP8_STATES",
     "FP8_STATE_COLUMNS",
-    "DelayedScalingState",
+    "Fp8StateBuffers",
     "checked_fp8_state",
-    "delayed_scaling_flush",
-    "delayed_scaling_update",
-    "flushed_state",
     "no_amax_yet",
     "update_delayed_scaling_",
 ]
@@ -88,107 +84,11 @@ def update_delayed_scaling_(
 
 
 # ---------------------------------------------------------------------------
-# delayed-scaling state update (mutating)
-# ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_update_op(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    fp8_max: float,
-    margin: int,
-    amax_compute_algo: str,
-    group: int = amax_reduction.NO_GROUP,
-    layer_key: int = -1,
-    direction: str = "forward",
-) -> None:
-    update = (first, fp8_max, margin, amax_compute_algo)
-    # The flush gets the whole buffer: it applies the update to the rows this one used.
-    rows = amax_history.shape[0]
-    if layer_key != -1 and amax_reduction.launch_amax_reduction(amax, group, layer_key, direction, rows, *update):
-        return  # applied by delayed_scaling_flush before the state is next updated
-    update_delayed_scaling_(amax_history, scale, amax_reduction.all_reduce_amax(amax, group), *update)
-
-
-@_delayed_scaling_update_op.register_fake
-def _(amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=-1, layer_key=-1, direction="forward"):
-    return None
-
-
-def delayed_scaling_update(
-    amax_history: Tensor,
-    scale: Tensor,
-    amax: Tensor,
-    first: int,
-    dtype: torch.dtype,
-    margin: int,
-    algo: str,
-    group: int = amax_reduction.NO_GROUP,
-    layer_key: int = -1,
-    direction: str = "forward",
-) -> None:
-    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
-
-    ``group`` (a amax_reduction.py key) all-reduces ``amax`` with MAX across ranks
-    first: blocking when ``layer_key`` is -1, else launched asynchronously and
-    applied by :func:`delayed_scaling_flush` with the same ``layer_key`` and
-    ``direction`` (which of the layer's states, ``"forward"`` or ``"backward"``,
-    this one is).
-    """
-    _delayed_scaling_update_op(
-        amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group, layer_key, direction
-    )
-
-
-def _apply_reductions(amax_history: Tensor, scale: Tensor, reductions: list[tuple]) -> None:
-    for amax, rows, *update in reductions:
-        update_delayed_scaling_(amax_history[:rows], scale, amax, *update)
-
-
-@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
-def _delayed_scaling_flush_op(amax_history: Tensor, scale: Tensor, layer_key: int, direction: str = "forward") -> None:
-    _apply_reductions(amax_history, scale, amax_reduction.pop_amax_reductions(layer_key, direction))
-
-
-@_delayed_scaling_flush_op.register_fake
-def _(amax_history, scale, layer_key, direction="forward"):
-    return None
-
-
-def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, layer_key: int, direction: str = "forward") -> None:
-    """Wait for the layer's launched amax reductions of ``direction``'s state and apply their updates,
-    in launch order, in place.
-
-    ``amax_history`` is the layer's whole buffer; each update applies to the
-    leading rows its recipe used.
-    """
-    _delayed_scaling_flush_op(amax_history, scale, layer_key, direction)
-
-
-def flushed_state(amax_history: Tensor, scale: Tensor, layer_key: int, direction: str) -> tuple[Tensor, Tensor]:
-    """The state as :func:`delayed_scaling_flush` would leave it, without changing it: copies with the
-    pending updates applied, or the tensors themselves when none are pending.
-
-    For use inside an op: the forward reads the grad_output state, which only
-    the backward may update (see linear.py).
-    """
-    reductions = amax_reduction.peek_amax_reductions(layer_key, direction) if layer_key != -1 else []
-    if not reductions:
-        return amax_history, scale
-    amax_history, scale = amax_history.clone(), scale.clone()
-    _apply_reductions(amax_history, scale, reductions)
-    return amax_history, scale
-
-
-# ---------------------------------------------------------------------------
 # the state as saved in a checkpoint
 # ---------------------------------------------------------------------------
 
 
-class DelayedScalingState(NamedTuple):
+class Fp8StateBuffers(NamedTuple):
     """One of a layer's two delayed-scaling states: buffer names and the tensors of its columns."""
 
     history_key: str
@@ -196,9 +96,9 @@ class DelayedScalingState(NamedTuple):
     columns: tuple[str, ...]
 
 
-FORWARD_STATE = DelayedScalingState("fp8_amax_history", "fp8_scale", ("input", "weight"))
+FORWARD_STATE = Fp8StateBuffers("fp8_amax_history", "fp8_scale", ("input", "weight"))
 """Updated by forward: the input's and weight's amax history (rows, 2) and scales (2,)."""
-BACKWARD_STATE = DelayedScalingState("fp8_grad_amax_history", "fp8_grad_scale", ("grad_output",))
+BACKWARD_STATE = Fp8StateBuffers("fp8_grad_amax_history", "fp8_grad_scale", ("grad_output",))
 """Updated by backward: grad_output's amax history (rows, 1) and scale (1,)."""
 FP8_STATES = {"forward": FORWARD_STATE, "backward": BACKWARD_STATE}
 
@@ -267,7 +167,7 @@ def _split_three_column_state(state_dict: dict, prefix: str) -> None:
         state_dict[prefix + fwd.scale_key], state_dict[prefix + bwd.scale_key] = scale[:split], scale[split:]
 
 
-def _usable_scale(scale: Tensor, prefix: str, state: DelayedScalingState) -> Tensor:
+def _usable_scale(scale: Tensor, prefix: str, state: Fp8StateBuffers) -> Tensor:
     """``scale`` as float32, if every value is finite and positive."""
     scale = scale.to(torch.float32)
     if not bool(((scale > 0) & torch.isfinite(scale)).all()):

@@ -1,0 +1,523 @@
+"""Delayed scaling's state: a Linear's :class:`DelayedScalingState` and the
+custom ops that read and update it.
+
+Buffers
+-------
+Every ``tl.Linear`` holds one state from construction, whatever its recipe:
+the forward state ``fp8_amax_history`` (rows, 2) and ``fp8_scale`` (2,),
+columns [input, weight], which only forward updates, and the backward state
+``fp8_grad_amax_history`` (rows, 1) and ``fp8_grad_scale`` (1,),
+grad_output's, which only backward updates (forward reads it). They are
+float32 buffers registered on the layer, so ``state_dict`` keys are the
+layer's own; the state object creates, grows, moves and loads them. Nothing
+is created on first use, so a cold ``torch.compile`` or ``torch.export`` sees
+them as real buffers and records their updates; and as no buffer is updated
+by both forward and backward, AOT autograd can place every update in its own
+graph, whatever backend settings compile it. ``rows`` is the layer's own
+recipe's ``amax_history_len``, else ``DelayedScaling``'s default (1024); a
+recipe with a shorter history uses the leading rows. A checkpoint in the
+earlier layout (one (rows, 3) history and (3,) scale) loads too, and a
+``state_dict`` without them (an ``nn.Linear``'s) loads with ``strict=True``
+and starts the state fresh.
+
+Use
+---
+The Linear calls the state once per direction: :meth:`DelayedScalingState.forward`
+around ``linear_fwd`` (apply the reductions still in flight, run, record the
+amaxes and update the scales), and the backward calls
+:func:`quantize_and_record_grad_output`. The first step's just-in-time scales
+(:func:`forward_scales`) are decided inside ``linear_fwd``, where the state
+can be read.
+
+Across ranks the amaxes are all-reduced in the background (amax_reduction.py);
+the state keeps a launched reduction until the next update of the same
+direction applies it. The ops reach the state through its handle
+(_handles.py), an int their schema can carry; the table holds the state
+weakly, so it goes with its layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+from transformer_linear import amax_reduction, ops, quantization
+from transformer_linear._handles import NO_HANDLE, HandleTable
+from transformer_linear.linear_args import DelayedScalingArgs, LinearFwdArgs, LinearFwdOutputs
+from transformer_linear.recipe import DelayedScaling
+from transformer_linear.reference import compute_scale, fp8_max
+from transformer_linear.scaling import (
+    FP8_STATE_COLUMNS,
+    FP8_STATES,
+    checked_fp8_state,
+    no_amax_yet,
+    update_delayed_scaling_,
+)
+
+__all__ = [
+    "FWD_SCALE_KEY",
+    "STATE_KEYS",
+    "DelayedScalingState",
+    "ForwardScales",
+    "PendingReduction",
+    "delayed_scaling_flush",
+    "delayed_scaling_update",
+    "flushed_state",
+    "forward_scales",
+    "quantize_and_record_grad_output",
+]
+
+HISTORY_KEYS = tuple(state.history_key for state in FP8_STATES.values())
+STATE_KEYS = (*HISTORY_KEYS, *(state.scale_key for state in FP8_STATES.values()))
+"""The state's buffers, as saved in ``state_dict``."""
+FWD_SCALE_KEY = "fp8_fwd_scale"
+"""Not state (not saved): what the last forward quantized with (activation checkpointing's recompute reads it)."""
+DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
+
+_STATES: HandleTable["DelayedScalingState"] = HandleTable()
+
+
+def _run_by_backward() -> bool:
+    """Whether autograd is running a backward (a forward now is a recompute), in eager mode."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+class PendingReduction(NamedTuple):
+    """An amax all-reduce launched in the background, and the update to apply once it is done."""
+
+    work: Any
+    """The collective's work handle."""
+    amax: Tensor
+    """The amaxes being reduced (in place)."""
+    direction: str
+    """Which state it updates: ``"forward"`` or ``"backward"``."""
+    rows: int
+    """The leading history rows the update's recipe uses."""
+    first: int
+    fp8_max: float
+    margin: int
+    amax_compute_algo: str
+
+
+class DelayedScalingState:
+    """A Linear's delayed-scaling state: its buffers' lifecycle and the reductions still in flight.
+
+    The buffers are registered on the owning layer, which every method takes
+    as ``owner`` (the state keeps no reference to it). A copy (``deepcopy``,
+    ``pickle``) is a fresh state: reductions in flight update the original's
+    buffers.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[PendingReduction] = []
+        self.handle = _STATES.add(self)
+        """What the ops take to reach this state (_handles.py)."""
+
+    def __reduce__(self) -> tuple:
+        return (DelayedScalingState, ())
+
+    @property
+    def pending_reductions(self) -> tuple[PendingReduction, ...]:
+        """The reductions launched and not yet applied, in launch order."""
+        return tuple(self._pending)
+
+    # ------------------------------------------------------------------
+    # buffers
+    # ------------------------------------------------------------------
+
+    def reset(self, owner: nn.Module, amax_history_len: Optional[int] = None) -> None:
+        """Start fresh (empty histories, scales 1, nothing in flight), on ``owner``'s weight's device.
+
+        Args:
+            owner: the layer.
+            amax_history_len: rows of the new histories; default: the
+                owner's own recipe's ``amax_history_len``, else
+                ``DelayedScaling``'s default.
+        """
+        if amax_history_len is None:
+            own = owner.recipe
+            amax_history_len = own.amax_history_len if isinstance(own, DelayedScaling) else DEFAULT_HISTORY_LEN
+        rows = operator.index(amax_history_len)
+        if rows < 1:
+            raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
+        self._pending.clear()
+        device = owner.weight.device
+        # Normal tensors even under inference_mode: training updates them in place later.
+        with torch.inference_mode(False):
+            for state in FP8_STATES.values():
+                width = len(state.columns)
+                owner.register_buffer(state.history_key, torch.zeros(rows, width, dtype=torch.float32, device=device))
+                owner.register_buffer(state.scale_key, torch.ones(width, dtype=torch.float32, device=device))
+            columns = len(FP8_STATE_COLUMNS)
+            fwd_scale = torch.ones(columns, dtype=torch.float32, device=device)
+            owner.register_buffer(FWD_SCALE_KEY, fwd_scale, persistent=False)
+
+    def _histories(self, owner: nn.Module, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
+        """The forward and backward histories the recipe uses: their leading ``amax_history_len`` rows."""
+        wanted = recipe.amax_history_len
+        rows = min(owner._buffers[name].shape[0] for name in HISTORY_KEYS)  # loaded ones may differ
+        if wanted > rows:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"tl.Linear: the recipe's amax_history_len={wanted} exceeds the {rows} rows of this layer's "
+                    f"delayed-scaling history, which cannot grow inside torch.compile / torch.export; give the "
+                    f"layer that recipe (tl.Linear(..., recipe=...), tl.convert_to_fp8(model, recipe=...)), call "
+                    f"layer.reset_fp8_state(amax_history_len={wanted}), or run one eager step first"
+                )
+            self._grow(owner, wanted)
+        histories = (owner._buffers[name] for name in HISTORY_KEYS)
+        return tuple(h[:wanted] if wanted < h.shape[0] else h for h in histories)
+
+    def _grow(self, owner: nn.Module, rows: int) -> None:
+        """Eagerly: histories of at least ``rows`` rows, keeping the recorded rows on top (pending
+        reductions still apply)."""
+        for name in HISTORY_KEYS:
+            old = owner._buffers[name]
+            if old.shape[0] >= rows:
+                continue
+            with torch.inference_mode(False):  # a normal tensor, as in reset
+                history = old.new_zeros(rows, old.shape[1])
+                history[: old.shape[0]].copy_(old)
+            owner.register_buffer(name, history)
+
+    @contextlib.contextmanager
+    def float32_buffers(self, owner: nn.Module) -> Iterator[None]:
+        """Around ``owner._apply``: ``.to(dtype)`` / ``.half()`` must not round the state, so its buffers
+        sit out and follow the weight's device as float32."""
+        saved = {name: owner._buffers.pop(name) for name in (*STATE_KEYS, FWD_SCALE_KEY) if name in owner._buffers}
+        try:
+            yield
+        finally:
+            device = owner.weight.device
+            for name, t in saved.items():
+                if t.is_meta and device.type != "meta":
+                    # to_empty() after meta-device init: a meta state holds no data, start it fresh.
+                    fresh = torch.zeros if name in HISTORY_KEYS else torch.ones
+                    owner._buffers[name] = fresh(t.shape, dtype=torch.float32, device=device)
+                else:
+                    owner._buffers[name] = t.to(device=device)
+
+    def load(
+        self, owner: nn.Module, state_dict: dict, prefix: str, missing_keys: list[str], load_module: Callable[[], None]
+    ) -> None:
+        """``owner._load_from_state_dict``: check the state's keys, then ``load_module()`` loads everything.
+
+        ``state_dict`` is load_state_dict's own copy: the checked float32
+        tensors (split from the earlier layout) replace what was given. A
+        history of any length loads (the buffer takes its shape); without
+        any of the state's keys the state starts fresh.
+        """
+        self._pending.clear()  # updates of the state being replaced
+        present = checked_fp8_state(state_dict, prefix)
+        for name in HISTORY_KEYS:
+            history = state_dict.get(prefix + name)
+            if history is not None:
+                with torch.inference_mode(False):
+                    owner._buffers[name] = torch.empty_like(history, device=owner.weight.device)
+        load_module()
+        if not present:
+            for name in STATE_KEYS:
+                if prefix + name in missing_keys:
+                    missing_keys.remove(prefix + name)
+            self.reset(owner)
+
+    # ------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------
+
+    def op_args(self, owner: nn.Module, recipe: DelayedScaling) -> DelayedScalingArgs:
+        """The state as ``linear_fwd`` takes it, under ``recipe`` (the histories grow to its length eagerly)."""
+        history, grad_history = self._histories(owner, recipe)
+        group = owner.amax_reduction_group
+        return DelayedScalingArgs(
+            scale=owner.fp8_scale,
+            fwd_scale=getattr(owner, FWD_SCALE_KEY),
+            amax_history=history,
+            grad_scale=owner.fp8_grad_scale,
+            grad_amax_history=grad_history,
+            amax_compute_algo=recipe.amax_compute_algo,
+            amax_reduction_group=group,
+            # Across ranks, reductions run in the background until the next update of their state.
+            reduction_handle=self.handle if amax_reduction.reduces_amax(group) else NO_HANDLE,
+            just_in_time=recipe.first_step_just_in_time,
+        )
+
+    def forward(
+        self, owner: nn.Module, args: LinearFwdArgs, run: Callable[[LinearFwdArgs], LinearFwdOutputs]
+    ) -> LinearFwdOutputs:
+        """One forward under delayed scaling: ``run(args)`` (linear_fwd) with the state brought up to date
+        first and updated after.
+
+        The reductions the last forward launched are applied; the forward
+        quantizes with the current scales, records its amaxes and updates
+        the forward state. A forward run by backward is activation
+        checkpointing's recompute: it quantizes with the scales the original
+        forward used (``fp8_fwd_scale``) and records nothing a second time.
+        """
+        if _run_by_backward():
+            return run(args)
+        d = args.delayed
+        if d.reduction_handle != NO_HANDLE:
+            delayed_scaling_flush(owner.fp8_amax_history, d.scale, d.reduction_handle)
+        args.delayed = dataclasses.replace(d, fwd_scale=None)
+        o = run(args)
+        getattr(owner, FWD_SCALE_KEY).copy_(o.fwd_scales)  # just-in-time ones included
+        delayed_scaling_update(
+            d.amax_history,
+            d.scale,
+            o.amax,
+            FP8_STATE_COLUMNS["input"],
+            args.fwd_dtype,
+            args.margin,
+            d.amax_compute_algo,
+            d.amax_reduction_group,
+            d.reduction_handle,
+        )
+        return o
+
+    def finish_reductions(self, owner: nn.Module) -> None:
+        """Apply the reductions still in flight to ``owner``'s buffers."""
+        for direction, state in FP8_STATES.items():
+            history, scale = owner._buffers[state.history_key], owner._buffers[state.scale_key]
+            delayed_scaling_flush(history, scale, self.handle, direction)
+
+    # ------------------------------------------------------------------
+    # reductions in flight (called by the ops)
+    # ------------------------------------------------------------------
+
+    def launch_reduction(self, amax: Tensor, group: int, direction: str, rows: int, update: tuple) -> bool:
+        """Start the all-reduce of ``amax`` and keep it with ``update`` (first, fp8_max, margin, algo);
+        False (nothing started) without a live group."""
+        launched = amax_reduction.launch_amax_reduction(amax, group)
+        if launched is None:
+            return False
+        self._pending.append(PendingReduction(*launched, direction, rows, *update))
+        return True
+
+    def peek_reductions(self, direction: str) -> list[PendingReduction]:
+        """``direction``'s reductions, waited for, in launch order; they stay pending."""
+        pending = [r for r in self._pending if r.direction == direction]
+        for r in pending:
+            r.work.wait()
+        return pending
+
+    def take_reductions(self, direction: str) -> list[PendingReduction]:
+        """:meth:`peek_reductions`, and those reductions are no longer pending."""
+        done = self.peek_reductions(direction)
+        self._pending = [r for r in self._pending if r.direction != direction]
+        return done
+
+
+# ---------------------------------------------------------------------------
+# the mutating ops
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
+def _delayed_scaling_update_op(
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    first: int,
+    fp8_max: float,
+    margin: int,
+    amax_compute_algo: str,
+    group: int = amax_reduction.NO_GROUP,
+    state_handle: int = NO_HANDLE,
+    direction: str = "forward",
+) -> None:
+    update = (first, fp8_max, margin, amax_compute_algo)
+    state = _STATES.get(state_handle)  # None: blocking (no handle, or its layer is gone)
+    # The flush gets the whole buffer: it applies the update to the rows this one used.
+    if state is not None and state.launch_reduction(amax, group, direction, amax_history.shape[0], update):
+        return  # applied by delayed_scaling_flush before the state is next updated
+    update_delayed_scaling_(amax_history, scale, amax_reduction.all_reduce_amax(amax, group), *update)
+
+
+@_delayed_scaling_update_op.register_fake
+def _(
+    amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=-1, state_handle=-1, direction="forward"
+):
+    return None
+
+
+def delayed_scaling_update(
+    amax_history: Tensor,
+    scale: Tensor,
+    amax: Tensor,
+    first: int,
+    dtype: torch.dtype,
+    margin: int,
+    algo: str,
+    group: int = amax_reduction.NO_GROUP,
+    state_handle: int = NO_HANDLE,
+    direction: str = "forward",
+) -> None:
+    """Record ``amax`` for columns ``first...`` and update their scales (scaling.py), in place.
+
+    ``group`` (a amax_reduction.py key) all-reduces ``amax`` with MAX across
+    ranks first: blocking when ``state_handle`` is -1, else launched in the
+    background, kept by that state, and applied by :func:`delayed_scaling_flush`
+    for the same ``direction`` (which of the layer's states, ``"forward"`` or
+    ``"backward"``, this one is).
+    """
+    _delayed_scaling_update_op(
+        amax_history, scale, amax, first, fp8_max(dtype), margin, algo, group, state_handle, direction
+    )
+
+
+def _apply_reductions(amax_history: Tensor, scale: Tensor, reductions: list[PendingReduction]) -> None:
+    for r in reductions:
+        update = (r.first, r.fp8_max, r.margin, r.amax_compute_algo)
+        update_delayed_scaling_(amax_history[: r.rows], scale, r.amax, *update)
+
+
+@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
+def _delayed_scaling_flush_op(
+    amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward"
+) -> None:
+    state = _STATES.get(state_handle)
+    if state is not None:
+        _apply_reductions(amax_history, scale, state.take_reductions(direction))
+
+
+@_delayed_scaling_flush_op.register_fake
+def _(amax_history, scale, state_handle, direction="forward"):
+    return None
+
+
+def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward") -> None:
+    """Wait for the state's launched reductions of ``direction`` and apply their updates, in launch
+    order, in place.
+
+    ``amax_history`` is the layer's whole buffer; each update applies to the
+    leading rows its recipe used.
+    """
+    _delayed_scaling_flush_op(amax_history, scale, state_handle, direction)
+
+
+def flushed_state(amax_history: Tensor, scale: Tensor, state_handle: int, direction: str) -> tuple[Tensor, Tensor]:
+    """The state as :func:`delayed_scaling_flush` would leave it, without changing it: copies with the
+    pending updates applied, or the tensors themselves when none are pending.
+
+    For use inside an op: the forward reads the grad_output state, which only
+    the backward may update.
+    """
+    state = _STATES.get(state_handle)
+    reductions = state.peek_reductions(direction) if state is not None else []
+    if not reductions:
+        return amax_history, scale
+    amax_history, scale = amax_history.clone(), scale.clone()
+    _apply_reductions(amax_history, scale, reductions)
+    return amax_history, scale
+
+
+# ---------------------------------------------------------------------------
+# the scales a forward and a backward quantize with
+# ---------------------------------------------------------------------------
+
+
+class ForwardScales(NamedTuple):
+    """The (1,) scales of one delayed-scaling forward."""
+
+    input: Tensor
+    weight: Tensor
+    grad_output: Tensor
+    """As the state holds it (the forward records it in ``fp8_fwd_scale``)."""
+    grad_output_for_backward: Tensor
+    """What backward quantizes grad_output with: ``grad_output``, negated when backward is to compute a
+    just-in-time one."""
+
+
+def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Tensor, group: int) -> Tensor:
+    """Delayed scaling's first step: the scale of ``x``'s own amax, all-reduced over ``group`` first.
+
+    Bitwise the scale the history update computes from that amax afterwards.
+    Runs inside an op (eagerly, also under torch.compile): it reads the state.
+    """
+    amax = amax_reduction.all_reduce_amax(ops.amax(x).reshape(1), group)
+    return compute_scale(amax, fp8_max(dtype), margin, fallback=fallback)
+
+
+def forward_scales(
+    d: DelayedScalingArgs, x2d: Tensor, weight: Optional[Tensor], dtype: torch.dtype, margin: int
+) -> ForwardScales:
+    """The scales a forward quantizes with, read from the state inside ``linear_fwd``.
+
+    ``d.fwd_scale`` when given (a recompute), else the state's scales, the
+    grad_output one as its pending updates will leave it. Under
+    ``just_in_time``, a tensor whose column has seen no amax yet gets a scale
+    from its own amax (``weight`` None: a cached FP8 weight, quantized
+    already).
+    """
+    # Only backward updates the grad_output state; this reads it as its pending updates will leave it.
+    grad_history, grad_state_scale = flushed_state(d.grad_amax_history, d.grad_scale, d.reduction_handle, "backward")
+    used = d.fwd_scale if d.fwd_scale is not None else torch.cat([d.scale, grad_state_scale])
+    x_scale, w_scale, grad_scale = (used[i : i + 1] for i in FP8_STATE_COLUMNS.values())
+    grad_scale_for_backward = grad_scale
+    if d.just_in_time:
+        # One read of the state (a device sync on a GPU) for all three tensors.
+        x_empty, w_empty, g_empty = torch.cat(
+            [no_amax_yet(d.amax_history, used[: d.scale.numel()]), no_amax_yet(grad_history, grad_scale)]
+        ).tolist()
+        group = d.amax_reduction_group
+        if x_empty:
+            x_scale = _just_in_time_scale(x2d, dtype, margin, x_scale, group)
+        if w_empty and weight is not None:
+            w_scale = _just_in_time_scale(weight, dtype, margin, w_scale, group)
+        if g_empty:
+            grad_scale_for_backward = grad_scale.neg()  # backward's quantize: just in time
+    return ForwardScales(x_scale, w_scale, grad_scale, grad_scale_for_backward)
+
+
+@torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
+def _quantize_grad_output_op(
+    g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if bool(scale.lt(0).item()):
+        # linear_fwd saw no grad_output amax in the history yet: just in time.
+        scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
+    return tuple(quantization.quantize_tensorwise(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+@_quantize_grad_output_op.register_fake
+def _(g, scale, dtype, margin, dbias_dtype, group):
+    return tuple(quantization.quantize_tensorwise(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
+
+
+def quantize_and_record_grad_output(
+    d: DelayedScalingArgs,
+    g: Tensor,
+    scale: Tensor,
+    dtype: torch.dtype,
+    margin: int,
+    dbias_dtype: Optional[torch.dtype],
+) -> ops.QuantizeOutput:
+    """One backward under delayed scaling: apply the reductions the layer's last backward launched,
+    quantize grad_output ``g`` with ``scale`` (linear_fwd's ``grad_output_scale``; negative asks for a
+    just-in-time one), record its amax and update the backward state."""
+    if d.reduction_handle != NO_HANDLE:
+        delayed_scaling_flush(d.grad_amax_history, d.grad_scale, d.reduction_handle, "backward")
+    if d.just_in_time:
+        group = d.amax_reduction_group
+        qg = ops.QuantizeOutput(*_quantize_grad_output_op(g, scale, dtype, margin, dbias_dtype, group))
+    else:
+        qg = quantization.quantize_tensorwise(g, dtype, scale, margin, dbias_dtype=dbias_dtype)
+    delayed_scaling_update(
+        d.grad_amax_history,
+        d.grad_scale,
+        qg.amax,
+        0,  # the backward state's one column
+        dtype,
+        margin,
+        d.amax_compute_algo,
+        d.amax_reduction_group,
+        d.reduction_handle,
+        "backward",
+    )
+    return qg
