@@ -100,18 +100,34 @@ def _fwd_bwd_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Cal
     return step
 
 
-def _time_interleaved(steps: dict[str, Callable[[], None]], iters: int, warmup: int) -> dict[str, float]:
-    """Median seconds of each step over ``iters`` rounds that run every step once, in turn."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
+def _time_interleaved(
+    steps: dict[str, Callable[[], None]], iters: int, warmup: int, slow_call_s: float
+) -> tuple[dict[str, float], set[str]]:
+    """Median seconds of each step over ``iters`` rounds that run every step once, in turn.
+
+    The first warm-up round is timed: a step slower than ``slow_call_s`` there (bf16 matmuls on a CPU
+    without native bf16 take minutes) keeps that one time and sits out the other rounds. Returns
+    the times and the names timed from that one call.
+    """
     times: dict[str, list[float]] = {name: [] for name in steps}
+    slow: set[str] = set()
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step()
+        took = time.perf_counter() - start
+        if took > slow_call_s:
+            slow.add(name)
+            times[name].append(took)
+    fast = {name: step for name, step in steps.items() if name not in slow}
+    for _ in range(warmup - 1):
+        for step in fast.values():
+            step()
     for _ in range(iters):
-        for name, step in steps.items():
+        for name, step in fast.items():
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, slow
 
 
 def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace) -> None:
@@ -134,12 +150,12 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
         saved[name] = _saved_bytes(module, x)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds = _time_interleaved(steps, args.iters, args.warmup)
+    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s)
     peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f} (all variants)" if args.device == "cuda" else "-"
     fp32, bf16 = seconds["nn.Linear fp32"], seconds["nn.Linear bf16"]
     for name, s in seconds.items():
         print(
-            f"| {name} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
+            f"| {name}{' (1 call)' if name in slow else ''} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
             f"{saved[name] / saved['nn.Linear fp32']:.2f}x | {peak} |"
         )
     for name in missing:
@@ -170,6 +186,9 @@ def main() -> None:
         help=f"comma list of tl.Linear recipes to time (default: all of {','.join(RECIPES)})",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument(
+        "--slow-call-s", type=float, default=10.0, help="a variant whose first call takes longer is timed from it alone"
+    )
     args = parser.parse_args()
     unknown = sorted(set(args.recipes) - set(RECIPES))
     if unknown:

@@ -43,12 +43,11 @@ __m256 fp8_to_float(__m128i bytes) {
   return _mm256_blendv_ps(finite, _mm256_castsi256_ps(special_bits), _mm256_castsi256_ps(special));
 }
 
-// fp32 lanes -> 8 elements of Out (as Out::store) at y; only the first n are written.
+// fp32 lanes -> 8 elements of Out, as Out::store, at y.
 template <typename Out>
-void store_hp(typename Out::storage* y, __m256 v, int64_t n) {
-  typename Out::storage buf[8];
+void store_hp(typename Out::storage* y, __m256 v) {
   if constexpr (std::is_same_v<Out, Float32>) {
-    _mm256_storeu_ps(buf, v);
+    _mm256_storeu_ps(y, v);
   } else {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -67,12 +66,7 @@ void store_hp(typename Out::storage* y, __m256 v, int64_t n) {
       h = _mm_blendv_epi8(h, _mm_packus_epi32(_mm256_castsi256_si128(nan_bits), _mm256_extracti128_si256(nan_bits, 1)),
                           nan_words);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(buf), h);
-  }
-  if (n == 8) {
-    std::memcpy(y, buf, sizeof(buf));
-  } else {
-    std::memcpy(y, buf, static_cast<size_t>(n) * sizeof(buf[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), h);
   }
 }
 
@@ -80,11 +74,18 @@ template <typename In, typename Out>
 void dequantize_range(const uint8_t* q, float scale_inv, typename Out::storage* y, int64_t begin,
                       int64_t end) {
   const __m256 s = _mm256_set1_ps(scale_inv);
-  for (int64_t i = begin; i < end; i += 8) {
-    const int64_t n = std::min<int64_t>(8, end - i);
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+    store_hp<Out>(y + i, _mm256_mul_ps(fp8_to_float<In>(bytes), s));
+  }
+  if (i < end) {  // the last n < 8 elements, through stack buffers
+    const int64_t n = end - i;
     uint64_t bytes = 0;
     std::memcpy(&bytes, q + i, static_cast<size_t>(n));
-    store_hp<Out>(y + i, _mm256_mul_ps(fp8_to_float<In>(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))), s), n);
+    typename Out::storage out[8];
+    store_hp<Out>(out, _mm256_mul_ps(fp8_to_float<In>(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))), s));
+    std::memcpy(y + i, out, static_cast<size_t>(n) * sizeof(out[0]));
   }
 }
 
