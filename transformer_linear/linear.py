@@ -27,7 +27,7 @@ from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.delayed_scaling import DelayedScalingState
 from transformer_linear.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.linear_ops import WgradQueue, compute_wgrad, linear_fwd
-from transformer_linear.quantization import NO_QUANTIZATION, quantization_spec
+from transformer_linear.quantization import NO_QUANTIZATION, check_recipe, quantization_spec
 from transformer_linear.recipe import Recipe
 
 __all__ = ["Linear"]
@@ -67,9 +67,7 @@ class Linear(nn.Module):
         fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
-        if recipe is not None and not isinstance(recipe, Recipe.__args__):
-            names = ", ".join(t.__name__ for t in Recipe.__args__)
-            raise TypeError(f"Linear: 'recipe' must be one of {names} or None, got {recipe!r}")
+        check_recipe("Linear", recipe)
         self.in_features = in_features
         self.out_features = out_features
         self.recipe = recipe

@@ -58,6 +58,7 @@ __all__ = [
     "QuantizationSpec",
     "Quantized",
     "TensorQuantizer",
+    "check_recipe",
     "flat",
     "quantization_spec",
     "quantize_tensorwise",
@@ -352,6 +353,17 @@ _SPEC_BUILDERS: dict[type, Callable[..., QuantizationSpec]] = {
 
 # What the Linear runs without a recipe (high precision); only its dtypes are read.
 NO_QUANTIZATION = _tensorwise(CurrentScaling(), scale_from_history=False)
+
+
+def check_recipe(where: str, recipe: object) -> None:
+    """Raise unless ``recipe`` is None or a recipe this module builds quantizers for.
+
+    Raises:
+        TypeError: naming ``where`` and the recipes that have quantizers.
+    """
+    if recipe is not None and type(recipe) not in _SPEC_BUILDERS:
+        names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
+        raise TypeError(f"{where}: 'recipe' must be one of {names} or None, got {recipe!r}")
 
 
 def quantization_spec(recipe: Recipe) -> QuantizationSpec:
