@@ -115,7 +115,9 @@ class TestOpcheck:
         schema = linear_ops.linear_fwd.op._opoverload._schema
         # One parameter per field; a nested config (QuantizationSpec, DelayedScalingArgs, CachedWeight)
         # gives one per leaf, named by its path.
-        quantizer_leaves = ("dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding")
+        quantizer_leaves = (
+            "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history"
+        )
         nested = {
             "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves],
             "delayed": list(DelayedScalingArgs.__dataclass_fields__),

@@ -272,8 +272,8 @@ class DelayedScalingState:
             d.scale,
             o.amax,
             FP8_STATE_COLUMNS["input"],
-            args.fwd_dtype,
-            args.margin,
+            args.quantization.input.dtype,
+            args.quantization.input.margin,
             d.amax_compute_algo,
             d.amax_reduction_group,
             d.reduction_handle,
@@ -494,13 +494,13 @@ def quantize_and_record_grad_output(
     d: DelayedScalingArgs,
     g: Tensor,
     scale: Tensor,
-    dtype: torch.dtype,
-    margin: int,
+    quantizer: quantization.TensorQuantizer,
     dbias_dtype: Optional[torch.dtype],
-) -> ops.QuantizeOutput:
+) -> quantization.Quantized:
     """One backward under delayed scaling: apply the reductions the layer's last backward launched,
-    quantize grad_output ``g`` with ``scale`` (linear_fwd's ``grad_output_scale``; negative asks for a
-    just-in-time one), record its amax and update the backward state."""
+    quantize grad_output ``g`` with ``quantizer`` and ``scale`` (linear_fwd's ``grad_output_scale``;
+    negative asks for a just-in-time one), record its amax and update the backward state."""
+    dtype, margin = quantizer.dtype, quantizer.margin
     if d.reduction_handle != NO_HANDLE:
         delayed_scaling_flush(d.grad_amax_history, d.grad_scale, d.reduction_handle, "backward")
     if d.just_in_time:
@@ -520,4 +520,4 @@ def quantize_and_record_grad_output(
         d.reduction_handle,
         "backward",
     )
-    return qg
+    return quantization.tensorwise_result(qg)

@@ -27,8 +27,8 @@ from transformer_linear.autocast import get_fp8_recipe
 from transformer_linear.delayed_scaling import DelayedScalingState
 from transformer_linear.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.linear_ops import WgradQueue, compute_wgrad, linear_fwd
-from transformer_linear.quantization import NO_QUANTIZATION, quantization_spec
-from transformer_linear.recipe import DelayedScaling, Recipe
+from transformer_linear.quantization import NO_QUANTIZATION, check_recipe, quantization_spec
+from transformer_linear.recipe import Recipe
 
 __all__ = ["Linear"]
 
@@ -67,9 +67,7 @@ class Linear(nn.Module):
         fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
-        if recipe is not None and not isinstance(recipe, Recipe.__args__):
-            names = ", ".join(t.__name__ for t in Recipe.__args__)
-            raise TypeError(f"Linear: 'recipe' must be one of {names} or None, got {recipe!r}")
+        check_recipe("Linear", recipe)
         self.in_features = in_features
         self.out_features = out_features
         self.recipe = recipe
@@ -211,8 +209,7 @@ class Linear(nn.Module):
         autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else inp.dtype
         fp8 = recipe is not None
-        fmt = recipe.fp8_format if fp8 else None
-        delayed = isinstance(recipe, DelayedScaling)
+        quantization = quantization_spec(recipe) if fp8 else NO_QUANTIZATION
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
             if getattr(self.weight, "main_grad", None) is None:
@@ -228,13 +225,10 @@ class Linear(nn.Module):
             input_requires_grad=grad and inp.requires_grad,
             weight_requires_grad=grad and weight.requires_grad,
             bias_requires_grad=grad and bias is not None and bias.requires_grad,
-            # FP8 formats and scaling state
+            # quantizers and scaling state
             fp8=fp8,
-            quantization=quantization_spec(recipe) if fp8 else NO_QUANTIZATION,
-            fwd_dtype=fmt.fwd_dtype if fp8 else torch.float8_e4m3fn,
-            bwd_dtype=fmt.bwd_dtype if fp8 else torch.float8_e5m2,
-            margin=getattr(recipe, "margin", 0),  # block recipes have no margin: their scales are per block
-            delayed=self.delayed_scaling_state.op_args(self, recipe) if delayed else None,
+            quantization=quantization,
+            delayed=self.delayed_scaling_state.op_args(self, recipe) if quantization.scale_from_history else None,
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from transformer_linear.quantization import NO_QUANTIZATION, QuantizationSpec
+from transformer_linear.quantization import NO_QUANTIZATION, QuantizationSpec, Quantized
 
 __all__ = [
     "ArgsOp",
@@ -52,6 +52,18 @@ class CachedWeight:
     """Block scaling: the scales of ``weight_fp8_t``, else None."""
     weight_amax: Optional[Tensor]
     """Tensorwise scaling: the weight's amax, which delayed scaling records (block scaling records none)."""
+
+    def quantized(self) -> Quantized:
+        """The cached weight as its quantizer returned it (absent usages empty)."""
+        empty_fp8 = self.weight_fp8.new_empty(0)
+        empty_scale = self.weight_scale_inv.new_empty(0)
+        return Quantized(
+            self.weight_fp8,
+            self.weight_scale_inv,
+            self.weight_fp8_t if self.weight_fp8_t is not None else empty_fp8,
+            self.weight_scale_inv_t if self.weight_scale_inv_t is not None else empty_scale,
+            self.weight_amax,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +115,11 @@ class LinearFwdArgs:
     fp8: bool
     """False: high-precision GEMMs (used only for the wgrad options without FP8)."""
     quantization: QuantizationSpec
-    """How input, weight and grad_output are quantized (quantization.py); block scaling takes the block path."""
-    fwd_dtype: torch.dtype
-    bwd_dtype: torch.dtype
-    margin: int
+    """The quantizers of input, weight and grad_output (quantization.py): their dtypes, scales and
+    layouts; without FP8 only their dtypes are read."""
     delayed: Optional[DelayedScalingArgs]
-    """Delayed scaling's state; None: current or block scaling (or no FP8)."""
+    """The delayed-scaling state, given where the quantizers take their scales from it
+    (``quantization.scale_from_history``); else None."""
     # --- options ---
     out_dtype: torch.dtype
     """The output dtype: the input's, or the enclosing torch.autocast dtype."""
@@ -127,15 +138,15 @@ class LinearBwdArgs:
     grad_output: Tensor
     """(M, out_features) row-major."""
     grad_output_t: Optional[Tensor]
-    """For wgrad: layout.saved_form of grad_output (the same tensor on the CPU); block scaling: the
-    columnwise copy (out_features, M)."""
+    """For wgrad: the columnwise usage of grad_output (TensorQuantizer.columnwise_usage): layout.saved_form
+    of grad_output (the same tensor on the CPU), or its columnwise copy (out_features, M)."""
     grad_output_scale_inv: Optional[Tensor]
     grad_output_t_scale_inv: Optional[Tensor]
     """The scales of ``grad_output_t`` (tensorwise: ``grad_output_scale_inv`` itself)."""
-    # --- tensors saved by forward, in layout.saved_form (block scaling: already transposed) ---
+    # --- tensors saved by forward: their quantizers' columnwise usage (TensorQuantizer.columnwise_usage) ---
     operands_transposed: bool
     """The saved input and weight (and grad_output_t) are the columnwise copies the backward GEMMs read
-    as they are (block scaling), rather than layout.saved_form's tensors."""
+    as they are (TensorQuantizer.columnwise_is_copy), rather than layout.saved_form's tensors."""
     inp: Tensor
     inp_scale_inv: Optional[Tensor]
     weight: Tensor
@@ -145,10 +156,10 @@ class LinearBwdArgs:
     """The shape dgrad is returned in."""
     dgrad_dtype: torch.dtype
     wgrad_dtype: torch.dtype
-    # --- block scaling ---
+    # --- how the operands were quantized ---
     quantization: QuantizationSpec = NO_QUANTIZATION
-    """Block scaling: the spec whose ``scale_grid`` gives the activation scales (which cross the graph
-    1-D, see TensorQuantizer.quantize_flat) back their 2-D shape."""
+    """The quantizers, which say how a GEMM reads the saved operands and their scales (block scales
+    of activations cross the graph 1-D, see TensorQuantizer.quantize_flat)."""
 
 
 class LinearFwdOutputs(NamedTuple):
@@ -185,8 +196,6 @@ class LinearBwdContext:
     bias_requires_grad: bool
     fp8: bool
     quantization: QuantizationSpec
-    bwd_dtype: torch.dtype
-    margin: int
     delayed: Optional[DelayedScalingArgs]
     """Delayed scaling: the state backward updates (grad_output's history and scale), by reference (not
     saved: its updates would trip the saved-tensor version check); None otherwise."""
@@ -205,8 +214,6 @@ class LinearBwdContext:
             bias_requires_grad=a.bias_requires_grad,
             fp8=a.fp8,
             quantization=a.quantization,
-            bwd_dtype=a.bwd_dtype,
-            margin=a.margin,
             delayed=a.delayed if a.fp8 else None,
             input_shape=list(a.inp.shape),
             input_dtype=a.inp.dtype,

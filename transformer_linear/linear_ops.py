@@ -9,10 +9,11 @@ then calls dgrad and wgrad as two ops that share no inputs but the gradient,
 so a graph pass can split the input- and weight-gradient halves.
 
 How each tensor is quantized comes from the args' ``QuantizationSpec``
-(quantization.py), never from the recipe: tensorwise specs take the delayed /
-current scaling path, block specs the block path, whose forward also writes
-the columnwise copies of the input and weight that wgrad and dgrad read and
-whose backward quantizes grad_output in both layouts in one pass.
+(quantization.py), never from the recipe: each tensor's quantizer quantizes it
+into the usages the GEMMs read (rowwise for the forward GEMM and dgrad's
+grad_output, columnwise for wgrad and dgrad's weight) and says how a GEMM
+reads them; the delayed-scaling state (delayed_scaling.py) supplies the scales
+where the quantizers take them from it.
 
 ``register_autograd`` refuses ops that mutate, so the delayed-scaling update
 is an op of its own (delayed_scaling.py), run by the layer's state after
@@ -33,7 +34,7 @@ from transformer_linear import layout, ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.delayed_scaling import forward_scales, quantize_and_record_grad_output
 from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
-from transformer_linear.quantization import BlockQuantized, TensorQuantizer, flat, quantize_tensorwise
+from transformer_linear.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
 __all__ = ["QueuedWgrad", "WgradQueue", "compute_wgrad", "linear_dgrad", "linear_fwd", "linear_wgrad"]
@@ -87,14 +88,14 @@ def _rows(inp: Tensor) -> int:
 
 
 def _fwd_outputs_like(a: LinearFwdArgs, out: Optional[Tensor] = None) -> LinearFwdOutputs:
-    """Metadata of linear_fwd's outputs on the tensorwise (and no-FP8) path, with ``out`` when given;
-    unused slots are empty."""
+    """Metadata of linear_fwd's outputs without FP8 or with scales from the delayed-scaling state (one
+    scale per tensor), with ``out`` when given; unused slots are empty."""
     inp, weight = a.inp, a.weight
     n, k, m = weight.shape[0], weight.shape[1], _rows(inp)
     col = layout.needs_columnwise(inp.device)
     quantize_weight = a.fp8 and a.cached_weight is None
     delayed = a.delayed is not None
-    fp8 = a.fwd_dtype if a.fp8 else inp.dtype
+    fp8 = a.quantization.input.dtype if a.fp8 else inp.dtype
     f32 = torch.float32
     return LinearFwdOutputs(
         out=inp.new_empty((m, n), dtype=a.out_dtype) if out is None else out,
@@ -121,91 +122,62 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     weight, inp = a.weight, a.inp
     x2d = inp.reshape(_rows(inp), weight.shape[1])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
-    f32 = torch.float32
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
         return _fwd_outputs_like(a, out)
-    if a.quantization.blockwise:
-        return _blockwise_fwd(a, x2d.contiguous(), bias)
-    x2d = x2d.contiguous()
-    cached = a.cached_weight
-    if a.delayed is not None:
-        scales = forward_scales(a.delayed, x2d, weight if cached is None else None, a.fwd_dtype, a.margin)
-        x_scale, w_scale = scales.input, scales.weight
-    else:
-        scales = x_scale = w_scale = None  # current scaling
-    qx = quantize_tensorwise(x2d, a.fwd_dtype, x_scale, a.margin)
-    no_fp8 = inp.new_empty(0, dtype=a.fwd_dtype)
-    empty_f32 = inp.new_empty(0, dtype=f32)
-    if cached is None:
-        qw = quantize_tensorwise(weight.contiguous(), a.fwd_dtype, w_scale, a.margin)
-        w_fp8, w_scale_inv, w_amax = qw.data, qw.scale_inv, qw.amax
-        w_fp8_out, w_fp8_t_out, w_scale_inv_out = (
-            qw.data,
-            qw.data_t if layout.needs_columnwise(weight.device) else no_fp8,
-            qw.scale_inv,
-        )
-    else:
-        # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
-        w_fp8, w_scale_inv, w_amax = cached.weight_fp8, cached.weight_scale_inv, cached.weight_amax
-        w_fp8_out, w_fp8_t_out, w_scale_inv_out = no_fp8, no_fp8.clone(), empty_f32.clone()
-    out = ops.fp8_gemm(qx.data, qx.scale_inv, w_fp8, w_scale_inv, a.out_dtype, bias)
-    return LinearFwdOutputs(
-        out,
-        inp_saved=layout.saved_form(qx.data, qx.data_t),
-        inp_scale_inv=qx.scale_inv,
-        weight_fp8=w_fp8_out,
-        weight_fp8_t=w_fp8_t_out,
-        weight_scale_inv=w_scale_inv_out,
-        weight_scale_inv_t=empty_f32,  # block scaling only
-        amax=torch.stack([qx.amax, w_amax.reshape(())]),
-        grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
-        fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
-    )
+    return _fp8_fwd(a, x2d.contiguous(), bias)
 
 
-def _blockwise_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwdOutputs:
-    """The block-scaled forward: the input in both layouts (the columnwise copy is what wgrad reads and
-    what autograd saves), the weight in both (dgrad reads the columnwise one), one block-scaled GEMM.
+def _fp8_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwdOutputs:
+    """The FP8 forward: the input and weight quantized by their quantizers in the usages backward reads
+    (what autograd saves of the input is its columnwise usage), one scaled GEMM.
 
-    Made of custom ops and views only, so it is its own fake implementation. The input's columnwise
-    scales leave it 1-D, as those of TensorQuantizer.quantize_flat (linear_wgrad reshapes them).
+    Without a delayed-scaling state it is made of custom ops, views and metadata-only ops, so it is its
+    own fake implementation. The input's saved scales leave it 1-D, as those of
+    TensorQuantizer.quantize_flat (linear_wgrad reshapes them).
     """
-    spec = a.quantization
+    spec, cached = a.quantization, a.cached_weight
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
-    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad)
-    cached = a.cached_weight
+    scales = None
+    if a.delayed is not None:
+        weight_to_quantize = a.weight if cached is None else None
+        scales = forward_scales(a.delayed, x2d, weight_to_quantize, spec.input.dtype, spec.input.margin)
+    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad,
+                             scale=scales.input if scales else None)
     if cached is None:
-        qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=True)
-        w_outputs = tuple(qw)
+        qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=True,
+                                  scale=scales.weight if scales else None)
+        w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
-        qw = BlockQuantized(cached.weight_fp8, cached.weight_scale_inv, cached.weight_fp8_t, cached.weight_scale_inv_t)
+        qw = cached.quantized()
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
-        w_outputs = (no_fp8, empty_f32.clone(), no_fp8.clone(), empty_f32.clone())
+        w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
     out = ops.fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.out_dtype, bias)
-    w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = w_outputs
+    x_saved, x_saved_scale_inv = spec.input.columnwise_usage(qx)
+    w_fp8, w_fp8_t, w_scale_inv, w_scale_inv_t = w_outputs
     return LinearFwdOutputs(
         out,
-        inp_saved=qx.data_t,
-        inp_scale_inv=flat(qx.scale_inv_t),  # 1-D across the graph: TensorQuantizer.quantize_flat
+        inp_saved=x_saved,
+        inp_scale_inv=flat(x_saved_scale_inv),  # 1-D across the graph: TensorQuantizer.quantize_flat
         weight_fp8=w_fp8,
         weight_fp8_t=w_fp8_t,
         weight_scale_inv=w_scale_inv,
         weight_scale_inv_t=w_scale_inv_t,
-        amax=empty_f32.clone(),
-        grad_output_scale=empty_f32.clone(),
-        fwd_scales=empty_f32.clone(),
+        amax=torch.stack([qx.amax, qw.amax.reshape(())]) if spec.input.records_amax else empty_f32.clone(),
+        grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
+        fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
 
 
 @linear_fwd.op.register_fake
 def _(*values):
     a = linear_fwd.unflatten(values)
-    if a.fp8 and a.quantization.blockwise:
+    if a.fp8 and a.delayed is None:
         x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
-        return tuple(_blockwise_fwd(a, x2d, a.bias.to(a.out_dtype) if a.bias is not None else None))
+        return tuple(_fp8_fwd(a, x2d, a.bias.to(a.out_dtype) if a.bias is not None else None))
+    # The delayed-scaling state is read (a device sync) only where the op really runs.
     return tuple(_fwd_outputs_like(a))
 
 
@@ -237,9 +209,7 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
         w_t = _operand_t(a.weight, a.operands_transposed)
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
-        g_scale_inv = _scale_2d(
-            a.grad_output_scale_inv, a.quantization.grad_output, a.grad_output, a.operands_transposed
-        )
+        g_scale_inv = a.quantization.grad_output.scale_2d(a.grad_output_scale_inv, a.grad_output)
         dx = ops.fp8_gemm(a.grad_output, g_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True)
     return dx.reshape(a.input_shape)
 
@@ -273,14 +243,9 @@ def linear_wgrad(a: LinearBwdArgs) -> Tensor:
 
 
 def _operand_t(saved: Tensor, transposed: bool) -> Tensor:
-    """The transpose of a saved tensor as a GEMM operand: the saved columnwise copy itself under block
-    scaling, else what layout.py says."""
+    """The transpose of a saved tensor as a GEMM operand: the saved columnwise copy itself where the
+    quantizers made one (``operands_transposed``), else what layout.py says."""
     return saved if transposed else layout.transposed(saved)
-
-
-def _scale_2d(scale_inv: Tensor, quantizer: TensorQuantizer, operand: Tensor, blockwise: bool) -> Tensor:
-    """A block-scaled activation's scale_inv in its 2-D shape (it crosses the graph 1-D); others as they are."""
-    return scale_inv.reshape(quantizer.scale_grid(*operand.shape)) if blockwise else scale_inv
 
 
 def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -288,8 +253,7 @@ def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     t = a.operands_transposed
     g_t, x_t = _operand_t(a.grad_output_t, t), _operand_t(a.inp, t)
     spec = a.quantization
-    g_t_scale_inv = _scale_2d(a.grad_output_t_scale_inv, spec.grad_output, g_t, t)
-    return g_t, g_t_scale_inv, x_t, _scale_2d(a.inp_scale_inv, spec.input, x_t, t)
+    return g_t, spec.grad_output.scale_2d(a.grad_output_t_scale_inv, g_t), x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
 
 
 @linear_wgrad.op.register_fake
@@ -322,20 +286,17 @@ def _setup_context(ctx, inputs, output) -> None:
     o = LinearFwdOutputs(*output)
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
     ctx.mark_non_differentiable(*o[1:])
-    x_saved, x_scale_inv, w_scale_inv = o.inp_saved, o.inp_scale_inv, o.weight_scale_inv
+    x_saved, x_scale_inv = o.inp_saved, o.inp_scale_inv
     if not a.fp8:
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
-    elif a.quantization.blockwise:
-        # dgrad reads the columnwise weight (from the cache when one was given: outputs may not alias inputs).
-        cached = a.cached_weight
-        w_saved = cached.weight_fp8_t if cached else o.weight_fp8_t
-        w_scale_inv = cached.weight_scale_inv_t if cached else o.weight_scale_inv_t
-    elif a.cached_weight is not None:
-        # Outputs may not alias inputs, so the cached FP8 weight is saved from the inputs.
-        cached = a.cached_weight
-        w_saved, w_scale_inv = layout.saved_form(cached.weight_fp8, cached.weight_fp8_t), cached.weight_scale_inv
     else:
-        w_saved = layout.saved_form(o.weight_fp8, o.weight_fp8_t)
+        # dgrad reads the weight's columnwise usage; outputs may not alias inputs, so a cached FP8 weight
+        # is saved from the inputs.
+        cached = a.cached_weight
+        qw = cached.quantized() if cached is not None else Quantized(
+            o.weight_fp8, o.weight_scale_inv, o.weight_fp8_t, o.weight_scale_inv_t
+        )
+        w_saved, w_scale_inv = a.quantization.weight.columnwise_usage(qw)
     bwd = LinearBwdContext.from_fwd_args(a)
     ctx.save_for_backward(
         x_saved if a.weight_requires_grad else None,
@@ -352,23 +313,23 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     c: LinearBwdContext = ctx.bwd
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
     dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
-    transposed = c.fp8 and c.quantization.blockwise
+    quantizer = c.quantization.grad_output
+    transposed = c.fp8 and quantizer.columnwise_is_copy
     g_t_scale_inv = None
-    if transposed:
-        # dgrad reads the rowwise copy, wgrad the columnwise one: only what is needed, in one pass.
-        g = g_t = g_scale_inv = None
-        if c.input_requires_grad or c.weight_requires_grad:
-            g, g_scale_inv, g_t, g_t_scale_inv = c.quantization.grad_output.quantize_flat(
-                g2d, rowwise=c.input_requires_grad, columnwise=c.weight_requires_grad
-            )
-        dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
-    elif c.fp8:
+    if c.fp8:
+        # dgrad reads the rowwise usage, wgrad the columnwise one, in one pass (the bias gradient fused in
+        # where the quantizer fuses it).
         if c.delayed is not None:
-            qg = quantize_and_record_grad_output(c.delayed, g2d, grad_scale, c.bwd_dtype, c.margin, dbias_dtype)
+            qg = quantize_and_record_grad_output(c.delayed, g2d, grad_scale, quantizer, dbias_dtype)
         else:
-            qg = quantize_tensorwise(g2d, c.bwd_dtype, None, c.margin, dbias_dtype=dbias_dtype)
-        g, g_t, g_scale_inv, dbias = qg.data, layout.saved_form(qg.data, qg.data_t), qg.scale_inv, qg.dbias
-        g_t_scale_inv = g_scale_inv
+            qg = quantizer.quantize_flat(
+                g2d, rowwise=c.input_requires_grad, columnwise=c.weight_requires_grad, dbias_dtype=dbias_dtype
+            )
+        g, g_scale_inv = qg.data, qg.scale_inv
+        g_t, g_t_scale_inv = quantizer.columnwise_usage(qg)
+        dbias = qg.dbias
+        if dbias is None:
+            dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
         dbias = g2d.sum(0).to(dbias_dtype) if c.bias_requires_grad else None

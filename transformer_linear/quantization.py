@@ -1,10 +1,15 @@
 """How a recipe quantizes the Linear's three tensors: the one place that reads the recipe class.
 
-:func:`quantization_spec` turns a recipe into a :class:`QuantizationSpec`, a
-frozen description of how ``input``, ``weight`` and ``grad_output`` are
-quantized (a :class:`TensorQuantizer` each). The forward, dgrad and wgrad code
-of linear_ops.py consults the spec, never the recipe, so a new recipe is a new
-entry in ``_SPEC_BUILDERS`` here and nothing else.
+:func:`quantization_spec` turns a recipe into a :class:`QuantizationSpec`: one
+:class:`TensorQuantizer` per tensor role (``input``, ``weight``,
+``grad_output``), as Transformer Engine's Float8Quantizer /
+Float8CurrentScalingQuantizer / Float8BlockQuantizer / MXFP8Quantizer, without
+tensor subclasses. A quantizer knows its data and scale dtypes, its blocks, its
+margin, whether its scale comes from the layer's delayed-scaling state, how to
+quantize (every recipe's result is a :class:`Quantized`), how a GEMM reads each
+usage of that result and which ScalingType it resolves to. linear.py and
+linear_ops.py ask the quantizers, never the recipe: a recipe whose quantizers the
+kernels support is a new entry in ``_SPEC_BUILDERS`` here.
 
 Tensorwise quantizers (``block_shape == []``) keep the delayed / current
 scaling path with its one scale per tensor. Block quantizers describe one
@@ -42,39 +47,73 @@ from transformer_linear.recipe import (
 from transformer_linear.block_scaling import E8M0_ROUNDINGS
 from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES
 
+DATA_DTYPES = (*FP8_DTYPES, torch.float4_e2m1fn_x2)
+"""What a quantizer's data may be: FP8, or FP4 (two E2M1 values a byte) for recipes whose kernels take it."""
+QUANTIZER_SCALE_DTYPES = (torch.float32, E8M0_DTYPE, torch.float8_e4m3fn)
+"""What its scale_inv may be: float32, E8M0 (MX blocks) or E4M3 (FP4 blocks)."""
+
 __all__ = [
-    "BlockQuantized",
+    "DATA_DTYPES",
+    "QUANTIZER_SCALE_DTYPES",
     "QuantizationSpec",
+    "Quantized",
     "TensorQuantizer",
+    "check_recipe",
     "flat",
     "quantization_spec",
     "quantize_tensorwise",
+    "tensorwise_result",
 ]
 
 
-class BlockQuantized(NamedTuple):
-    """A block-quantized 2-D tensor in its two layouts (an unrequested layout is empty)."""
+class Quantized(NamedTuple):
+    """What a quantizer returns, for every recipe: a 2-D tensor in the usages it produced (an
+    unproduced one is empty).
+
+    One scale per tensor: ``data_t`` is ``data`` transposed where the backend's GEMM wants it
+    materialized (layout.needs_columnwise), sharing ``scale_inv``; ``scale_inv_t`` is empty. Block
+    scales: ``data_t`` is the columnwise copy, quantized with blocks along the other dimension, with its
+    own ``scale_inv_t``.
+    """
 
     data: Tensor
-    """FP8 (M, K), blocks along K."""
+    """Rowwise usage: (M, K), blocks along K."""
     scale_inv: Tensor
     data_t: Tensor
-    """FP8 (K, M): the transpose with blocks along M (what a GEMM contracting over M reads)."""
+    """Columnwise usage: (K, M), what a GEMM contracting over M reads."""
     scale_inv_t: Tensor
+    amax: Optional[Tensor] = None
+    """One scale per tensor: the 0-dim amax the quantize pass measured (what delayed scaling records);
+    None for block scales."""
+    dbias: Optional[Tensor] = None
+    """Column sums fused into a per-tensor quantize pass (a bias gradient; empty when not asked for);
+    None where the quantizer does not fuse them."""
+
+
+_GEMM_SCALING_OF_BLOCK = {(1, 0): "RowWise", (1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128",
+                          (1, 32): "BlockWise1x32"}
+"""The block_shape -> scaled_mm ScalingType of its scales (block_scaling.fp8_gemm_scalings)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorQuantizer:
-    """How one tensor is quantized.
+    """How one tensor role (input, weight or grad_output) is quantized.
+
+    The forward and backward ask it how to quantize, which usages its result holds and how a GEMM reads
+    them; they never ask which recipe made it. The input and weight are read rowwise by the forward GEMM
+    and columnwise by wgrad / dgrad; grad_output rowwise by dgrad and columnwise by wgrad.
 
     Attributes:
-        dtype: the FP8 dtype.
+        dtype: the data dtype (an FP8 format; FP4 for recipes whose kernels take it).
         block_shape: ``[]``: one scale for the tensor (delayed or current
             scaling); ``[bm, bk]``: one scale per block, ``bk == 0`` meaning
             the whole row (rowwise scaling).
-        scale_dtype: float32, or torch.float8_e8m0fnu (MX) for block scales.
+        scale_dtype: the dtype of scale_inv: float32, E8M0 (MX) or E4M3 (FP4 block scales).
         power_2_scale: round float32 block scales down to powers of two.
         e8m0_rounding: E8M0 scales' rounding, "ceil" or "floor" (reference.e8m0_exponent).
+        margin: one scale per tensor: power-of-two head room of the scale.
+        scale_from_history: the scale is handed in from the layer's delayed-scaling state (its amax
+            history, delayed_scaling.py) rather than computed from the tensor being quantized.
     """
 
     dtype: torch.dtype
@@ -82,21 +121,48 @@ class TensorQuantizer:
     scale_dtype: torch.dtype
     power_2_scale: bool
     e8m0_rounding: str = "ceil"
+    margin: int = 0
+    scale_from_history: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in FP8_DTYPES:
-            raise TypeError(f"TensorQuantizer: 'dtype' must be an FP8 dtype, got {self.dtype}")
+        if self.dtype not in DATA_DTYPES:
+            raise TypeError(f"TensorQuantizer: 'dtype' must be one of {DATA_DTYPES}, got {self.dtype}")
         if len(self.block_shape) not in (0, 2) or any(b < 0 for b in self.block_shape):
             raise ValueError(f"TensorQuantizer: 'block_shape' must be [] or [rows, cols >= 0], got {self.block_shape}")
-        if self.scale_dtype not in (torch.float32, E8M0_DTYPE):
-            raise TypeError(f"TensorQuantizer: 'scale_dtype' must be float32 or float8_e8m0fnu, got {self.scale_dtype}")
+        if self.scale_dtype not in QUANTIZER_SCALE_DTYPES:
+            raise TypeError(
+                f"TensorQuantizer: 'scale_dtype' must be one of {QUANTIZER_SCALE_DTYPES}, got {self.scale_dtype}"
+            )
         if self.e8m0_rounding not in E8M0_ROUNDINGS:
             raise ValueError(f"TensorQuantizer: 'e8m0_rounding' must be 'ceil' or 'floor', got {self.e8m0_rounding!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin < 127:
+            raise ValueError(f"TensorQuantizer: 'margin' must be an integer in [0, 127), got {self.margin!r}")
+        if self.block_shape and (self.margin or self.scale_from_history):
+            raise ValueError("TensorQuantizer: 'margin' and 'scale_from_history' apply to one scale per tensor only")
 
     @property
     def blockwise(self) -> bool:
         """One scale per block rather than per tensor."""
         return bool(self.block_shape)
+
+    @property
+    def columnwise_is_copy(self) -> bool:
+        """The columnwise usage is a copy of its own (``data_t``, ``scale_inv_t``) that backward GEMMs read
+        as it is; otherwise it is the rowwise data transposed (layout.py), sharing its scale."""
+        return self.blockwise
+
+    @property
+    def records_amax(self) -> bool:
+        """Its results carry the tensor's amax (one scale per tensor)."""
+        return not self.blockwise
+
+    @property
+    def gemm_scaling(self) -> str:
+        """The scaled_mm ScalingType a GEMM resolves for either usage of its results
+        (block_scaling.resolve_gemm_scalings): the blocks run along the contracted dimension both ways."""
+        if not self.blockwise:
+            return "TensorWise"
+        return _GEMM_SCALING_OF_BLOCK[tuple(self.block_shape)]
 
     def block_for(self, cols: int) -> tuple[int, int]:
         """The (bm, bk) block of a tensor with ``cols`` columns (rowwise: the whole row)."""
@@ -110,21 +176,65 @@ class TensorQuantizer:
         bm, bk = self.block_for(cols)
         return -(-rows // bm), -(-cols // bk)
 
-    def quantize_flat(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
+    def scale_2d(self, scale_inv: Tensor, operand: Tensor) -> Tensor:
+        """``scale_inv`` of the GEMM operand ``operand`` in the shape the GEMM reads: block scales of an
+        activation cross the graph 1-D (see :meth:`quantize_flat`); a per-tensor scale is as it is."""
+        return scale_inv.reshape(self.scale_grid(*operand.shape)) if self.blockwise else scale_inv
+
+    def columnwise_usage(self, q: Quantized) -> tuple[Tensor, Tensor]:
+        """(what backward keeps of ``q`` for its columnwise usage, its scale_inv): the columnwise copy, or
+        layout.saved_form of the rowwise data (the CPU keeps the rowwise data and transposes a view)."""
+        if self.columnwise_is_copy:
+            return q.data_t, q.scale_inv_t
+        return layout.saved_form(q.data, q.data_t), q.scale_inv
+
+    def columnwise_operand(self, saved: Tensor) -> Tensor:
+        """The columnwise usage as a GEMM operand, from what :meth:`columnwise_usage` kept."""
+        return saved if self.columnwise_is_copy else layout.transposed(saved)
+
+    def quantize(
+        self,
+        x: Tensor,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        scale: Optional[Tensor] = None,
+        dbias_dtype: Optional[torch.dtype] = None,
+    ) -> Quantized:
+        """Quantize a contiguous 2-D ``x`` into the requested usages, in one pass.
+
+        One scale per tensor: ``scale`` (None: from ``x``'s amax) and ``margin``; the rowwise data always,
+        its transpose where the backend needs it (the usages asked for do not change the pass), and the
+        bias gradient in ``dbias_dtype`` when given. Block scales: the usages asked for; ``scale`` and
+        ``dbias_dtype`` do not apply.
+        """
+        if not self.blockwise:
+            return tensorwise_result(quantize_tensorwise(x, self.dtype, scale, self.margin, dbias_dtype=dbias_dtype))
+        return self._quantize_blocks(x, rowwise, columnwise)
+
+    def quantize_flat(
+        self, x: Tensor, rowwise: bool = True, columnwise: bool = False, dbias_dtype: Optional[torch.dtype] = None
+    ) -> Quantized:
         """:meth:`quantize` with 1-D scales (``scale_grid`` gives them back their shape), as one op.
 
         What a traced graph holds between ops: torch guards every size of a graph tensor against 1
         (its contiguity metadata), and a 2-D scale's row-block count (ceil(M / 128) for a batch of M
         rows) is 1 for some batch sizes, so a graph holding it would specialize on M <= 128. The 1-D
-        scale has (columns x row blocks) elements, never 1 for a batch of 2 rows or more.
+        scale has (columns x row blocks) elements, never 1 for a batch of 2 rows or more. A per-tensor
+        scale is 1-D already: that is :meth:`quantize`. Asking for no usage of block scales gives
+        empty tensors.
         """
+        if not self.blockwise:
+            return self.quantize(x, rowwise, columnwise, dbias_dtype=dbias_dtype)
+        if not (rowwise or columnwise):
+            empty_fp8, empty_scale = x.new_empty(0, dtype=self.dtype), x.new_empty(0, dtype=self.scale_dtype)
+            return Quantized(empty_fp8, empty_scale, empty_fp8.clone(), empty_scale.clone())
         out = _quantize_flat_op(
             x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise,
             self.e8m0_rounding,
         )
-        return BlockQuantized(*out)
+        return Quantized(*out)
 
-    def quantize(self, x: Tensor, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
+    def _quantize_blocks(self, x: Tensor, rowwise: bool, columnwise: bool) -> Quantized:
         """Block-quantize a contiguous 2-D ``x`` into the requested layouts, in one pass.
 
         A square block's columnwise copy is the rowwise one transposed (the same
@@ -147,7 +257,7 @@ class TensorQuantizer:
         if separate_t:
             q_t, s_t, _, _ = quantize(x.t().contiguous(), block_shape=self.block_for(x.shape[0]))
             if not rowwise_pass:  # the transpose alone: empty rowwise slots, as the fused pass leaves them
-                return BlockQuantized(q_t.new_empty(0), s_t.new_empty((0, 0)), q_t, s_t)
+                return Quantized(q_t.new_empty(0), s_t.new_empty((0, 0)), q_t, s_t)
             out = out._replace(data_t=q_t, scale_inv_t=s_t)
         if columnwise and square:
             # Copies even where the transpose is already contiguous (a (1, n) grid): outputs of one op may
@@ -156,7 +266,7 @@ class TensorQuantizer:
                 return t.t().clone(memory_format=torch.contiguous_format)
 
             out = out._replace(data_t=transposed_copy(out.data), scale_inv_t=transposed_copy(out.scale_inv))
-        return BlockQuantized(*out)
+        return Quantized(*out)
 
 
 def flat(t: Tensor) -> Tensor:
@@ -171,7 +281,7 @@ def _flat_scales(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """TensorQuantizer.quantize_flat's op: a quantizer's fields in, 1-D scales out."""
     quantizer = TensorQuantizer(dtype, list(block_shape), scale_dtype, power_2_scale, e8m0_rounding)
-    q = quantizer.quantize(x, rowwise, columnwise)
+    q = quantizer._quantize_blocks(x, rowwise, columnwise)
     return q.data, flat(q.scale_inv), q.data_t, flat(q.scale_inv_t)
 
 
@@ -195,10 +305,18 @@ class QuantizationSpec:
         """Block scales (all three tensors are block-quantized or none is; see quantization_spec)."""
         return self.input.blockwise
 
+    @property
+    def scale_from_history(self) -> bool:
+        """The scales come from the layer's delayed-scaling state (all three or none)."""
+        return self.input.scale_from_history
 
-def _tensorwise(recipe: DelayedScaling | CurrentScaling) -> QuantizationSpec:
+
+def _tensorwise(recipe: DelayedScaling | CurrentScaling, scale_from_history: bool) -> QuantizationSpec:
     fmt = recipe.fp8_format
-    fwd, bwd = (TensorQuantizer(d, [], torch.float32, False) for d in (fmt.fwd_dtype, fmt.bwd_dtype))
+    fwd, bwd = (
+        TensorQuantizer(d, [], torch.float32, False, margin=recipe.margin, scale_from_history=scale_from_history)
+        for d in (fmt.fwd_dtype, fmt.bwd_dtype)
+    )
     return QuantizationSpec(fwd, fwd, bwd)
 
 
@@ -226,15 +344,26 @@ def _rowwise(recipe: Float8RowwiseScaling) -> QuantizationSpec:
 
 
 _SPEC_BUILDERS: dict[type, Callable[..., QuantizationSpec]] = {
-    DelayedScaling: _tensorwise,
-    CurrentScaling: _tensorwise,
+    DelayedScaling: functools.partial(_tensorwise, scale_from_history=True),
+    CurrentScaling: functools.partial(_tensorwise, scale_from_history=False),
     Float8BlockScaling: _float8_block,
     MXFP8BlockScaling: _mxfp8,
     Float8RowwiseScaling: _rowwise,
 }
 
 # What the Linear runs without a recipe (high precision); only its dtypes are read.
-NO_QUANTIZATION = _tensorwise(CurrentScaling())
+NO_QUANTIZATION = _tensorwise(CurrentScaling(), scale_from_history=False)
+
+
+def check_recipe(where: str, recipe: object) -> None:
+    """Raise unless ``recipe`` is None or a recipe this module builds quantizers for.
+
+    Raises:
+        TypeError: naming ``where`` and the recipes that have quantizers.
+    """
+    if recipe is not None and type(recipe) not in _SPEC_BUILDERS:
+        names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
+        raise TypeError(f"{where}: 'recipe' must be one of {names} or None, got {recipe!r}")
 
 
 def quantization_spec(recipe: Recipe) -> QuantizationSpec:
@@ -248,6 +377,11 @@ def quantization_spec(recipe: Recipe) -> QuantizationSpec:
         names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
         raise TypeError(f"'recipe' must be one of {names}, got {recipe!r}")
     return builder(recipe)
+
+
+def tensorwise_result(q: ops.QuantizeOutput) -> Quantized:
+    """A per-tensor quantize pass's output as a :class:`Quantized` (its columnwise usage shares scale_inv)."""
+    return Quantized(q.data, q.scale_inv, q.data_t, q.scale_inv.new_empty(0), q.amax, q.dbias)
 
 
 def quantize_tensorwise(
