@@ -154,8 +154,9 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f} (all variants)" if args.device == "cuda" else "-"
     fp32, bf16 = seconds["nn.Linear fp32"], seconds["nn.Linear bf16"]
     for name, s in seconds.items():
+        label = f"{name} (1 call)" if name in slow else name
         print(
-            f"| {name}{' (1 call)' if name in slow else ''} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
+            f"| {label} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
             f"{saved[name] / saved['nn.Linear fp32']:.2f}x | {peak} |"
         )
     for name in missing:

@@ -127,7 +127,8 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     _write_module(tmp_path, monkeypatch, MODELS)
     # The bf16 floor on every CPU (auto picks a perturbed-init fp32 run where bf16 is slow, and this
     # model, started at the exact solution, is not quiet under a perturbed init).
-    argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--noise-floor", "bf16", "--out", "rep", *TINY]
+    argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--noise-floor", "bf16"]
+    argv += ["--out", "rep", *TINY]
     code, printed, _ = _run(capsys, *argv)
     assert code == 3
     assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped)" in printed
