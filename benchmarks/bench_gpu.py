@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 import transformer_linear
-from transformer_linear import _C, _block_gemm_cuda, _cuda_fallback, ops, reference
+from transformer_linear import _C, ops, reference
+from transformer_linear.ops import gemm_block_cuda, torch_cuda
 
 E4M3 = torch.float8_e4m3fn
 
@@ -249,8 +250,8 @@ def _torch_scaled_mm(a, sa, b, sb, a_scaling: str, b_scaling: str) -> Optional[C
     if a_scaling == "RowWise":
         scale_a, scale_b = sa, sb.reshape(1, n)
     else:
-        lt_a = _block_gemm_cuda.cublaslt_scale(sa, a_scaling, m)
-        lt_b = _block_gemm_cuda.cublaslt_scale(sb, b_scaling, n)
+        lt_a = gemm_block_cuda.cublaslt_scale(sa, a_scaling, m)
+        lt_b = gemm_block_cuda.cublaslt_scale(sb, b_scaling, n)
         if a_scaling == "BlockWise1x32":
             scale_a, scale_b = lt_a.view(sa.dtype), lt_b.view(sb.dtype)
         else:
@@ -268,7 +269,7 @@ def _torch_scaled_mm(a, sa, b, sb, a_scaling: str, b_scaling: str) -> Optional[C
 
 
 def bench_block_gemm(shapes: list[tuple[int, int, int]], graph: bool) -> None:
-    from transformer_linear.triton import fp8_gemm as triton_fp8_gemm  # triton: the optional 'cuda' extra
+    from transformer_linear.ops.triton import fp8_gemm as triton_fp8_gemm  # triton: the optional 'cuda' extra
 
     print(f"{'M x N x K':>20} {'scaling':>16} {'cuBLASLt':>9} {'Triton':>7} {'fp8_gemm':>9} {'_scaled_mm':>11} "
           f"{'bf16 mm':>8}  (TFLOP/s; '-': not on this GPU / build)")
@@ -282,7 +283,7 @@ def bench_block_gemm(shapes: list[tuple[int, int, int]], graph: bool) -> None:
             b, sb = _block_quantize(w, qb)[:2]
 
             def cublaslt() -> Optional[torch.Tensor]:
-                return _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.bfloat16, None, a_scaling, b_scaling)
+                return gemm_block_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.bfloat16, None, a_scaling, b_scaling)
 
             cells = {}
             cells["cuBLASLt"] = flops / cuda_time(cublaslt, graph=graph) if cublaslt() is not None else None
@@ -306,7 +307,7 @@ def dry_run(modes: list[str], sizes, shapes) -> None:
             print(f"  block-quantize {rows}x{cols}: {', '.join(BLOCK_QUANTIZE)} (rowwise; rowwise+columnwise)")
     if "block-gemm" in modes:
         for name, (_, _, a_scaling, b_scaling) in BLOCK_GEMMS.items():
-            applies = {gpu: _block_gemm_cuda.cublaslt_block_applies(a_scaling, b_scaling, cc, info)
+            applies = {gpu: gemm_block_cuda.cublaslt_block_applies(a_scaling, b_scaling, cc, info)
                        for gpu, cc in (("sm_90", (9, 0)), ("sm_100", (10, 0)))}
             paths = [f"{gpu}: {'cuBLASLt' if lt else 'Triton'}" for gpu, lt in applies.items()]
             print(f"  block-gemm {name:>16} at {', '.join('x'.join(map(str, s)) for s in shapes)}: {'; '.join(paths)}")
@@ -337,7 +338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 1
     if not _C.built_with_cuda():
-        print(f"bench_gpu: built without the CUDA kernels; build them: {_cuda_fallback.BUILD_HINT}", file=sys.stderr)
+        print(f"bench_gpu: built without the CUDA kernels; build them: {torch_cuda.BUILD_HINT}", file=sys.stderr)
         return 1
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.mode in ("quantize", "all"):

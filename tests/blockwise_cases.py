@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from tolerances import assert_bitwise_equal
 
 from transformer_linear import reference
-from transformer_linear.block_scaling import columnwise_block_shape
-from tolerances import assert_bitwise_equal
+from transformer_linear.formats.block_scaling import columnwise_block_shape
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 FP8_FORMATS = [E4M3, E5M2]

@@ -13,7 +13,7 @@ import torch
 import transformer_linear as tl
 from transformer_linear import _C, ops, recipe
 from transformer_linear import reference as ref
-from transformer_linear._tensor import desc
+from transformer_linear.ops.descriptors import desc
 
 E4M3 = torch.float8_e4m3fn
 

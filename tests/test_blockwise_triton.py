@@ -38,7 +38,6 @@ if not INTERPRETED:
         assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 else:
-    import transformer_linear.triton as kernels_module
     from blockwise_cases import (
         E4M3,
         E5M2,
@@ -52,6 +51,8 @@ else:
         special_blocks,
     )
     from tolerances import assert_close_to_reference
+
+    import transformer_linear.ops.triton as kernels_module
     from transformer_linear import ops, reference
 
     @pytest.fixture

@@ -1,4 +1,4 @@
-"""The build folder: a second install in one checkout never reuses a stale CMake cache.
+"""The build: a second install in one checkout never reuses a stale CMake cache; the wheel holds every package.
 
 pip builds in the source tree, each time in a fresh build environment that is
 deleted afterwards; a CMakeCache.txt from the first install points at that
@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,14 @@ def test_changed_configuration_starts_afresh(tmp_path, monkeypatch, change):
         (build / setup_py.CONFIG_STAMP).write_text("{not json")
     setup_py.prepare_build_folder(build, setup_py.build_config(args))
     assert build.is_dir() and not (build / "CMakeCache.txt").exists(), f"stale cache reused after {change}"
+
+
+def test_the_wheel_lists_every_subpackage():
+    """pyproject.toml names the packages a wheel holds: a subpackage missing there installs without it."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    package_root = ROOT / "transformer_linear"
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in package_root.rglob("__init__.py")
+    }
+    assert listed == found

@@ -36,7 +36,7 @@ def test_a_changed_source_changes_the_tag(tmp_path, restored_tag):
     copy = tmp_path / "transformer_linear"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     assert source_digest(copy) == source_digest(package)
-    linear_ops = copy / "linear_ops.py"
+    linear_ops = copy / "modules" / "linear_ops.py"
     linear_ops.write_text(linear_ops.read_text() + "\n# a changed backward\n")
     assert source_digest(copy) != source_digest(package)
     torch.compiler.config.cache_key_tag = ""

@@ -14,12 +14,13 @@ import pathlib
 
 import pytest
 import torch
-
 from blockwise_cases import E4M3, E5M2, E8M0, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
 from tolerances import assert_bitwise_equal, assert_close_to_reference
-from transformer_linear import _C, _block_gemm_cuda, _cuda_fallback, ops, reference
-from transformer_linear._tensor import desc
-from transformer_linear._block_gemm_cuda import cublaslt_block_applies, cublaslt_operands_fit, cublaslt_scale
+
+from transformer_linear import _C, ops, reference
+from transformer_linear.ops import gemm_block_cuda, torch_cuda
+from transformer_linear.ops.descriptors import desc
+from transformer_linear.ops.gemm_block_cuda import cublaslt_block_applies, cublaslt_operands_fit, cublaslt_scale
 
 HAS_CUDA_KERNELS = torch.cuda.is_available() and _C.built_with_cuda()
 BUILD = {"runtime_version": 13000, "driver_version": 13000, "archs": "80,90-real,100-real"}
@@ -224,16 +225,16 @@ def test_scales_handed_to_cublaslt_read_back_as_the_reference(monkeypatch, scali
     calls = []
     gpu = (10, 0) if scaling == "1x32_x_1x32_e8m0" else (9, 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu)
-    monkeypatch.setattr(_cuda_fallback, "_BUILD_INFO", build(V129, V129))
-    monkeypatch.setattr(_block_gemm_cuda, "desc", lambda t, op, name: t)
-    monkeypatch.setattr(_block_gemm_cuda, "stream_for", lambda t: 0)
+    monkeypatch.setattr(torch_cuda, "_BUILD_INFO", build(V129, V129))
+    monkeypatch.setattr(gemm_block_cuda, "desc", lambda t, op, name: t)
+    monkeypatch.setattr(gemm_block_cuda, "stream_for", lambda t: 0)
     fake_c = type("FakeC", (), {"fp8_gemm_blockwise_cublaslt": staticmethod(fake_cublaslt(calls))})
-    monkeypatch.setattr(_block_gemm_cuda, "_C", fake_c)
+    monkeypatch.setattr(gemm_block_cuda, "_C", fake_c)
     a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling, power_2=False)
     a_scaling, _, b_scaling, _ = ops.resolve_gemm_scalings(a, sa, b, sb)  # as ops.fp8_gemm resolves them
     whole_blocks = a_scaling == "RowWise" or k % (32 if a_scaling == "BlockWise1x32" else 128) == 0
     bias = torch.randn(n)
-    d = _block_gemm_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_scaling, b_scaling)
+    d = gemm_block_cuda.fp8_gemm_cublaslt(a, sa, b, sb, torch.float32, bias, a_scaling, b_scaling)
     if not whole_blocks:
         assert d is None and not calls, "K not whole blocks is the Triton kernel's case"
         return
@@ -269,12 +270,12 @@ def test_each_op_has_a_cpu_and_a_cuda_kernel(name):
 @pytest.mark.parametrize("fallback_active", [True, False])
 def test_cuda_kernel_checks_then_picks_extension_or_fallback(monkeypatch, fallback_active):
     calls = []
-    monkeypatch.setattr(_cuda_fallback, "active", lambda t: fallback_active)
+    monkeypatch.setattr(torch_cuda, "active", lambda t: fallback_active)
 
     def check(*args):
         calls.append(("check", args))
 
-    kernel = _cuda_fallback.cuda_kernel(lambda *a: ("extension", a), lambda *a: ("fallback", a), check)
+    kernel = torch_cuda.cuda_kernel(lambda *a: ("extension", a), lambda *a: ("fallback", a), check)
     x = torch.ones(2)
     assert kernel(x, 3) == ("fallback" if fallback_active else "extension", (x, 3))
     assert calls == [("check", (x, 3))]
@@ -282,8 +283,8 @@ def test_cuda_kernel_checks_then_picks_extension_or_fallback(monkeypatch, fallba
 
 def test_cuda_kernel_checks_reach_the_fallback(monkeypatch):
     """A bad argument is the op's error on the fallback path too, not the fallback's behaviour."""
-    monkeypatch.setattr(_cuda_fallback, "active", lambda t: True)
-    kernel = _cuda_fallback.cuda_kernel(ops._dequantize_kernel, _cuda_fallback.dequantize, ops._dequantize_checks)
+    monkeypatch.setattr(torch_cuda, "active", lambda t: True)
+    kernel = torch_cuda.cuda_kernel(ops._dequantize_kernel, torch_cuda.dequantize, ops._dequantize_checks)
     q, s = torch.ones(2, 2).to(E4M3), torch.ones(1)
     with pytest.raises(TypeError, match="dequantize: argument 'out_dtype'"):
         kernel(q, s, torch.int32)
@@ -326,7 +327,7 @@ class TestCublasltBlockGemm:
         d = ops.fp8_gemm(a, sa, b, sb, out_dtype, bias)
         ran = _C.cuda_gemm_path_counts()["cublaslt_block"] - before
         # Strict: where the decision says cuBLASLt, its heuristic declining (Triton running) is a
-        # finding about the table in _block_gemm_cuda.py, not something to pass over.
+        # finding about the table in gemm_block_cuda.py, not something to pass over.
         assert ran == int(expect_lt), f"cuBLASLt ran {ran} GEMMs where the decision said {expect_lt}"
         cpu = [t.cpu() for t in (a, sa, b, sb)]
         expected = reference.fp8_gemm_blockwise(*cpu, torch.float64, None if bias is None else bias.cpu())

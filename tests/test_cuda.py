@@ -18,10 +18,11 @@ import warnings
 
 import pytest
 import torch
-
 from tolerances import assert_bitwise_equal, assert_close_to_reference
-from transformer_linear import _C, _cuda_fallback, ops, reference
-from transformer_linear.layout import fp8_tensor_cores_take
+
+from transformer_linear import _C, ops, reference
+from transformer_linear.formats.layout import fp8_tensor_cores_take
+from transformer_linear.ops import torch_cuda
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HAS_GPU = torch.cuda.is_available()
@@ -43,7 +44,7 @@ def gemm_baseline(a, sa, b, sb, out_dtype, bias=None, accumulate_into=None, fast
     their accumulation is not fp32-exact, even without fast accumulation.
     Elsewhere it is an fp32 mm of the decoded operands.
     """
-    if _cuda_fallback._scaled_mm_applies(a, b):
+    if torch_cuda._scaled_mm_applies(a, b):
         out = torch._scaled_mm(a, b.t(), sa.reshape(()), sb.reshape(()), out_dtype=torch.float32,
                                use_fast_accum=fast_accum)
     else:
@@ -73,7 +74,7 @@ def scales(device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_fallback_is_inactive_for_cpu_tensors():
-    assert not _cuda_fallback.active(torch.ones(2))
+    assert not torch_cuda.active(torch.ones(2))
 
 
 @pytest.mark.parametrize("scale", [None, 64.0], ids=["current", "delayed"])
@@ -82,7 +83,7 @@ def test_fallback_is_inactive_for_cpu_tensors():
 def test_fallback_quantize_matches_the_op(scale, rowwise, columnwise, dbias_dtype):
     x = torch.randn(48, 40, dtype=torch.bfloat16) * 3
     s = None if scale is None else torch.tensor([scale])
-    got = _cuda_fallback.quantize(x, s, E4M3, 0, rowwise, columnwise, dbias_dtype)
+    got = torch_cuda.quantize(x, s, E4M3, 0, rowwise, columnwise, dbias_dtype)
     want = ops.quantize_fused(x, E4M3, s, rowwise=rowwise, columnwise=columnwise, dbias_dtype=dbias_dtype)
     for name, g, w in zip(want._fields, got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -97,11 +98,11 @@ def test_fallback_gemm_and_accumulate(out_dtype):
     a, b = fp8_operand(24, 40, E4M3, "cpu"), fp8_operand(16, 40, E5M2, "cpu")
     sa, sb = scales("cpu")
     bias = torch.randn(16, dtype=out_dtype)
-    d = _cuda_fallback.fp8_gemm(a, sa, b, sb, out_dtype, bias, True)
+    d = torch_cuda.fp8_gemm(a, sa, b, sb, out_dtype, bias, True)
     check_gemm(d, a, sa, b, sb, out_dtype, bias, what="fallback gemm")
     acc = torch.randn(24, 16)
     before = acc.clone()
-    _cuda_fallback.fp8_gemm_accumulate_(a, sa, b, sb, acc)
+    torch_cuda.fp8_gemm_accumulate_(a, sa, b, sb, acc)
     check_gemm(acc, a, sa, b, sb, torch.float32, accumulate_into=before, what="fallback accumulate")
 
 
@@ -118,8 +119,8 @@ def default_archs() -> str:
 )
 def test_default_architectures_cover_every_gpu_from_sm80(capability):
     """A100/A10/L4/H100/B200/RTX 50: machine code or PTX for each (the old 89;90a;100a left sm_80/86 with none)."""
-    assert _cuda_fallback.has_image(capability, default_archs())
-    assert not _cuda_fallback.has_image(capability, "89,90a,100a") or capability >= (8, 9)
+    assert torch_cuda.has_image(capability, default_archs())
+    assert not torch_cuda.has_image(capability, "89,90a,100a") or capability >= (8, 9)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,7 @@ def test_default_architectures_cover_every_gpu_from_sm80(capability):
     ],
 )
 def test_has_image(capability, archs, expected):
-    assert _cuda_fallback.has_image(capability, archs) is expected
+    assert torch_cuda.has_image(capability, archs) is expected
 
 
 @pytest.mark.parametrize(
@@ -146,7 +147,7 @@ def test_has_image(capability, archs, expected):
     [(13000, 13000, True), (13000, 12080, False), (12080, 12020, True), (12040, 13000, True), (12080, 0, False)],
 )
 def test_driver_supports(runtime, driver, expected):
-    assert _cuda_fallback.driver_supports(runtime, driver) is expected
+    assert torch_cuda.driver_supports(runtime, driver) is expected
 
 
 @pytest.mark.parametrize(
@@ -161,7 +162,7 @@ def test_driver_supports(runtime, driver, expected):
     ids=["cpu-build", "old-driver", "no-driver", "no-image", "runs"],
 )
 def test_kernel_problem_names_the_reason_and_remedy(info, capability, expected):
-    problem = _cuda_fallback.kernel_problem(info, capability)
+    problem = torch_cuda.kernel_problem(info, capability)
     if expected is None:
         assert problem is None
     else:
@@ -211,12 +212,12 @@ def fake_scaled_mm(calls):
 def test_fallback_scaled_mm_bias_rule(monkeypatch, out_dtype):
     """An fp32 output adds the bias after _scaled_mm instead of failing into the 4x-memory path."""
     calls = []
-    monkeypatch.setattr(_cuda_fallback, "_scaled_mm_applies", lambda a, b: True)
+    monkeypatch.setattr(torch_cuda, "_scaled_mm_applies", lambda a, b: True)
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm(calls))
     a, b = fp8_operand(17, 32, E4M3, "cpu"), fp8_operand(16, 32, E4M3, "cpu")
     sa, sb = scales("cpu")
     bias = torch.randn(16, dtype=out_dtype)
-    d = _cuda_fallback.fp8_gemm(a, sa, b, sb, out_dtype, bias, True)
+    d = torch_cuda.fp8_gemm(a, sa, b, sb, out_dtype, bias, True)
     assert len(calls) == 1 and (calls[0] is None) == (out_dtype == torch.float32)
     check_gemm(d, a, sa, b, sb, out_dtype, bias, what="fallback _scaled_mm + bias")
 
@@ -228,18 +229,18 @@ def test_fallback_gemm_lets_real_errors_through(monkeypatch, error):
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(_cuda_fallback, "_scaled_mm_applies", lambda a, b: True)
+    monkeypatch.setattr(torch_cuda, "_scaled_mm_applies", lambda a, b: True)
     monkeypatch.setattr(torch, "_scaled_mm", failing)
-    monkeypatch.setattr(_cuda_fallback, "_dequantized_product", lambda *a: pytest.fail("retried in fp32"))
+    monkeypatch.setattr(torch_cuda, "_dequantized_product", lambda *a: pytest.fail("retried in fp32"))
     a, b = fp8_operand(16, 32, E4M3, "cpu"), fp8_operand(16, 32, E4M3, "cpu")
     sa, sb = scales("cpu")
     with pytest.raises(type(error)):
-        _cuda_fallback.fp8_gemm(a, sa, b, sb, torch.bfloat16, None, False)
+        torch_cuda.fp8_gemm(a, sa, b, sb, torch.bfloat16, None, False)
 
 
 @pytest.mark.skipif(not HAS_GPU or _C.built_with_cuda(), reason="needs a GPU and a CPU-only build")
 def test_cpu_only_build_warns_once_and_works_on_cuda_tensors(monkeypatch):
-    monkeypatch.setattr(_cuda_fallback, "_warned", False)
+    monkeypatch.setattr(torch_cuda, "_warned", False)
     x = torch.randn(64, 32, device="cuda")
     with pytest.warns(UserWarning, match="TL_CUDA=1"):
         q, scale_inv, x_amax = ops.quantize_current(x, E4M3)
@@ -393,9 +394,9 @@ class TestCudaKernels:
             info["archs"] = f"{10 * major + minor + 1}-real"
         else:
             info["driver_version"] = info["runtime_version"] - 1000
-        monkeypatch.setattr(_cuda_fallback, "_BUILD_INFO", info)
-        monkeypatch.setattr(_cuda_fallback, "_problems", {})
-        monkeypatch.setattr(_cuda_fallback, "_warned", False)
+        monkeypatch.setattr(torch_cuda, "_BUILD_INFO", info)
+        monkeypatch.setattr(torch_cuda, "_problems", {})
+        monkeypatch.setattr(torch_cuda, "_warned", False)
         before = _C.cuda_gemm_path_counts()
         x = torch.randn(64, 32, device="cuda")
         with pytest.warns(UserWarning, match="no code for this GPU" if problem == "no-image" else "driver"):

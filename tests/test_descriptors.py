@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-
 from cpu_paths import QUANTIZE_ISAS
+
 from transformer_linear import _C
-from transformer_linear._tensor import desc
+from transformer_linear.ops.descriptors import desc
 
 E4M3 = torch.float8_e4m3fn
 THREADS = [1, 2, 8]

@@ -5,7 +5,7 @@ import torch
 
 import transformer_linear as tl
 from transformer_linear import recipe
-from transformer_linear.convert import Conv1DLinear, conversion_plan
+from transformer_linear.modules.convert import Conv1DLinear, conversion_plan
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.utils.checkpoint
+from tolerances import assert_bitwise_equal, assert_close_to_reference, relative_error, sqnr
 
 import transformer_linear as tl
-from transformer_linear import linear_ops, recipe, reference
-from transformer_linear.linear_args import LinearBwdArgs
+from transformer_linear import recipe, reference
+from transformer_linear.modules import linear_ops
+from transformer_linear.modules.linear_args import LinearBwdArgs
 from transformer_linear.numerics.compare import resolve_recipe
-from transformer_linear.quantization import quantization_spec
-from tolerances import assert_bitwise_equal, assert_close_to_reference, relative_error, sqnr
+from transformer_linear.recipe.quantization import quantization_spec
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 ROW = "row"  # a block covering a whole row (rowwise scaling)

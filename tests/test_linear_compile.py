@@ -7,12 +7,14 @@ import copy
 import pytest
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from tolerances import assert_bitwise_equal
 from torch._dynamo.backends.common import aot_autograd
 
 import transformer_linear as tl
-from transformer_linear import linear_ops, recipe, reference
-from transformer_linear.linear_args import CachedWeight, DelayedScalingArgs, LinearBwdArgs, LinearFwdArgs
-from tolerances import assert_bitwise_equal
+from transformer_linear import recipe, reference
+from transformer_linear.modules import linear_ops
+from transformer_linear.modules.linear_args import CachedWeight, LinearBwdArgs, LinearFwdArgs
+from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
 
 RECIPES = {
     "current": recipe.from_name("current"),

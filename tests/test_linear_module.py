@@ -8,12 +8,14 @@ import weakref
 
 import pytest
 import torch
+from tolerances import assert_bitwise_equal
 from torch import nn
 
 import transformer_linear as tl
-from transformer_linear import delayed_scaling, linear, linear_ops, recipe
-from tolerances import assert_bitwise_equal
-from transformer_linear.autocast import get_fp8_recipe
+from transformer_linear import recipe
+from transformer_linear.modules import linear, linear_ops
+from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.recipe import delayed_scaling
 
 RECIPES = {
     "current_hybrid": recipe.from_name("current"),

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import assert_bitwise_equal
 
 import transformer_linear as tl
 from transformer_linear import ops, recipe, reference
-from transformer_linear.quantization import quantization_spec
-from tolerances import assert_bitwise_equal
+from transformer_linear.recipe.quantization import quantization_spec
 
 E4M3 = torch.float8_e4m3fn
 NAN_AT, INF_AT = (5, 10), (200, 140)

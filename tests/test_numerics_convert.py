@@ -8,7 +8,7 @@ from torch import nn
 
 import transformer_linear as tl
 from transformer_linear import recipe
-from transformer_linear.convert import conversion_plan
+from transformer_linear.modules.convert import conversion_plan
 from transformer_linear.numerics import compare, sqnr
 
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import transformer_linear as tl
-from transformer_linear import linear, linear_ops, recipe
-from transformer_linear.block_scaling import resolve_gemm_scalings
-from transformer_linear.quantization import (
+from transformer_linear import recipe
+from transformer_linear.formats.block_scaling import resolve_gemm_scalings
+from transformer_linear.modules import linear, linear_ops
+from transformer_linear.recipe.quantization import (
     DATA_DTYPES,
     QUANTIZER_SCALE_DTYPES,
     Quantized,

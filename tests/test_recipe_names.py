@@ -6,12 +6,11 @@ import typing
 
 import pytest
 
-from transformer_linear import recipe
-from transformer_linear import cli
+from transformer_linear import cli, recipe
 from transformer_linear.numerics import RECIPE_NAMES
-from transformer_linear.quantization import quantization_spec
+from transformer_linear.recipe.quantization import quantization_spec
 
-# What each name means, written out independently of recipe.py's table.
+# What each name means, written out independently of the recipe package's table.
 EXPECTED = {
     "delayed": recipe.DelayedScaling(),
     "current": recipe.CurrentScaling(),

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-
 from tolerances import assert_bitwise_equal, assert_close_to_reference
+
 from transformer_linear import _C, ops, reference
-from transformer_linear._tensor import desc
+from transformer_linear.ops.descriptors import desc
 
 E4M3 = torch.float8_e4m3fn
 # Thread counts the flipping thread alternates between: one, and more than

@@ -16,10 +16,10 @@ __all__ = ["ops", "reference", "__version__"]
 
 # The Linear module and its FP8 configuration.
 from transformer_linear import distributed, recipe  # noqa: E402
-from transformer_linear.autocast import autocast, fp8_autocast  # noqa: E402
-from transformer_linear.checkpointing import selective_checkpoint_contexts  # noqa: E402
-from transformer_linear.convert import convert_to_fp8, load_fp8_state  # noqa: E402
-from transformer_linear.linear import Linear  # noqa: E402
+from transformer_linear.modules.autocast import autocast, fp8_autocast  # noqa: E402
+from transformer_linear.modules.checkpointing import selective_checkpoint_contexts  # noqa: E402
+from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
+from transformer_linear.modules.linear import Linear  # noqa: E402
 
 __all__ += [
     "Linear",

@@ -31,15 +31,15 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from transformer_linear.convert import ConversionPlan, conversion_plan
+from transformer_linear.modules.convert import ConversionPlan, conversion_plan
 from transformer_linear.numerics import monitor_report
 from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
-from transformer_linear.recipe import available_names, from_name
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.numerics.report import CompareReport, TrainReport
 from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
 from transformer_linear.numerics.sources import Workload, hf_workload, parse_shape, user_workload
 from transformer_linear.numerics.verdict import FILTERED, NOISE_FLOOR_CHOICES, Gate, Verdict, floor_runs, judge
+from transformer_linear.recipe import available_names, from_name
 
 DEFAULT_OUT = "fp8_compare_report"
 

@@ -32,9 +32,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import nn
 
-from transformer_linear.amax_reduction import DEFAULT_GROUP, NO_GROUP, all_reduce_amax, group_key
-from transformer_linear.linear import Linear
-from transformer_linear.tensor_parallel import is_tensor_parallel
+from transformer_linear.modules.linear import Linear
+from transformer_linear.modules.tensor_parallel import is_tensor_parallel
+from transformer_linear.recipe.amax_reduction import DEFAULT_GROUP, NO_GROUP, all_reduce_amax, group_key
 
 __all__ = [
     "DEFAULT_GROUP",

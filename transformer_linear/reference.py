@@ -15,8 +15,8 @@ import torch
 
 # The dtypes and the scale layouts are the kernels' own definitions, shared with them (and re-exported
 # here, where tests and users have always found them); the numerics below are the oracle's alone.
-from transformer_linear.block_scaling import E8M0_ROUNDINGS, check_quantize_blockwise_args, scale_layouts
-from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES, SCALE_DTYPES, fp8_max
+from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS, check_quantize_blockwise_args, scale_layouts
+from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES, SCALE_DTYPES, fp8_max
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
 _FLOAT_MIN_NORMAL = torch.finfo(torch.float32).tiny

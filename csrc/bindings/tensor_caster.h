@@ -1,4 +1,4 @@
-// pybind11 conversion of the descriptor tuple built by transformer_linear/_tensor.py:
+// pybind11 conversion of the descriptor tuple built by transformer_linear/ops/descriptors.py:
 //   (data_ptr: int, dtype: int, shape: tuple[int], strides: tuple[int], device: int, device_index: int)
 // None stands for an absent optional tensor.
 #pragma once

@@ -16,7 +16,7 @@ void fp8_gemm_blockwise(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
   check_defined(op, "a", a);
   TL_CHECK_TYPE(a.device == DeviceType::kCPU, op,
                 ": block-scaled operands must be on cpu here (the GPU kernel is "
-                "transformer_linear.triton.fp8_gemm), got ",
+                "transformer_linear.ops.triton.gemm_block), got ",
                 device_name(a.device));
   const GemmShape s = check_gemm_operands(op, a, b);
   GemmBlockParams p{};

@@ -1,6 +1,6 @@
 // cuBLASLt's own block-scaled FP8 matmul (gemm_block_cuda.cpp), the CUDA twin
 // of cpu/gemm_block_cpu.cpp. Plain C++ (no CUDA headers), so the bindings can
-// include it. The Python side (transformer_linear/_block_gemm_cuda.py) decides
+// include it. The Python side (transformer_linear/ops/gemm_block_cuda.py) decides
 // when it applies and hands the scales over in cuBLASLt's layouts.
 #pragma once
 

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from transformer_linear import reference
-from transformer_linear.convert import linear_weight
-from transformer_linear.linear import Linear
+from transformer_linear.modules.convert import linear_weight
+from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics.report import LayerStats
 from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
-from transformer_linear.quantization import quantization_spec
 from transformer_linear.recipe import DelayedScaling
-from transformer_linear.scaling import FP8_STATES, no_amax_yet
+from transformer_linear.recipe.quantization import quantization_spec
+from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
 
 __all__ = ["LayerCall", "Recorder", "observe_layers", "worst_over_steps"]
 

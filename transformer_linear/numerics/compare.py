@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from transformer_linear.autocast import autocast
-from transformer_linear.convert import conversion_plan, convert_to_fp8
-from transformer_linear.linear import Linear
+from transformer_linear.modules.autocast import autocast
+from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
+from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics import blame, verdict
 from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
 from transformer_linear.recipe import Recipe, available_names, from_name
@@ -56,7 +56,7 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
 
-# Recipe names accepted by compare, train_compare and ``--recipes``: recipe.py's table of built-in recipes.
+# Recipe names accepted by compare, train_compare and ``--recipes``: the recipe package's table of built-in recipes.
 RECIPE_NAMES: tuple[str, ...] = available_names()
 
 

@@ -30,14 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_linear import reference
-from transformer_linear.autocast import get_fp8_recipe
-from transformer_linear.convert import linear_weight
-from transformer_linear.linear import Linear
+from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.convert import linear_weight
+from transformer_linear.modules.linear import Linear
+from transformer_linear.numerics import plots
 from transformer_linear.numerics.risk import RiskThresholds
 from transformer_linear.numerics.stats import quantizer_range_stats, sqnr
-from transformer_linear.quantization import quantization_spec
 from transformer_linear.recipe import DelayedScaling, Recipe
-from transformer_linear.scaling import FP8_STATE_COLUMNS
+from transformer_linear.recipe.quantization import quantization_spec
+from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS
 
 __all__ = ["FP8HealthWarning", "METRICS", "monitor"]
 
@@ -250,8 +251,6 @@ def load_records(log_dir: str | Path) -> list[dict[str, Any]]:
 
 def monitor_report(log_dir: str | Path, out: Optional[str | Path] = None) -> list[Path]:
     """Plot the time series a monitor wrote to ``log_dir`` as PNGs (into ``out``, default ``log_dir``)."""
-    from transformer_linear.numerics import plots
-
     records = load_records(log_dir)
     out = Path(out) if out is not None else Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)

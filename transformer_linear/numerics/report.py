@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from transformer_linear.numerics import plots
+
 
 def _fmt(value: float, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -152,8 +154,6 @@ class CompareReport:
             thresholds: a :class:`~transformer_linear.numerics.RiskThresholds` whose SQNR limits are drawn.
             risky: layer name -> reasons; those layers are marked.
         """
-        from transformer_linear.numerics import plots
-
         return plots.sqnr_bars(self, Path(path), thresholds, risky or {})
 
 
@@ -239,6 +239,4 @@ class TrainReport:
             gate: a :class:`~transformer_linear.numerics.verdict.Gate`: its ±max-gap band is drawn.
             verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn.
         """
-        from transformer_linear.numerics import plots
-
         return plots.loss_curves(self, Path(path), gate, verdict)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from transformer_linear import reference
-from transformer_linear.quantization import TensorQuantizer
+from transformer_linear.recipe.quantization import TensorQuantizer
 
 
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -3,7 +3,7 @@
  * \brief The tensor descriptor every kernel entry point takes.
  *
  * The extension does not link libtorch: Python describes each tensor with a
- * raw pointer, a dtype code, a shape and strides (transformer_linear/_tensor.py
+ * raw pointer, a dtype code, a shape and strides (transformer_linear/ops/descriptors.py
  * builds it), and the kernels validate what they are handed.
  */
 #pragma once
@@ -13,7 +13,7 @@
 
 namespace tl {
 
-/*! \brief Element types. The numeric values are part of the Python ABI (_tensor.py). */
+/*! \brief Element types. The numeric values are part of the Python ABI (ops/descriptors.py). */
 enum class DType : int32_t {
   kFloat32 = 0,
   kFloat16 = 1,

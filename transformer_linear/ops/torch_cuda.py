@@ -3,13 +3,13 @@
 That is: a CPU-only build (``TL_CUDA=0``, or ``auto`` on a machine without
 nvcc and cuBLASLt); a CUDA build whose runtime needs a newer NVIDIA driver than
 the one installed (checked at import); a GPU the build has no code for (e.g.
-sm_75 with the default architectures). Each custom op in ``ops.py`` asks
+sm_75 with the default architectures). Each custom op in ``ops`` asks
 :func:`active` first and, when it says so, computes its result here with plain
 torch on the GPU (the ``reference`` definitions, and ``torch._scaled_mm`` for
 the GEMM where it applies). The first such call warns once, naming the reason
 and the remedy.
 
-Each custom op of ``ops.py`` registers the extension's kernel for the CPU and,
+Each custom op of ``ops`` registers the extension's kernel for the CPU and,
 through :func:`register_cuda_kernel`, a CUDA kernel that picks the extension
 or this fallback per call (:func:`active`).
 """
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from transformer_linear import _C, reference
-from transformer_linear.layout import fp8_tensor_cores_take
+from transformer_linear.formats.layout import fp8_tensor_cores_take
 
 REBUILD = "TL_CUDA=1 pip install --no-build-isolation --force-reinstall ."
 BUILD_HINT = f"pip install nvidia-cublas && {REBUILD}"

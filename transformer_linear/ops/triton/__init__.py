@@ -1,12 +1,12 @@
 """Triton kernels of the block-scaled recipes, callable directly with the ops' signatures.
 
-``from transformer_linear.triton import quantize_blockwise, fp8_gemm`` works on
+``from transformer_linear.ops.triton import quantize_blockwise, fp8_gemm`` works on
 CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 triton is first imported), which is how the tests run them without a GPU.
 ``transformer_linear.ops`` routes CUDA block-scaled calls here.
 """
 
-from transformer_linear.triton.fp8_gemm import fp8_gemm, fp8_gemm_resolved
-from transformer_linear.triton.quantize_blockwise import quantize_blockwise, quantize_blockwise_fused
+from transformer_linear.ops.triton.gemm_block import fp8_gemm, fp8_gemm_resolved
+from transformer_linear.ops.triton.quantize_block import quantize_blockwise, quantize_blockwise_fused
 
 __all__ = ["fp8_gemm", "fp8_gemm_resolved", "quantize_blockwise", "quantize_blockwise_fused"]

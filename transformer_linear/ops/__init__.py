@@ -4,7 +4,7 @@ Each kernel is registered once, with a fake (meta) implementation, so the ops
 trace under ``torch.compile(fullgraph=True)`` and ``torch.export``. Each op
 registers the extension's kernel for the CPU and a CUDA kernel that picks the
 extension or, where its CUDA kernels cannot run, the torch fallback
-(``_cuda_fallback.register_cuda_kernel``).
+(``torch_cuda.register_cuda_kernel``).
 
 Public functions::
 
@@ -21,7 +21,7 @@ Public functions::
 
 ``fp8_gemm`` takes tensorwise and block scales (see fp8_gemm_scalings); it
 resolves the pair once (block_scaling.py) and hands it down. The block-scaled
-ops live in ops_blockwise.py and are re-exported here.
+ops live in ops/block.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ import torch
 
 # Helpers are reached through their modules (or imported with a leading underscore): every public
 # name here is an op that validates its arguments (tests/test_bad_input.py walks them all).
-from transformer_linear import _C, _checks, _cuda_fallback, _tensor
-from transformer_linear.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
-from transformer_linear.ops_blockwise import (
+from transformer_linear import _C
+from transformer_linear.formats import checks
+from transformer_linear.formats.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
+from transformer_linear.ops import descriptors, torch_cuda
+from transformer_linear.ops.block import (
     _fp8_gemm_blockwise,
     _fp8_gemm_blockwise_accumulate_,
     quantize_blockwise,
@@ -75,12 +77,12 @@ def _transposed_shape(x: torch.Tensor) -> tuple[int, int]:
 
 def _amax_kernel(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)
-    _C.amax(_tensor.desc(x, "amax", "input"), _tensor.desc(out, "amax", "amax"), _tensor.stream_for(x))
+    _C.amax(descriptors.desc(x, "amax", "input"), descriptors.desc(out, "amax", "amax"), descriptors.stream_for(x))
     return out
 
 
 _amax_op = torch.library.custom_op("transformer_linear::amax", _amax_kernel, mutates_args=(), device_types="cpu")
-_cuda_fallback.register_cuda_kernel(_amax_op, _amax_kernel, _cuda_fallback.amax)
+torch_cuda.register_cuda_kernel(_amax_op, _amax_kernel, torch_cuda.amax)
 
 
 @_amax_op.register_fake
@@ -94,7 +96,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
     """
-    _checks.check_tensor("amax", "input", x)
+    checks.check_tensor("amax", "input", x)
     return _amax_op(x)
 
 
@@ -105,7 +107,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
-    _checks.check_scale_values("quantize", {"scale": scale}, reciprocal=True)
+    checks.check_scale_values("quantize", {"scale": scale}, reciprocal=True)
 
 
 def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
@@ -116,16 +118,16 @@ def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     # Current scaling computes the scale into scratch memory; only 1/scale is returned.
     scale_arg = _scalar(x) if current else scale
     _C.quantize(
-        _tensor.desc(x, op, "input"),
-        _tensor.desc(scale_arg, op, "scale"),
-        _tensor.desc(q, op, "output") if rowwise else None,
-        _tensor.desc(q_t, op, "output_t") if columnwise else None,
-        _tensor.desc(scale_inv, op, "scale_inv"),
-        _tensor.desc(x_amax, op, "amax"),
-        _tensor.desc(dbias, op, "dbias") if dbias_dtype is not None else None,
+        descriptors.desc(x, op, "input"),
+        descriptors.desc(scale_arg, op, "scale"),
+        descriptors.desc(q, op, "output") if rowwise else None,
+        descriptors.desc(q_t, op, "output_t") if columnwise else None,
+        descriptors.desc(scale_inv, op, "scale_inv"),
+        descriptors.desc(x_amax, op, "amax"),
+        descriptors.desc(dbias, op, "dbias") if dbias_dtype is not None else None,
         current,
         margin,
-        _tensor.stream_for(x),
+        descriptors.stream_for(x),
     )
     return q, q_t, scale_inv, x_amax, dbias
 
@@ -144,13 +146,13 @@ def _quantize_op(
     return _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype)
 
 
-_cuda_fallback.register_cuda_kernel(_quantize_op, _quantize_kernel, _cuda_fallback.quantize, _quantize_checks)
+torch_cuda.register_cuda_kernel(_quantize_op, _quantize_kernel, torch_cuda.quantize, _quantize_checks)
 
 
 def _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype):
-    _checks.check_fp8_dtype("quantize", "dtype", dtype)
+    checks.check_fp8_dtype("quantize", "dtype", dtype)
     if dbias_dtype is not None:
-        _checks.check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
+        checks.check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
     if not (rowwise or columnwise):
         raise ValueError("quantize: at least one of 'rowwise' and 'columnwise' must be True")
 
@@ -211,9 +213,9 @@ def quantize_fused(
         columnwise: produce ``data_t`` (the fused cast + transpose).
         dbias_dtype: produce ``dbias`` in this dtype.
     """
-    _checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
-    _checks.check_fp8_dtype("quantize", "dtype", dtype)
-    _checks.check_margin("quantize", margin)
+    checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
+    checks.check_fp8_dtype("quantize", "dtype", dtype)
+    checks.check_margin("quantize", margin)
     return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
 
 
@@ -245,14 +247,14 @@ def quantize_current(
 
 
 def _dequantize_checks(q, scale_inv, out_dtype):
-    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
-    _checks.check_scale_values("dequantize", {"scale_inv": scale_inv})
+    checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    checks.check_scale_values("dequantize", {"scale_inv": scale_inv})
 
 
 def _dequantize_kernel(q, scale_inv, out_dtype):
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     op = "dequantize"
-    _C.dequantize(_tensor.desc(q, op, "input"), _tensor.desc(scale_inv, op, "scale_inv"), _tensor.desc(out, op, "output"), _tensor.stream_for(q))
+    _C.dequantize(descriptors.desc(q, op, "input"), descriptors.desc(scale_inv, op, "scale_inv"), descriptors.desc(out, op, "output"), descriptors.stream_for(q))
     return out
 
 
@@ -262,19 +264,19 @@ def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dt
     return _dequantize_kernel(q, scale_inv, out_dtype)
 
 
-_cuda_fallback.register_cuda_kernel(_dequantize_op, _dequantize_kernel, _cuda_fallback.dequantize, _dequantize_checks)
+torch_cuda.register_cuda_kernel(_dequantize_op, _dequantize_kernel, torch_cuda.dequantize, _dequantize_checks)
 
 
 @_dequantize_op.register_fake
 def _(q, scale_inv, out_dtype):
-    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
-    _checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
-    _checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
+    checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
     return _dequantize_op(q, scale_inv, out_dtype)
 
 
@@ -284,34 +286,34 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype)
 
 
 def _check_gemm_scales(a_scale_inv, b_scale_inv):
-    _checks.check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
+    checks.check_scale_values("fp8_gemm", {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
 
 
 def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_accumulator):
     op = "fp8_gemm"
-    workspace = _tensor.cublas_workspace(a.device) if a.device.type == "cuda" else None
+    workspace = descriptors.cublas_workspace(a.device) if a.device.type == "cuda" else None
     _C.fp8_gemm(
-        _tensor.desc(a, op, "a"),
-        _tensor.desc(a_scale_inv, op, "a_scale_inv"),
-        _tensor.desc(b, op, "b"),
-        _tensor.desc(b_scale_inv, op, "b_scale_inv"),
-        _tensor.desc(bias, op, "bias"),
-        _tensor.desc(out, op, "d"),
+        descriptors.desc(a, op, "a"),
+        descriptors.desc(a_scale_inv, op, "a_scale_inv"),
+        descriptors.desc(b, op, "b"),
+        descriptors.desc(b_scale_inv, op, "b_scale_inv"),
+        descriptors.desc(bias, op, "bias"),
+        descriptors.desc(out, op, "d"),
         accumulate,
         use_split_accumulator,
-        _tensor.desc(workspace, op, "workspace"),
-        _tensor.stream_for(a),
+        descriptors.desc(workspace, op, "workspace"),
+        descriptors.stream_for(a),
     )
 
 
 def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
-    _checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
     _check_gemm_scales(a_scale_inv, b_scale_inv)
 
 
 def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
     """The extension's GEMM (the op's arguments, checked by _fp8_gemm_checks)."""
-    out = torch.empty(_checks.gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
+    out = torch.empty(checks.gemm_out_shape(a, b), dtype=out_dtype, device=a.device)
     _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, False, use_split_accumulator)
     return out
 
@@ -330,13 +332,13 @@ def _fp8_gemm_op(
     return _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
 
 
-_cuda_fallback.register_cuda_kernel(_fp8_gemm_op, _fp8_gemm_kernel, _cuda_fallback.fp8_gemm, _fp8_gemm_checks)
+torch_cuda.register_cuda_kernel(_fp8_gemm_op, _fp8_gemm_kernel, torch_cuda.fp8_gemm, _fp8_gemm_checks)
 
 
 @_fp8_gemm_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
-    _checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
-    return a.new_empty(_checks.gemm_out_shape(a, b), dtype=out_dtype)
+    checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    return a.new_empty(checks.gemm_out_shape(a, b), dtype=out_dtype)
 
 
 def _fp8_gemm_accumulate_checks(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
@@ -360,8 +362,8 @@ def _fp8_gemm_accumulate_op(
     _fp8_gemm_accumulate_kernel(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator)
 
 
-_cuda_fallback.register_cuda_kernel(
-    _fp8_gemm_accumulate_op, _fp8_gemm_accumulate_kernel, _cuda_fallback.fp8_gemm_accumulate_,
+torch_cuda.register_cuda_kernel(
+    _fp8_gemm_accumulate_op, _fp8_gemm_accumulate_kernel, torch_cuda.fp8_gemm_accumulate_,
     _fp8_gemm_accumulate_checks,
 )
 
@@ -404,7 +406,7 @@ def fp8_gemm(
             :func:`fp8_gemm_scalings`; on the CPU, a scale that is not
             positive and finite.
     """
-    _checks.check_same_device(
+    checks.check_same_device(
         "fp8_gemm",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
@@ -436,7 +438,7 @@ def fp8_gemm_accumulate_(
         ValueError: besides :func:`fp8_gemm`'s errors, when ``out`` shares
             memory with an operand (the message names it output 'd').
     """
-    _checks.check_same_device(
+    checks.check_same_device(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )

@@ -30,11 +30,18 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from transformer_linear import layout, ops
+from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
-from transformer_linear.delayed_scaling import forward_scales, quantize_and_record_grad_output
-from transformer_linear.linear_args import LinearBwdArgs, LinearBwdContext, LinearFwdArgs, LinearFwdOutputs, args_op
-from transformer_linear.quantization import Quantized, flat
+from transformer_linear.formats import layout
+from transformer_linear.modules.linear_args import (
+    LinearBwdArgs,
+    LinearBwdContext,
+    LinearFwdArgs,
+    LinearFwdOutputs,
+    args_op,
+)
+from transformer_linear.recipe.delayed_scaling import forward_scales, quantize_and_record_grad_output
+from transformer_linear.recipe.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
 __all__ = ["QueuedWgrad", "WgradQueue", "compute_wgrad", "linear_dgrad", "linear_fwd", "linear_wgrad"]

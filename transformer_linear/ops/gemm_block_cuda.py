@@ -2,7 +2,7 @@
 
 ``ops.fp8_gemm`` on CUDA tensors with block scales runs cuBLASLt's block-scaled
 matmul (csrc/cuda/gemm_block_cuda.cpp) when all of these hold, and the Triton
-kernel (``transformer_linear.triton.fp8_gemm``) otherwise:
+kernel (``transformer_linear.ops.triton.gemm_block``) otherwise:
 
 - cuBLASLt has a block-scaled matmul for the scaling pair (a, b) on this GPU,
   in this build's cuBLAS headers and the loaded library: the table of
@@ -11,7 +11,7 @@ kernel (``transformer_linear.triton.fp8_gemm``) otherwise:
   (BlockWise1x32, BlockWise1x32) on sm_100+ from cuBLAS 12.8; (BlockWise1x128,
   BlockWise128x128), reversed, (BlockWise1x128, BlockWise1x128) and (RowWise,
   RowWise) on sm_90 from 12.9);
-- the extension's CUDA kernels run on this GPU (``_cuda_fallback.kernel_problem``);
+- the extension's CUDA kernels run on this GPU (``torch_cuda.kernel_problem``);
 - FP8 tensor-core layout: both operands K-major (row-major ``a`` (M, K) and
   ``b`` (N, K)), K, N and the leading dimensions multiples of 16, 16-byte
   aligned addresses, not e5m2 x e5m2;
@@ -31,10 +31,11 @@ from typing import Optional
 
 import torch
 
-from transformer_linear import _C, _cuda_fallback
-from transformer_linear._tensor import cublas_workspace, desc, stream_for
-from transformer_linear.block_scaling import k_block_width
-from transformer_linear.layout import fp8_tensor_cores_take
+from transformer_linear import _C
+from transformer_linear.formats.block_scaling import k_block_width
+from transformer_linear.formats.layout import fp8_tensor_cores_take
+from transformer_linear.ops import torch_cuda
+from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
 
 __all__ = [
     "cublaslt_block_applies",
@@ -61,7 +62,7 @@ def cublaslt_block_applies(
             ``cublas_header_version`` and ``cublaslt_version`` are CUBLAS_VERSION
             encodings (major * 10000 + minor * 100 + patch).
     """
-    if build_info is None or _cuda_fallback.kernel_problem(build_info, capability) is not None:
+    if build_info is None or torch_cuda.kernel_problem(build_info, capability) is not None:
         return False
     version = min(build_info.get("cublas_header_version", 0), build_info.get("cublaslt_version", 0))
     return _pair_runs(a_scaling, b_scaling, capability[0], capability[1], version)
@@ -131,12 +132,12 @@ def fp8_gemm_cublaslt(
 ) -> Optional[torch.Tensor]:
     """The block-scaled GEMM through cuBLASLt, or None where it does not run (the caller runs Triton).
 
-    Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops_blockwise.py): CUDA
+    Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops/block.py): CUDA
     tensors, ``a_scaling`` / ``b_scaling`` the ScalingTypes resolve_gemm_scalings found.
     """
     capability = torch.cuda.get_device_capability(a.device)
     if not (
-        cublaslt_block_applies(a_scaling, b_scaling, capability, _cuda_fallback.build_info())
+        cublaslt_block_applies(a_scaling, b_scaling, capability, torch_cuda.build_info())
         and cublaslt_operands_fit(a, b, a_scaling, b_scaling)
     ):
         return None

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES
+from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECISION_DTYPES
 
 __all__ = [
     "check_fp8_dtype",

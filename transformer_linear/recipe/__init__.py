@@ -22,7 +22,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from transformer_linear.block_scaling import E8M0_ROUNDINGS
+from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
 
 __all__ = [
     "CurrentScaling",

@@ -41,27 +41,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from transformer_linear import amax_reduction, ops, quantization
+from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
-from transformer_linear.linear_args import DelayedScalingArgs, LinearFwdArgs, LinearFwdOutputs
-from transformer_linear.recipe import DelayedScaling
-from transformer_linear.reference import compute_scale, fp8_max
-from transformer_linear.scaling import (
+from transformer_linear.recipe import DelayedScaling, amax_reduction, quantization
+from transformer_linear.recipe.scaling import (
     FP8_STATE_COLUMNS,
     FP8_STATES,
     checked_fp8_state,
     no_amax_yet,
     update_delayed_scaling_,
 )
+from transformer_linear.reference import compute_scale, fp8_max
+
+if TYPE_CHECKING:  # the Linear's op arguments, in the layer above: annotations only
+    from transformer_linear.modules.linear_args import LinearFwdArgs, LinearFwdOutputs
 
 __all__ = [
     "FWD_SCALE_KEY",
     "STATE_KEYS",
+    "DelayedScalingArgs",
     "DelayedScalingState",
     "ForwardScales",
     "PendingReduction",
@@ -80,6 +83,35 @@ FWD_SCALE_KEY = "fp8_fwd_scale"
 DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
 
 _STATES: HandleTable["DelayedScalingState"] = HandleTable()
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingArgs:
+    """What the ops need of a layer's delayed-scaling state: its buffers and the
+    recipe's knobs. None in the args of every other recipe."""
+
+    scale: Tensor
+    """(2,) float32 scales of [input, weight], updated after forward."""
+    fwd_scale: Optional[Tensor]
+    """(3,) what forward quantizes [input, weight, grad_output] with; None in a forward (``scale`` and
+    ``grad_scale`` as they are); in activation checkpointing's recompute (during backward, when the scales
+    have moved on) the copy of the scales the original forward used, which the state records from
+    linear_fwd's last output."""
+    amax_history: Tensor
+    """(history_len, 2), the forward state's history."""
+    grad_scale: Tensor
+    """(1,) grad_output's scale; only backward updates it (forward reads it)."""
+    grad_amax_history: Tensor
+    """(history_len, 1); backward records grad_output's amax in it."""
+    amax_compute_algo: str
+    amax_reduction_group: int
+    """amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
+    reduction_handle: int
+    """Across ranks: the handle (_handles.py) of the layer's state, which keeps the reductions launched in
+    the background until they are applied; -1: reductions block (or there are none)."""
+    just_in_time: bool
+    """A tensor whose history column holds no amax yet is quantized with a scale from its own amax
+    (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
 
 
 def _run_by_backward() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from transformer_linear.dtypes import FP8_DTYPES
+from transformer_linear.formats.dtypes import FP8_DTYPES
 
 __all__ = ["fp8_tensor_cores_take", "needs_columnwise", "saved_form", "transposed"]
 

@@ -35,7 +35,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from transformer_linear import layout, ops
+from transformer_linear import ops
+from transformer_linear.formats import layout
+from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
+from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES
 from transformer_linear.recipe import (
     CurrentScaling,
     DelayedScaling,
@@ -44,8 +47,6 @@ from transformer_linear.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from transformer_linear.block_scaling import E8M0_ROUNDINGS
-from transformer_linear.dtypes import E8M0_DTYPE, FP8_DTYPES
 
 DATA_DTYPES = (*FP8_DTYPES, torch.float4_e2m1fn_x2)
 """What a quantizer's data may be: FP8, or FP4 (two E2M1 values a byte) for recipes whose kernels take it."""
@@ -370,7 +371,7 @@ def quantization_spec(recipe: Recipe) -> QuantizationSpec:
     """The :class:`QuantizationSpec` of ``recipe``.
 
     Raises:
-        TypeError: ``recipe`` is not one of recipe.py's recipes.
+        TypeError: ``recipe`` has no quantizers (see check_recipe).
     """
     builder = _SPEC_BUILDERS.get(type(recipe))
     if builder is None:

@@ -5,8 +5,8 @@ tiles (DeepSeek-V3, TE ``Float8BlockScaling``), 1x32 blocks with E8M0 scales
 (OCP MXFP8) and one scale per row (torchao's rowwise). Each op is a
 ``torch.library`` custom op with a fake implementation; CPU tensors run the
 extension's kernels, CUDA tensors the Triton kernels of
-``transformer_linear.triton`` (block-scaled GEMMs: cuBLASLt's block-scaled
-matmul where the GPU and build have it, see ``_block_gemm_cuda``), each
+``transformer_linear.ops.triton`` (block-scaled GEMMs: cuBLASLt's block-scaled
+matmul where the GPU and build have it, see ``ops.gemm_block_cuda``), each
 registered for its device. ``ops.fp8_gemm`` routes block scales here (through
 the private ``_fp8_gemm_blockwise*`` functions, which take the scalings
 ``block_scaling.resolve_gemm_scalings`` found: each operand's ScalingType and
@@ -20,10 +20,8 @@ from typing import Optional
 
 import torch
 
-from transformer_linear import _C, _block_gemm_cuda
-from transformer_linear._checks import check_hp_dtype, check_same_device, check_scale_values, gemm_out_shape
-from transformer_linear._tensor import desc, stream_for
-from transformer_linear.block_scaling import (
+from transformer_linear import _C
+from transformer_linear.formats.block_scaling import (
     BlockQuantizeOutput,
     GemmScalings,
     blockwise_outputs,
@@ -31,7 +29,10 @@ from transformer_linear.block_scaling import (
     check_scale_dtype,
     columnwise_block_shape,
 )
-from transformer_linear.dtypes import E8M0_DTYPE
+from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_scale_values, gemm_out_shape
+from transformer_linear.formats.dtypes import E8M0_DTYPE
+from transformer_linear.ops import gemm_block_cuda
+from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["quantize_blockwise", "quantize_blockwise_fused"]
 
@@ -93,8 +94,8 @@ def _run_blockwise_gemm(op, a, a_scale_inv, b, b_scale_inv, a_block, b_block, bi
 
 
 def _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings: GemmScalings):
-    """cuBLASLt's block-scaled matmul where it takes the pair (_block_gemm_cuda.py), the Triton GEMM otherwise."""
-    out = _block_gemm_cuda.fp8_gemm_cublaslt(
+    """cuBLASLt's block-scaled matmul where it takes the pair (gemm_block_cuda.py), the Triton GEMM otherwise."""
+    out = gemm_block_cuda.fp8_gemm_cublaslt(
         a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings.a_scaling, scalings.b_scaling
     )
     if out is None:
@@ -144,9 +145,9 @@ def _fp8_gemm_blockwise(
 
 
 def _triton_kernels():
-    """transformer_linear.triton, imported on first GPU use: triton is an optional dependency
+    """transformer_linear.ops.triton, imported on first GPU use: triton is an optional dependency
     (the ``cuda`` extra) and importing it costs seconds."""
-    import transformer_linear.triton as kernels  # noqa: PLC0415 (optional dependency)
+    import transformer_linear.ops.triton as kernels  # noqa: PLC0415 (optional dependency)
 
     return kernels
 

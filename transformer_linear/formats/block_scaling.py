@@ -1,7 +1,7 @@
 """Scalings of FP8 GEMM operands: the scale layouts, the pairs fp8_gemm runs, resolving a call's pair.
 
-One low module for what the ops (``ops``, ``ops_blockwise``), their backends
-(``transformer_linear.triton``, ``_block_gemm_cuda``) and the oracle
+One low module for what the ops (``ops``, ``ops.block``), their backends
+(``ops.triton``, ``ops.gemm_block_cuda``) and the oracle
 (``reference``) all need to agree on: which scaled_mm ScalingType a scale
 tensor stands for, with which blocks; the checks of a blockwise quantize's
 arguments; the shapes of its outputs. A GEMM's scalings are resolved once,
@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
-from transformer_linear._checks import check_fp8_dtype, check_hp_dtype, check_tensor, gemm_out_shape
-from transformer_linear.dtypes import E8M0_DTYPE, SCALE_DTYPES
+from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_tensor, gemm_out_shape
+from transformer_linear.formats.dtypes import E8M0_DTYPE, SCALE_DTYPES
 
 __all__ = [
     "E8M0_ROUNDINGS",

@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_linear._checks import check_hp_dtype
-from transformer_linear.block_scaling import resolve_gemm_scalings
-from transformer_linear.dtypes import E8M0_DTYPE
-from transformer_linear.triton._fp8_bits import e8m0_to_float
-from transformer_linear.triton.quantize_blockwise import INTERPRETED, _next_pow2
+from transformer_linear.formats.block_scaling import resolve_gemm_scalings
+from transformer_linear.formats.checks import check_hp_dtype
+from transformer_linear.formats.dtypes import E8M0_DTYPE
+from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
+from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
 
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),

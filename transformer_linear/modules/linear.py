@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_linear import amax_reduction, tensor_parallel
-from transformer_linear._checks import check_linear_devices
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.autocast import get_fp8_recipe
-from transformer_linear.delayed_scaling import DelayedScalingState
-from transformer_linear.linear_args import CachedWeight, LinearFwdArgs
-from transformer_linear.linear_ops import WgradQueue, compute_wgrad, linear_fwd
-from transformer_linear.quantization import NO_QUANTIZATION, check_recipe, quantization_spec
-from transformer_linear.recipe import Recipe
+from transformer_linear.formats.checks import check_linear_devices
+from transformer_linear.modules import tensor_parallel
+from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.linear_args import CachedWeight, LinearFwdArgs
+from transformer_linear.modules.linear_ops import WgradQueue, compute_wgrad, linear_fwd
+from transformer_linear.recipe import Recipe, amax_reduction
+from transformer_linear.recipe.delayed_scaling import DelayedScalingState
+from transformer_linear.recipe.quantization import NO_QUANTIZATION, check_recipe, quantization_spec
 
 __all__ = ["Linear"]
 
@@ -73,9 +73,9 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        # Delayed scaling's amax all-reduce group, as a amax_reduction.py key
+        # Delayed scaling's amax all-reduce group, as an amax_reduction.py key
         # (an int, so torch.compile guards on it cheaply): set it with
-        # tl.amax_reduction.set_amax_reduction_group.
+        # tl.distributed.set_amax_reduction_group.
         self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))

@@ -25,12 +25,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from transformer_linear.quantization import NO_QUANTIZATION, QuantizationSpec, Quantized
+from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
+from transformer_linear.recipe.quantization import NO_QUANTIZATION, QuantizationSpec, Quantized
 
 __all__ = [
     "ArgsOp",
     "CachedWeight",
-    "DelayedScalingArgs",
     "LinearBwdArgs",
     "LinearBwdContext",
     "LinearFwdArgs",
@@ -64,35 +64,6 @@ class CachedWeight:
             self.weight_scale_inv_t if self.weight_scale_inv_t is not None else empty_scale,
             self.weight_amax,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class DelayedScalingArgs:
-    """What the ops need of a layer's delayed-scaling state (delayed_scaling.py): its buffers and the
-    recipe's knobs. None in the args of every other recipe."""
-
-    scale: Tensor
-    """(2,) float32 scales of [input, weight], updated after forward."""
-    fwd_scale: Optional[Tensor]
-    """(3,) what forward quantizes [input, weight, grad_output] with; None in a forward (``scale`` and
-    ``grad_scale`` as they are); in activation checkpointing's recompute (during backward, when the scales
-    have moved on) the copy of the scales the original forward used, which the state records from
-    linear_fwd's last output."""
-    amax_history: Tensor
-    """(history_len, 2), the forward state's history."""
-    grad_scale: Tensor
-    """(1,) grad_output's scale; only backward updates it (forward reads it)."""
-    grad_amax_history: Tensor
-    """(history_len, 1); backward records grad_output's amax in it."""
-    amax_compute_algo: str
-    amax_reduction_group: int
-    """amax_reduction.py key of the group amaxes are all-reduced over (-1: none)."""
-    reduction_handle: int
-    """Across ranks: the handle (_handles.py) of the layer's state, which keeps the reductions launched in
-    the background until they are applied; -1: reductions block (or there are none)."""
-    just_in_time: bool
-    """A tensor whose history column holds no amax yet is quantized with a scale from its own amax
-    (reduced over ``amax_reduction_group``); its grad_output scale is returned negated to say so."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,18 +10,19 @@ columnwise copy is the same kernel run over x's transposed view.
 from __future__ import annotations
 
 import os
+
 import torch
 import triton
 import triton.language as tl
 
-from transformer_linear.block_scaling import (
+from transformer_linear.formats.block_scaling import (
     BlockQuantizeOutput,
     blockwise_outputs,
     check_quantize_blockwise_args,
     columnwise_block_shape,
 )
-from transformer_linear.dtypes import E8M0_DTYPE, fp8_max
-from transformer_linear.triton._fp8_bits import block_scales, e4m3_bits, e5m2_bits, saturate
+from transformer_linear.formats.dtypes import E8M0_DTYPE, fp8_max
+from transformer_linear.ops.triton._fp8_bits import block_scales, e4m3_bits, e5m2_bits, saturate
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

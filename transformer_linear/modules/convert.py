@@ -21,10 +21,10 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from transformer_linear import tensor_parallel
-from transformer_linear.linear import Linear
+from transformer_linear.modules import tensor_parallel
+from transformer_linear.modules.linear import Linear
 from transformer_linear.recipe import Recipe
-from transformer_linear.scaling import FP8_STATES
+from transformer_linear.recipe.scaling import FP8_STATES
 
 __all__ = ["Conv1DLinear", "ConversionPlan", "conversion_plan", "convert_to_fp8", "load_fp8_state"]
 
