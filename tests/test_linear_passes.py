@@ -1,0 +1,118 @@
+"""What one forward and backward of a tl.Linear costs besides its arithmetic, per recipe: kernel passes over
+the data and reads of tensor values on the host.
+
+Every recipe quantizes each of its three tensors (input, weight, grad_output) in one kernel pass, both
+usages of a tensor coming out of that pass, and runs three GEMMs (forward, dgrad, wgrad): counted at the
+extension's entry points. A read of a tensor's value on the host (``.item()``, ``.tolist()``, ``bool()``,
+``nonzero``) is a device sync on a GPU. The only ones are the CPU kernels' checks of the scales they are
+handed (formats/checks.py, which reads CPU tensors only and skips every other device) and delayed
+scaling's just-in-time first step (``first_step_just_in_time=True``, the default): one read of the layer's
+state in the forward for all three tensors, and one of grad_output's scale in the backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+import transformer_linear as tl
+from transformer_linear import _C, recipe
+
+PACKAGE = Path(tl.__file__).resolve().parent
+M, K, N = 64, 256, 384
+
+KERNEL_FAMILIES = {
+    "amax": "amax",
+    "quantize": "quantize",
+    "quantize_blockwise": "quantize",
+    "fp8_gemm": "gemm",
+    "fp8_gemm_blockwise": "gemm",
+    "dequantize": "dequantize",
+}
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+CPU_SCALE_CHECKS = "formats/checks.py"
+
+RECIPES = {name: recipe.from_name(name) for name in recipe.available_names()}
+RECIPES["delayed, no just-in-time first step"] = recipe.DelayedScaling(first_step_just_in_time=False)
+
+
+@dataclasses.dataclass
+class Costs:
+    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Kernel family -> calls into the extension."""
+    reads: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Package module -> host reads of tensor values made there (the innermost package frame)."""
+    cpu_only_reads: bool = True
+    """Every read at the CPU scale checks was of a CPU tensor."""
+
+
+@pytest.fixture
+def costs(monkeypatch) -> Costs:
+    """Counts kernel calls and host reads of tensor values while the test runs."""
+    counted = Costs()
+    for name, family in KERNEL_FAMILIES.items():
+        kernel = getattr(_C, name)
+
+        def counting_kernel(*args, _kernel=kernel, _family=family, **kwargs):
+            counted.kernels[_family] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(_C, name, counting_kernel)
+    for method in HOST_READS:
+        original = getattr(torch.Tensor, method)
+
+        def counting_read(self, *args, _original=original, **kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1] if Path(f.filename).resolve().is_relative_to(PACKAGE)]
+            if frames:
+                site = Path(frames[-1].filename).resolve().relative_to(PACKAGE).as_posix()
+                counted.reads[site] += 1
+                if site == CPU_SCALE_CHECKS and self.device.type != "cpu":
+                    counted.cpu_only_reads = False
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counting_read)
+    return counted
+
+
+def _steps(name: str, costs: Costs, steps: int = 3) -> list[Costs]:
+    """The costs of ``steps`` forward+backward steps of one layer under the named recipe, step by step."""
+    torch.manual_seed(0)
+    layer = tl.Linear(K, N, recipe=RECIPES[name])
+    x = torch.randn(M, K, requires_grad=True)
+    per_step = []
+    for _ in range(steps):
+        costs.kernels.clear()
+        costs.reads.clear()
+        layer(x).sum().backward()
+        per_step.append(Costs(collections.Counter(costs.kernels), collections.Counter(costs.reads)))
+    return per_step
+
+
+def _just_in_time(name: str) -> bool:
+    r = RECIPES[name]
+    return isinstance(r, recipe.DelayedScaling) and r.first_step_just_in_time
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_three_quantize_passes_and_three_gemms(name, costs):
+    first, *later = _steps(name, costs)
+    for step in later:
+        assert dict(step.kernels) == {"quantize": 3, "gemm": 3}
+    # Delayed scaling's first step scales each tensor just in time: one amax pass each, before its cast.
+    extra = {"amax": 3} if _just_in_time(name) else {}
+    assert dict(first.kernels) == {"quantize": 3, "gemm": 3, **extra}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_host_reads_are_the_cpu_scale_checks_and_delayed_scalings_state(name, costs):
+    for step in _steps(name, costs):
+        elsewhere = {site: n for site, n in step.reads.items() if site != CPU_SCALE_CHECKS}
+        expected = {"recipe/delayed_scaling.py": 2} if _just_in_time(name) else {}
+        assert elsewhere == expected
+        assert step.reads[CPU_SCALE_CHECKS] > 0  # the counting sees reads where they happen
+    assert costs.cpu_only_reads
