@@ -20,6 +20,7 @@ from transformer_linear.autocast import autocast, fp8_autocast  # noqa: E402
 from transformer_linear.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.convert import convert_to_fp8, load_fp8_state  # noqa: E402
 from transformer_linear.linear import Linear  # noqa: E402
+from transformer_linear.quantization import TensorQuantizer  # noqa: E402
 
 __all__ += [
     "Linear",
@@ -30,6 +31,7 @@ __all__ += [
     "fp8_autocast",
     "recipe",
     "selective_checkpoint_contexts",
+    "TensorQuantizer",
 ]
 
 # "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.
