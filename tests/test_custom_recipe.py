@@ -71,6 +71,12 @@ def test_factory_errors_name_the_role():
 
     with pytest.raises(ValueError, match="'scale_from_history' must be the same for every role"):
         tl.Linear(8, 8, recipe=CustomRecipe(history_for_weight_only))
+    def history_with_e5m2_weight(role):
+        dtype = E5M2 if role == "linear_weight" else E4M3
+        return TensorQuantizer(dtype, [], F32, False, scale_from_history=True)
+
+    with pytest.raises(ValueError, match="input and weight must have the same dtype and margin"):
+        tl.Linear(8, 8, recipe=CustomRecipe(history_with_e5m2_weight))
     with pytest.raises(TypeError, match="'recipe' must be one of .*CustomRecipe"):
         tl.Linear(8, 8, recipe=mixed_quantizers)
     with pytest.raises(TypeError, match="autocast: 'recipe' must be one of"):

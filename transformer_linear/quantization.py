@@ -302,13 +302,14 @@ class QuantizationSpec:
     """How a recipe quantizes the Linear's input, weight and grad_output.
 
     Each tensor has its own quantizer: the roles may differ in format, blocks and scaling. Only where
-    the scales come from the layer's amax history must all three agree (the state holds one history
-    per role and updates them together), and then ``history`` says how the scales are computed.
+    the scales come from the layer's amax history must all three agree on that, and input and weight
+    on their dtype and margin (the forward state updates their scales together); ``history`` then says
+    how the scales are computed.
 
     Raises:
         TypeError: a role is not a TensorQuantizer, or ``history`` not a HistoryConfig.
-        ValueError: ``scale_from_history`` differs across the roles, or ``history`` is given without
-            it (or missing with it).
+        ValueError: ``scale_from_history`` differs across the roles, ``history`` is given without it
+            (or missing with it), or input and weight taking scales from it differ in dtype or margin.
     """
 
     input: TensorQuantizer
@@ -331,6 +332,12 @@ class QuantizationSpec:
             raise TypeError(f"QuantizationSpec: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
         if (self.history is not None) != self.input.scale_from_history:
             raise ValueError("QuantizationSpec: 'history' is given exactly where the scales come from the history")
+        if self.history is not None and (self.input.dtype, self.input.margin) != (self.weight.dtype, self.weight.margin):
+            # The forward state updates both scales in one pass, with one FP8 maximum and margin.
+            raise ValueError(
+                "QuantizationSpec: with scales from the amax history, input and weight must have the same dtype "
+                f"and margin, got {self.input.dtype} / {self.input.margin} and {self.weight.dtype} / {self.weight.margin}"
+            )
 
     @property
     def scale_from_history(self) -> bool:
