@@ -63,7 +63,8 @@ def test_factory_errors_name_the_role():
     def no_grad_quantizer(role):
         return None if role == "linear_grad_output" else mixed_quantizers(role)
 
-    with pytest.raises(TypeError, match="qfactory\\('linear_grad_output'\\) must return a transformer_linear.TensorQuantizer"):
+    must_return = "qfactory\\('linear_grad_output'\\) must return a transformer_linear.TensorQuantizer"
+    with pytest.raises(TypeError, match=must_return):
         tl.Linear(8, 8, recipe=CustomRecipe(no_grad_quantizer))
 
     def history_for_weight_only(role):

@@ -239,7 +239,8 @@ def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = a.quantization
     g_t = spec.grad_output.columnwise_operand(a.grad_output_t)
     x_t = spec.input.columnwise_operand(a.inp)
-    return g_t, spec.grad_output.scale_2d(a.grad_output_t_scale_inv, g_t), x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
+    g_t_scale_inv = spec.grad_output.scale_2d(a.grad_output_t_scale_inv, g_t)
+    return g_t, g_t_scale_inv, x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
 
 
 @linear_wgrad.op.register_fake

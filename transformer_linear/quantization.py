@@ -332,11 +332,13 @@ class QuantizationSpec:
             raise TypeError(f"QuantizationSpec: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
         if (self.history is not None) != self.input.scale_from_history:
             raise ValueError("QuantizationSpec: 'history' is given exactly where the scales come from the history")
-        if self.history is not None and (self.input.dtype, self.input.margin) != (self.weight.dtype, self.weight.margin):
+        fwd = {(q.dtype, q.margin) for q in (self.input, self.weight)}
+        if self.history is not None and len(fwd) > 1:
             # The forward state updates both scales in one pass, with one FP8 maximum and margin.
             raise ValueError(
                 "QuantizationSpec: with scales from the amax history, input and weight must have the same dtype "
-                f"and margin, got {self.input.dtype} / {self.input.margin} and {self.weight.dtype} / {self.weight.margin}"
+                f"and margin, got {self.input.dtype} / {self.input.margin} and "
+                f"{self.weight.dtype} / {self.weight.margin}"
             )
 
     @property

@@ -340,7 +340,9 @@ class CustomRecipe:
 
     def __post_init__(self) -> None:
         if not callable(self.qfactory):
-            raise TypeError(f"CustomRecipe: 'qfactory' must be callable (role -> TensorQuantizer), got {self.qfactory!r}")
+            raise TypeError(
+                f"CustomRecipe: 'qfactory' must be callable (role -> TensorQuantizer), got {self.qfactory!r}"
+            )
         if self.history is not None and not isinstance(self.history, HistoryConfig):
             raise TypeError(f"CustomRecipe: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
 

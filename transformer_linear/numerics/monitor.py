@@ -220,7 +220,9 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
         self.close()
 
 
-def _tensor_scale(layer: nn.Module, quantizer: TensorQuantizer, amax: torch.Tensor, column: str) -> Optional[torch.Tensor]:
+def _tensor_scale(
+    layer: nn.Module, quantizer: TensorQuantizer, amax: torch.Tensor, column: str
+) -> Optional[torch.Tensor]:
     """The one scale ``quantizer`` gave a tensor of ``layer`` (``column``: "input" or "weight") whose amax is
     ``amax``: the scale the last forward used where it comes from the amax history, else the current
     scale; None for block scales (per block, quantizer_range_stats computes them)."""
