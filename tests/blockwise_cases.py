@@ -91,15 +91,38 @@ GEMM_SCALINGS = {
 }
 
 
+# The mixed float32 pairs (a recipe whose roles differ in scaling): name -> (a scaling, b scaling, the
+# ScalingTypes fp8_gemm resolves). A block of None is one scale per tensor (current scaling).
+_MIXABLE = {
+    "tensorwise": ((None, torch.float32), "TensorWise"),
+    "rowwise": (((1, None), torch.float32), "RowWise"),
+    "1x128": (((1, 128), torch.float32), "BlockWise1x128"),
+    "128x128": (((128, 128), torch.float32), "BlockWise128x128"),
+}
+MIXED_GEMM_SCALINGS = {
+    f"{a}_x_{b}": (_MIXABLE[a][0], _MIXABLE[b][0], (_MIXABLE[a][1], _MIXABLE[b][1]))
+    for a in _MIXABLE
+    for b in _MIXABLE
+    if a != b and {a, b} != {"1x128", "128x128"}
+}
+
+
+def _quantize_operand(x: torch.Tensor, fmt, block, scale_dtype, power_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if block is None:
+        return reference.quantize_current(x, fmt)[:2]
+    return reference.quantize_blockwise_ref(x, fmt, block_shape_for(block, x.shape[1]), scale_dtype, power_2)
+
+
 def block_operands(m: int, n: int, k: int, a_fmt, b_fmt, scaling: str, power_2: bool = True, spread: int = 8):
-    """Quantized (a, a_scale_inv, b, b_scale_inv) with the given scaling, from the reference quantizer.
+    """Quantized (a, a_scale_inv, b, b_scale_inv) with the given scaling (of GEMM_SCALINGS or
+    MIXED_GEMM_SCALINGS), from the reference quantizers.
 
     Rows of a and columns of b get magnitudes over 2^-spread..2^spread so block scales really differ."""
-    (a_block, a_sd), (b_block, b_sd) = GEMM_SCALINGS[scaling]
+    (a_block, a_sd), (b_block, b_sd) = (GEMM_SCALINGS.get(scaling) or MIXED_GEMM_SCALINGS[scaling])[:2]
     a_hp = torch.randn(m, k) * torch.exp2(torch.randint(-spread, spread + 1, (m, 1)).float())
     b_hp = torch.randn(n, k) * torch.exp2(torch.randint(-spread, spread + 1, (1, k)).float())
-    a, sa = reference.quantize_blockwise_ref(a_hp, a_fmt, block_shape_for(a_block, k), a_sd, power_2)
-    b, sb = reference.quantize_blockwise_ref(b_hp, b_fmt, block_shape_for(b_block, k), b_sd, power_2)
+    a, sa = _quantize_operand(a_hp, a_fmt, a_block, a_sd, power_2)
+    b, sb = _quantize_operand(b_hp, b_fmt, b_block, b_sd, power_2)
     return a, sa, b, sb
 
 

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from blockwise_cases import E4M3, E5M2, E8M0, FP8_FORMATS, GEMM_SCALINGS, block_operands, dequantized_mm_fp32
+from blockwise_cases import (
+    E4M3,
+    E5M2,
+    E8M0,
+    FP8_FORMATS,
+    GEMM_SCALINGS,
+    MIXED_GEMM_SCALINGS,
+    block_operands,
+    dequantized_mm_fp32,
+)
 from cpu_paths import SUPPORTED_ISAS
 from tolerances import assert_close_to_reference
+
 from transformer_linear import _C, ops, reference
+from transformer_linear.formats.block_scaling import resolve_gemm_scalings
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -83,8 +93,8 @@ def test_matches_torch_scaled_mm(scaling, a_fmt):
 @pytest.mark.parametrize(
     "a_scale, b_scale, match",
     [
-        (torch.ones(8, 2), torch.ones(1), "unsupported scaling combination"),  # 1x128 x TensorWise
-        (torch.ones(8, 1), torch.ones(1, 2), "unsupported scaling combination"),  # RowWise x 128x128
+        (torch.ones(8, 8).to(E8M0), torch.ones(1), "unsupported scaling combination"),  # MX x TensorWise
+        (torch.ones(8, 1), torch.ones(16, 8).to(E8M0), "unsupported scaling combination"),  # RowWise x MX
         (torch.ones(8, 8).to(E8M0), torch.ones(16, 2), "unsupported scaling combination"),  # MX x 1x128
         (torch.ones(8, 3), torch.ones(16, 2), "matches no scaling|unsupported"),  # wrong shape
     ],
@@ -110,6 +120,48 @@ def test_scaling_table():
     assert set(s(torch.ones(1, 3), rows, k)) == {"BlockWise128x128"}
     assert set(s(torch.ones(rows, 10).to(E8M0), rows, k)) == {"BlockWise1x32"}
     assert ("BlockWise1x128", "BlockWise128x128") in ops.fp8_gemm_scalings()
+
+
+@pytest.mark.parametrize("scaling", list(MIXED_GEMM_SCALINGS))
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (7, 9, 300), (130, 70, 257), (33, 150, 128)])
+def test_mixed_scalings(cpu_isa, scaling, m, n, k):
+    """Operands of different scalings (a recipe whose roles differ: tensorwise activations, 128x128
+    weights, rowwise gradients): each K-block's partial sum is promoted with both operands' scales."""
+    a, sa, b, sb = block_operands(m, n, k, E4M3, E5M2, scaling)
+    bias = torch.randn(n)
+    check_gemm(a, sa, b, sb, torch.float32, bias, what=f"{cpu_isa} {scaling} {m}x{n}x{k}")
+    if min(m, n) > 1 and k > 128:  # where no other pair's shapes fit too
+        resolved = resolve_gemm_scalings(a, sa, b, sb)
+        assert (resolved.a_scaling, resolved.b_scaling) == MIXED_GEMM_SCALINGS[scaling][2]
+
+
+@pytest.mark.parametrize("scaling", list(MIXED_GEMM_SCALINGS))
+def test_mixed_scalings_accumulate_and_column_major(scaling):
+    """wgrad's column-major views and fp8_gemm_accumulate_ (fuse_wgrad_accumulation) take the mixed pairs."""
+    a, sa, b, sb = block_operands(40, 24, 300, E4M3, E4M3, scaling)
+    check_gemm(a.t().contiguous().t(), sa, b.t().contiguous().t(), sb, torch.bfloat16, what=f"{scaling} column-major")
+    out = torch.randn(40, 24)
+    expected = out.double() + reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64)
+    ops.fp8_gemm_accumulate_(a, sa, b, sb, out)
+    assert_close_to_reference(out, expected, what=f"{scaling} accumulate")
+
+
+def test_existing_pairs_resolve_as_before():
+    """The mixed pairs come after scaled_mm's: a shape that fits both keeps its earlier resolution."""
+    pairs = ops.fp8_gemm_scalings()
+    assert pairs[:6] == (
+        ("TensorWise", "TensorWise"),
+        ("RowWise", "RowWise"),
+        ("BlockWise1x128", "BlockWise128x128"),
+        ("BlockWise128x128", "BlockWise1x128"),
+        ("BlockWise1x128", "BlockWise1x128"),
+        ("BlockWise1x32", "BlockWise1x32"),
+    )
+    assert {tuple(v[2]) for v in MIXED_GEMM_SCALINGS.values()} == set(pairs[6:])
+    # 1-element scales of a (1, 64) and a (3, 64) operand: TensorWise both, not TensorWise x RowWise.
+    a, b = torch.zeros(1, 64, dtype=E4M3), torch.zeros(3, 64, dtype=E4M3)
+    resolved = resolve_gemm_scalings(a, torch.ones(1, 1), b, torch.ones(1))
+    assert resolved.tensorwise
 
 
 @pytest.mark.parametrize("scaling", ["1x128_x_128x128", "1x32_x_1x32_e8m0"])

@@ -43,6 +43,7 @@ else:
         E5M2,
         FP8_FORMATS,
         GEMM_SCALINGS,
+        MIXED_GEMM_SCALINGS,
         all_bit_patterns,
         block_operands,
         check_e8m0_rounding,
@@ -106,10 +107,20 @@ else:
         assert_close_to_reference(d, expected, baseline, what=f"triton {scaling} {m}x{n}x{k} -> {out_dtype}")
 
 
+    @pytest.mark.parametrize("scaling", list(MIXED_GEMM_SCALINGS))
+    def test_gemm_mixed_scalings(kernels, scaling):
+        """Operands of different scalings (what ops.fp8_gemm runs on CUDA for pairs cuBLASLt lacks)."""
+        a, sa, b, sb = block_operands(20, 24, 300, E4M3, E5M2, scaling, spread=3)
+        bias = torch.randn(24)
+        d = kernels.fp8_gemm(a, sa, b, sb, torch.float32, bias)
+        expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
+        baseline = dequantized_mm_fp32(a, sa, b, sb, torch.float32, bias)
+        assert_close_to_reference(d, expected, baseline, what=f"triton {scaling}")
+
     def test_gemm_tensorwise_and_errors(kernels):
         a, sa, _ = reference.quantize_current(torch.randn(9, 50), E4M3)
         b, sb, _ = reference.quantize_current(torch.randn(6, 50), E4M3)
         d = kernels.fp8_gemm(a, sa, b, sb, torch.float32)
         assert_close_to_reference(d, reference.fp8_gemm(a, sa, b, sb, torch.float64), what="tensorwise")
         with pytest.raises(ValueError, match="unsupported scaling combination"):
-            kernels.fp8_gemm(a, torch.ones(9, 1), b, sb, torch.float32)
+            kernels.fp8_gemm(a, torch.ones(9, 1), b, torch.ones(6, 2).to(torch.float8_e8m0fnu), torch.float32)

@@ -451,7 +451,6 @@ def test_opcheck_linear_dgrad_and_wgrad(name):
         grad_output_t=qg.data_t,
         grad_output_scale_inv=qg.scale_inv,
         grad_output_t_scale_inv=qg.scale_inv_t,
-        operands_transposed=True,
         inp=qx.data_t,
         inp_scale_inv=qx.scale_inv_t,
         weight=qw.data_t,

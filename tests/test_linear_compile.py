@@ -87,7 +87,6 @@ class TestOpcheck:
             grad_output_t=q["g"][0],
             grad_output_scale_inv=q["g"][1],
             grad_output_t_scale_inv=q["g"][1],
-            operands_transposed=False,
             inp=q["x"][0],
             inp_scale_inv=q["x"][1],
             weight=q["w"][0],
@@ -121,7 +120,8 @@ class TestOpcheck:
             "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history"
         )
         nested = {
-            "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves],
+            "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]
+            + [f"history__{f}" for f in recipe.HistoryConfig.__dataclass_fields__],
             "delayed": list(DelayedScalingArgs.__dataclass_fields__),
             "cached_weight": list(CachedWeight.__dataclass_fields__),
         }
@@ -134,6 +134,7 @@ class TestOpcheck:
         # An optional config's leaves are all optional (None when the config is None).
         assert types["delayed__scale"] == "Optional[Tensor]" and types["delayed__just_in_time"] == "Optional[bool]"
         assert types["cached_weight__weight_fp8"] == "Optional[Tensor]"
+        assert types["quantization__history__amax_history_len"] == "Optional[int]"
 
     @pytest.mark.parametrize("name", [None, *RECIPES])
     @pytest.mark.parametrize("cached", [False, True])

@@ -109,7 +109,7 @@ def test_quantizers_declare_what_the_linear_produces(name, monkeypatch):
     assert b.grad_output_scale_inv.dtype == spec.grad_output.scale_dtype
     g_scale_inv = spec.grad_output.scale_2d(b.grad_output_scale_inv, b.grad_output)
     assert tuple(g_scale_inv.shape) == _scale_shape(spec.grad_output, M, N)
-    assert b.operands_transposed == spec.weight.columnwise_is_copy
+    assert b.quantization == spec  # each saved operand becomes a GEMM operand by its own quantizer
     w_t = spec.weight.columnwise_operand(b.weight)
     assert w_t.shape == (K, N) and w_t.dtype == spec.weight.dtype
     dgrad = resolve_gemm_scalings(b.grad_output, g_scale_inv, w_t, b.weight_scale_inv)

@@ -25,7 +25,9 @@ EXPECTED = {
 def test_available_names_are_every_built_in_recipe():
     assert recipe.available_names() == tuple(EXPECTED)
     built = {type(recipe.from_name(name)) for name in recipe.available_names()}
-    assert built == set(typing.get_args(recipe.Recipe)), "a built-in recipe class without a name"
+    # A CustomRecipe is made of the caller's quantizer factory: there is no default one to name.
+    configured = set(typing.get_args(recipe.Recipe)) - {recipe.CustomRecipe}
+    assert built == configured, "a built-in recipe class without a name"
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

@@ -22,6 +22,7 @@ from transformer_linear.modules.autocast import autocast, fp8_autocast  # noqa: 
 from transformer_linear.modules.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
 from transformer_linear.modules.linear import Linear  # noqa: E402
+from transformer_linear.recipe.quantization import TensorQuantizer  # noqa: E402
 
 __all__ += [
     "Linear",
@@ -32,6 +33,7 @@ __all__ += [
     "fp8_autocast",
     "recipe",
     "selective_checkpoint_contexts",
+    "TensorQuantizer",
 ]
 
 # "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.

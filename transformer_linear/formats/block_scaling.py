@@ -36,8 +36,14 @@ __all__ = [
 E8M0_ROUNDINGS = ("ceil", "floor")
 """How an E8M0 block scale rounds (reference.e8m0_exponent)."""
 
-# The (a, b) ScalingType pairs fp8_gemm runs, as torch's scaled_mm and cuBLASLt pair them. The order
-# matters: where a shape fits several pairs, the first one is the resolution.
+# The float32 scalings a block-scaled GEMM mixes: every K-block width among them (K, K, 128, 128)
+# divides or covers the others, which is all the CPU and Triton kernels need of a pair.
+_MIXABLE = ("TensorWise", "RowWise", "BlockWise1x128", "BlockWise128x128")
+
+# The (a, b) ScalingType pairs fp8_gemm runs. First the pairs of torch's scaled_mm and cuBLASLt, then
+# the mixed float32 pairs the package's kernels run (a recipe whose roles differ in scaling: tensorwise
+# activations with 128x128 weights, ...; cuBLASLt takes none of them). The order matters: where a shape
+# fits several pairs, the first one is the resolution, so the mixed pairs come last.
 _GEMM_SCALING_PAIRS = (
     ("TensorWise", "TensorWise"),
     ("RowWise", "RowWise"),
@@ -45,6 +51,13 @@ _GEMM_SCALING_PAIRS = (
     ("BlockWise128x128", "BlockWise1x128"),
     ("BlockWise1x128", "BlockWise1x128"),
     ("BlockWise1x32", "BlockWise1x32"),
+    *(
+        pair
+        for i, first in enumerate(_MIXABLE)
+        for second in _MIXABLE[i + 1 :]
+        if {first, second} != {"BlockWise1x128", "BlockWise128x128"}  # scaled_mm's pairs, above
+        for pair in ((first, second), (second, first))
+    ),
 )
 
 # Block width along K of the ScalingTypes whose blocks do not cover a whole row.
@@ -68,6 +81,12 @@ def fp8_gemm_scalings() -> tuple[tuple[str, str], ...]:
     ================  ==========================  ==================  =========
 
     Where a shape fits several rows (R = 1, K <= 128) they mean the same blocks.
+
+    Besides the pairs of torch's scaled_mm (both operands alike, or 1x128 with 128x128), the float32
+    ScalingTypes TensorWise, RowWise, BlockWise1x128 and BlockWise128x128 pair with each other either
+    way round (e.g. (TensorWise, BlockWise128x128)): each K-block's partial sum is promoted with the
+    scales of the two operands' blocks that cover it. cuBLASLt runs only its own pairs
+    (csrc/common/cublaslt_block_pairs.cpp); the others run the Triton kernel on CUDA.
     """
     return _GEMM_SCALING_PAIRS
 

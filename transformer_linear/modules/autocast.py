@@ -11,6 +11,7 @@ import contextlib
 from typing import Iterator, Optional
 
 from transformer_linear.recipe import DelayedScaling, Recipe
+from transformer_linear.recipe.quantization import check_recipe
 
 __all__ = ["autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled"]
 
@@ -43,9 +44,7 @@ def autocast(enabled: bool = True, recipe: Optional[Recipe] = None) -> Iterator[
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast: 'enabled' must be a bool, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, Recipe.__args__):
-        names = ", ".join(t.__name__ for t in Recipe.__args__)
-        raise TypeError(f"autocast: 'recipe' must be one of {names}, got {recipe!r}")
+    check_recipe("autocast", recipe)
     saved = (_STATE.enabled, _STATE.recipe)
     _STATE.enabled = enabled
     _STATE.recipe = (recipe or DelayedScaling()) if enabled else None

@@ -228,7 +228,11 @@ class Linear(nn.Module):
             # quantizers and scaling state
             fp8=fp8,
             quantization=quantization,
-            delayed=self.delayed_scaling_state.op_args(self, recipe) if quantization.scale_from_history else None,
+            delayed=(
+                self.delayed_scaling_state.op_args(self, quantization.history)
+                if quantization.history is not None
+                else None
+            ),
             # options
             out_dtype=out_dtype,
             main_grad=main_grad,

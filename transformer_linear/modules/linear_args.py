@@ -114,10 +114,8 @@ class LinearBwdArgs:
     grad_output_scale_inv: Optional[Tensor]
     grad_output_t_scale_inv: Optional[Tensor]
     """The scales of ``grad_output_t`` (tensorwise: ``grad_output_scale_inv`` itself)."""
-    # --- tensors saved by forward: their quantizers' columnwise usage (TensorQuantizer.columnwise_usage) ---
-    operands_transposed: bool
-    """The saved input and weight (and grad_output_t) are the columnwise copies the backward GEMMs read
-    as they are (TensorQuantizer.columnwise_is_copy), rather than layout.saved_form's tensors."""
+    # --- tensors saved by forward: their quantizers' columnwise usage (TensorQuantizer.columnwise_usage;
+    # each quantizer's columnwise_operand makes the GEMM operand of it) ---
     inp: Tensor
     inp_scale_inv: Optional[Tensor]
     weight: Tensor

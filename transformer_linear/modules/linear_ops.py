@@ -40,7 +40,7 @@ from transformer_linear.modules.linear_args import (
     LinearFwdOutputs,
     args_op,
 )
-from transformer_linear.recipe.delayed_scaling import forward_scales, quantize_and_record_grad_output
+from transformer_linear.recipe.delayed_scaling import ForwardScales, forward_scales, quantize_and_record_grad_output
 from transformer_linear.recipe.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
@@ -94,28 +94,10 @@ def _rows(inp: Tensor) -> int:
     return math.prod(inp.shape[:-1])
 
 
-def _fwd_outputs_like(a: LinearFwdArgs, out: Optional[Tensor] = None) -> LinearFwdOutputs:
-    """Metadata of linear_fwd's outputs without FP8 or with scales from the delayed-scaling state (one
-    scale per tensor), with ``out`` when given; unused slots are empty."""
-    inp, weight = a.inp, a.weight
-    n, k, m = weight.shape[0], weight.shape[1], _rows(inp)
-    col = layout.needs_columnwise(inp.device)
-    quantize_weight = a.fp8 and a.cached_weight is None
-    delayed = a.delayed is not None
-    fp8 = a.quantization.input.dtype if a.fp8 else inp.dtype
-    f32 = torch.float32
-    return LinearFwdOutputs(
-        out=inp.new_empty((m, n), dtype=a.out_dtype) if out is None else out,
-        inp_saved=inp.new_empty(((k, m) if col else (m, k)) if a.fp8 else (0,), dtype=fp8),
-        inp_scale_inv=inp.new_empty((1,) if a.fp8 else (0,), dtype=f32),
-        weight_fp8=inp.new_empty((n, k) if quantize_weight else (0,), dtype=fp8),
-        weight_fp8_t=inp.new_empty((k, n) if quantize_weight and col else (0,), dtype=fp8),
-        weight_scale_inv=inp.new_empty((1,) if quantize_weight else (0,), dtype=f32),
-        weight_scale_inv_t=inp.new_empty((0,), dtype=f32),
-        amax=inp.new_empty((2,) if a.fp8 else (0,), dtype=f32),
-        grad_output_scale=inp.new_empty((1,) if delayed else (0,), dtype=f32),
-        fwd_scales=inp.new_empty((3,) if delayed else (0,), dtype=f32),
-    )
+def _hp_outputs(out: Tensor) -> LinearFwdOutputs:
+    """linear_fwd's outputs without FP8: ``out``, every other slot empty (autograd saves the inputs)."""
+    empty = out.new_empty(0, dtype=torch.float32)
+    return LinearFwdOutputs(out, *(empty.clone() for _ in LinearFwdOutputs._fields[1:]))
 
 
 @args_op("transformer_linear::linear_fwd", LinearFwdArgs, _FwdOutputs, result=LinearFwdOutputs)
@@ -132,24 +114,29 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
     if not a.fp8:
         # Only the wgrad options reach here without FP8; autograd saves the inputs.
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
-        return _fwd_outputs_like(a, out)
-    return _fp8_fwd(a, x2d.contiguous(), bias)
+        return _hp_outputs(out)
+    x2d = x2d.contiguous()
+    scales = None
+    if a.delayed is not None:
+        weight_to_quantize = a.weight if a.cached_weight is None else None
+        spec = a.quantization
+        scales = forward_scales(a.delayed, x2d, weight_to_quantize, spec.input.dtype, spec.input.margin)
+    return _fp8_fwd(a, x2d, bias, scales)
 
 
-def _fp8_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwdOutputs:
+def _fp8_fwd(
+    a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor], scales: Optional[ForwardScales]
+) -> LinearFwdOutputs:
     """The FP8 forward: the input and weight quantized by their quantizers in the usages backward reads
     (what autograd saves of the input is its columnwise usage), one scaled GEMM.
 
-    Without a delayed-scaling state it is made of custom ops, views and metadata-only ops, so it is its
-    own fake implementation. The input's saved scales leave it 1-D, as those of
-    TensorQuantizer.quantize_flat (linear_wgrad reshapes them).
+    ``scales``: what the delayed-scaling state gave (forward_scales), None where the quantizers compute
+    their own. Given the scales it is made of custom ops, views and metadata-only ops, so it is its own
+    fake implementation, each output shaped by the quantizer of its tensor. The input's saved scales
+    leave it 1-D, as those of TensorQuantizer.quantize_flat (linear_wgrad reshapes them).
     """
     spec, cached = a.quantization, a.cached_weight
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
-    scales = None
-    if a.delayed is not None:
-        weight_to_quantize = a.weight if cached is None else None
-        scales = forward_scales(a.delayed, x2d, weight_to_quantize, spec.input.dtype, spec.input.margin)
     qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad,
                              scale=scales.input if scales else None)
     if cached is None:
@@ -163,6 +150,8 @@ def _fp8_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwd
         w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
     out = ops.fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.out_dtype, bias)
     x_saved, x_saved_scale_inv = spec.input.columnwise_usage(qx)
+    # The amaxes delayed scaling records (and a cached weight keeps): where both quantizers measure one.
+    records_amax = spec.input.records_amax and spec.weight.records_amax
     w_fp8, w_fp8_t, w_scale_inv, w_scale_inv_t = w_outputs
     return LinearFwdOutputs(
         out,
@@ -172,7 +161,7 @@ def _fp8_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwd
         weight_fp8_t=w_fp8_t,
         weight_scale_inv=w_scale_inv,
         weight_scale_inv_t=w_scale_inv_t,
-        amax=torch.stack([qx.amax, qw.amax.reshape(())]) if spec.input.records_amax else empty_f32.clone(),
+        amax=torch.stack([qx.amax, qw.amax.reshape(())]) if records_amax else empty_f32.clone(),
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
@@ -181,11 +170,15 @@ def _fp8_fwd(a: LinearFwdArgs, x2d: Tensor, bias: Optional[Tensor]) -> LinearFwd
 @linear_fwd.op.register_fake
 def _(*values):
     a = linear_fwd.unflatten(values)
-    if a.fp8 and a.delayed is None:
-        x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
-        return tuple(_fp8_fwd(a, x2d, a.bias.to(a.out_dtype) if a.bias is not None else None))
-    # The delayed-scaling state is read (a device sync) only where the op really runs.
-    return tuple(_fwd_outputs_like(a))
+    x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    if not a.fp8:
+        return tuple(_hp_outputs(x2d.new_empty((x2d.shape[0], a.weight.shape[0]), dtype=a.out_dtype)))
+    scales = None
+    if a.delayed is not None:
+        # The delayed-scaling state is read (a device sync) only where the op really runs: stand-ins here.
+        scales = ForwardScales(*(x2d.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
+    return tuple(_fp8_fwd(a, x2d, bias, scales))
 
 
 # ---------------------------------------------------------------------------
@@ -200,7 +193,6 @@ def _(*values):
     fields=(
         "grad_output",
         "grad_output_scale_inv",
-        "operands_transposed",
         "weight",
         "weight_scale_inv",
         "input_shape",
@@ -213,7 +205,7 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
     if a.weight_scale_inv is None:
         dx = torch.mm(a.grad_output, a.weight.to(a.grad_output.dtype)).to(a.dgrad_dtype)
     else:
-        w_t = _operand_t(a.weight, a.operands_transposed)
+        w_t = a.quantization.weight.columnwise_operand(a.weight)
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
         g_scale_inv = a.quantization.grad_output.scale_2d(a.grad_output_scale_inv, a.grad_output)
@@ -234,7 +226,6 @@ def _(*values):
     fields=(
         "grad_output_t",
         "grad_output_t_scale_inv",
-        "operands_transposed",
         "inp",
         "inp_scale_inv",
         "wgrad_dtype",
@@ -249,25 +240,24 @@ def linear_wgrad(a: LinearBwdArgs) -> Tensor:
     return ops.fp8_gemm(*_wgrad_operands(a), a.wgrad_dtype, use_split_accumulator=True)
 
 
-def _operand_t(saved: Tensor, transposed: bool) -> Tensor:
-    """The transpose of a saved tensor as a GEMM operand: the saved columnwise copy itself where the
-    quantizers made one (``operands_transposed``), else what layout.py says."""
-    return saved if transposed else layout.transposed(saved)
-
-
 def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad_outputᵀ, its scale_inv, xᵀ, its scale_inv) as FP8 GEMM operands."""
-    t = a.operands_transposed
-    g_t, x_t = _operand_t(a.grad_output_t, t), _operand_t(a.inp, t)
+    """(grad_outputᵀ, its scale_inv, xᵀ, its scale_inv) as FP8 GEMM operands, each from what its own
+    quantizer's columnwise usage is (a copy read as it is, or the rowwise data transposed)."""
     spec = a.quantization
-    return g_t, spec.grad_output.scale_2d(a.grad_output_t_scale_inv, g_t), x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
+    g_t = spec.grad_output.columnwise_operand(a.grad_output_t)
+    x_t = spec.input.columnwise_operand(a.inp)
+    g_t_scale_inv = spec.grad_output.scale_2d(a.grad_output_t_scale_inv, g_t)
+    return g_t, g_t_scale_inv, x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
 
 
 @linear_wgrad.op.register_fake
 def _(*values):
     a = linear_wgrad.unflatten(values)
-    g_t = _operand_t(a.grad_output_t, a.operands_transposed)
-    k = a.inp.shape[1] if a.inp_scale_inv is None else _operand_t(a.inp, a.operands_transposed).shape[0]
+    if a.inp_scale_inv is None:
+        g_t, k = layout.transposed(a.grad_output_t), a.inp.shape[1]
+    else:
+        spec = a.quantization
+        g_t, k = spec.grad_output.columnwise_operand(a.grad_output_t), spec.input.columnwise_operand(a.inp).shape[0]
     return g_t.new_empty((g_t.shape[0], k), dtype=a.wgrad_dtype)
 
 
@@ -321,7 +311,6 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     g2d = grad_out.contiguous()  # linear_fwd's output, hence its gradient, is 2-D
     dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
     quantizer = c.quantization.grad_output
-    transposed = c.fp8 and quantizer.columnwise_is_copy
     g_t_scale_inv = None
     if c.fp8:
         # dgrad reads the rowwise usage, wgrad the columnwise one, in one pass (the bias gradient fused in
@@ -347,7 +336,6 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         grad_output_t=g_t,
         grad_output_scale_inv=g_scale_inv,
         grad_output_t_scale_inv=g_t_scale_inv,
-        operands_transposed=transposed,
         inp=x_saved,
         inp_scale_inv=x_scale_inv,
         weight=w_saved,

@@ -27,7 +27,6 @@ from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics.report import LayerStats
 from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
-from transformer_linear.recipe import DelayedScaling
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
 
@@ -143,31 +142,32 @@ def scales_in_state(state: Optional[dict[str, torch.Tensor]], recipe: Any) -> di
     whose history holds no amax yet under ``first_step_just_in_time``: each
     such tensor's scale comes from its own amax (see :func:`range_stats_for`).
     """
-    if not isinstance(recipe, DelayedScaling) or state is None:
+    history_config = quantization_spec(recipe).history
+    if history_config is None or state is None:
         return {}
     used = {}
     for fp8_state in FP8_STATES.values():
         history, scale = state[fp8_state.history_key], state[fp8_state.scale_key]
-        empty = no_amax_yet(history[: recipe.amax_history_len], scale).tolist()
+        empty = no_amax_yet(history[: history_config.amax_history_len], scale).tolist()
         for c, tensor in enumerate(fp8_state.columns):
-            if not (recipe.first_step_just_in_time and empty[c]):
+            if not (history_config.first_step_just_in_time and empty[c]):
                 used[tensor] = scale[c].clone()
     return used
 
 
 def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -> dict[str, dict[str, float]]:
     """amax, scale, underflow and saturation of input, weight and grad_output as ``recipe`` quantizes them."""
-    fmt = recipe.fp8_format
     spec = quantization_spec(recipe)
     out = {}
-    for key, dtype in (("input", fmt.fwd_dtype), ("weight", fmt.fwd_dtype), ("grad_output", fmt.bwd_dtype)):
+    for key in ("input", "weight", "grad_output"):
         x = tensors.get(key)
         if x is None:
             continue
         quantizer = getattr(spec, key)
         scale = used.get(key)
-        if scale is None and not quantizer.blockwise:
-            scale = reference.compute_scale(reference.amax(x), reference.fp8_max(dtype), recipe.margin, 1.0)
+        if scale is None and not quantizer.blockwise:  # one scale per tensor, from its own amax
+            fp8_max = reference.fp8_max(quantizer.dtype)
+            scale = reference.compute_scale(reference.amax(x), fp8_max, quantizer.margin, 1.0)
         out[key] = quantizer_range_stats(x, quantizer, scale)
     return out
 

@@ -36,8 +36,8 @@ from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics import plots
 from transformer_linear.numerics.risk import RiskThresholds
 from transformer_linear.numerics.stats import quantizer_range_stats, sqnr
-from transformer_linear.recipe import DelayedScaling, Recipe
-from transformer_linear.recipe.quantization import quantization_spec
+from transformer_linear.recipe import Recipe
+from transformer_linear.recipe.quantization import TensorQuantizer, quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS
 
 __all__ = ["FP8HealthWarning", "METRICS", "monitor"]
@@ -162,18 +162,10 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
         recipe = layer.recipe or get_fp8_recipe() or self.recipe
         if recipe is None:
             return None  # the layer ran in high precision
-        dtype = recipe.fp8_format.fwd_dtype
         spec = quantization_spec(recipe)
         w = linear_weight(layer).detach()  # (out, in), Conv1DLinear included
-        if spec.blockwise:
-            x_scale = w_scale = None  # per block, computed by quantizer_range_stats
-        elif isinstance(recipe, DelayedScaling) and getattr(layer, "fp8_fwd_scale", None) is not None:
-            used = layer.fp8_fwd_scale  # the scales the last forward quantized with
-            x_scale, w_scale = used[FP8_STATE_COLUMNS["input"]], used[FP8_STATE_COLUMNS["weight"]]
-        else:
-            fp8_max = reference.fp8_max(dtype)
-            x_scale = reference.compute_scale(x_amax.float(), fp8_max, recipe.margin, 1.0)
-            w_scale = reference.compute_scale(reference.amax(w), fp8_max, recipe.margin, 1.0)
+        x_scale = _tensor_scale(layer, spec.input, x_amax, "input")
+        w_scale = _tensor_scale(layer, spec.weight, reference.amax(w), "weight")
         xs = quantizer_range_stats(x.reshape(-1, x.shape[-1]), spec.input, x_scale)
         ws = quantizer_range_stats(w, spec.weight, w_scale)
         bias = layer.bias.detach().double() if layer.bias is not None else None
@@ -227,6 +219,20 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _tensor_scale(
+    layer: nn.Module, quantizer: TensorQuantizer, amax: torch.Tensor, column: str
+) -> Optional[torch.Tensor]:
+    """The one scale ``quantizer`` gave a tensor of ``layer`` (``column``: "input" or "weight") whose amax is
+    ``amax``: the scale the last forward used where it comes from the amax history, else the current
+    scale; None for block scales (per block, quantizer_range_stats computes them)."""
+    if quantizer.blockwise:
+        return None
+    used = getattr(layer, "fp8_fwd_scale", None)
+    if quantizer.scale_from_history and used is not None:
+        return used[FP8_STATE_COLUMNS[column]]  # the scales the last forward quantized with
+    return reference.compute_scale(amax.float(), reference.fp8_max(quantizer.dtype), quantizer.margin, 1.0)
 
 
 def _tensorboard_writer(log_dir: Path):

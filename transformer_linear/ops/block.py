@@ -139,9 +139,16 @@ def _fp8_gemm_blockwise(
     and resolves each operand's ScalingType and block from its scale tensor.
     """
     a_scaling, a_block, b_scaling, b_block = scalings
+    a_scale_inv, b_scale_inv = _block_grid(a_scale_inv, a_scaling), _block_grid(b_scale_inv, b_scaling)
     return _fp8_gemm_blockwise_op(
         a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block), a_scaling, b_scaling
     )
+
+
+def _block_grid(scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
+    """An operand's scale_inv as the block kernels read it, a 2-D grid of its blocks: a TensorWise scale
+    (one element of any shape, paired with a block-scaled operand) is a 1x1 grid of one block."""
+    return scale_inv.reshape(1, 1) if scaling == "TensorWise" else scale_inv
 
 
 def _triton_kernels():
@@ -303,6 +310,7 @@ def _fp8_gemm_blockwise_accumulate_(
     ``out``'s dtype (on the CPU no separate product tensor is made).
     """
     a_scaling, a_block, b_scaling, b_block = scalings
+    a_scale_inv, b_scale_inv = _block_grid(a_scale_inv, a_scaling), _block_grid(b_scale_inv, b_scaling)
     _fp8_gemm_blockwise_accumulate_op(
         a, a_scale_inv, b, b_scale_inv, out, list(a_block), list(b_block), a_scaling, b_scaling
     )

@@ -18,19 +18,22 @@ import enum
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
 
 __all__ = [
+    "CUSTOM_RECIPE_ROLES",
     "CurrentScaling",
+    "CustomRecipe",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "HistoryConfig",
     "MXFP8BlockScaling",
     "Recipe",
     "available_names",
@@ -92,6 +95,42 @@ def _check_margin(cls: str, margin: object) -> None:
         raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
 
 
+_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def _check_history(cls: str, amax_history_len: int, amax_compute_algo: object, first_step_just_in_time: object) -> None:
+    if amax_history_len < 1:
+        raise ValueError(f"{cls}: 'amax_history_len' must be a positive integer, got {amax_history_len!r}")
+    if amax_compute_algo not in _AMAX_COMPUTE_ALGOS:
+        raise ValueError(f"{cls}: 'amax_compute_algo' must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+    if not isinstance(first_step_just_in_time, bool):
+        raise TypeError(f"{cls}: 'first_step_just_in_time' must be a bool, got {first_step_just_in_time!r}")
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    """How scales taken from the layer's amax history are computed (delayed scaling).
+
+    What the delayed-scaling state (delayed_scaling.py) reads of a recipe whose
+    quantizers take their scale from the history (``scale_from_history``):
+    :attr:`DelayedScaling.history`, or the ``history`` of a :class:`CustomRecipe`.
+
+    Attributes:
+        amax_history_len: number of past amaxes kept per tensor.
+        amax_compute_algo: ``"max"`` (over the history) or ``"most_recent"``.
+        first_step_just_in_time: a tensor whose history holds no amax yet is
+            quantized with a scale from its own amax (see DelayedScaling).
+    """
+
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    first_step_just_in_time: bool = True
+
+    def __post_init__(self) -> None:
+        _check_ints(self)
+        _check_history("HistoryConfig", self.amax_history_len, self.amax_compute_algo, self.first_step_just_in_time)
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Scales from a history of past amaxes (TE's default recipe).
@@ -126,17 +165,12 @@ class DelayedScaling:
         _check_ints(self)
         _check_margin("DelayedScaling", self.margin)
         _check_format("DelayedScaling", self.fp8_format)
-        n = self.amax_history_len
-        if n < 1:
-            raise ValueError(f"DelayedScaling: 'amax_history_len' must be a positive integer, got {n!r}")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(
-                f"DelayedScaling: 'amax_compute_algo' must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
-            )
-        if not isinstance(self.first_step_just_in_time, bool):
-            raise TypeError(
-                f"DelayedScaling: 'first_step_just_in_time' must be a bool, got {self.first_step_just_in_time!r}"
-            )
+        _check_history("DelayedScaling", self.amax_history_len, self.amax_compute_algo, self.first_step_just_in_time)
+
+    @property
+    def history(self) -> HistoryConfig:
+        """The amax-history knobs, as the delayed-scaling state reads them."""
+        return HistoryConfig(self.amax_history_len, self.amax_compute_algo, self.first_step_just_in_time)
 
 
 @dataclass(frozen=True)
@@ -274,7 +308,56 @@ class Float8RowwiseScaling:
         _check_bool("Float8RowwiseScaling", "power_2_scale", self.power_2_scale)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling]
+CUSTOM_RECIPE_ROLES = ("linear_input", "linear_weight", "linear_grad_output")
+"""The roles a :class:`CustomRecipe`'s factory is asked for, in the order of QuantizationSpec's fields
+(input, weight, grad_output): Transformer Engine's role names. The Linear quantizes no other tensor, so
+TE's ``"linear_output"`` and ``"linear_grad_input"`` are never asked for."""
+
+
+@dataclass(frozen=True, eq=False)
+class CustomRecipe:
+    """A recipe defined by its quantizers (Transformer Engine's ``CustomRecipe``).
+
+    ``qfactory(role)`` returns the ``transformer_linear.TensorQuantizer`` of a
+    tensor role, one of :data:`CUSTOM_RECIPE_ROLES`; the roles may differ in
+    format, blocks and scaling (e.g. 128x128 block-scaled weights with
+    tensorwise activations), as long as every GEMM of the Linear pairs
+    scalings ``ops.fp8_gemm_scalings`` lists. The factory is called each time
+    the Linear builds its quantizers, so it should be a pure function of the
+    role; it is compared by identity, so two recipes with the same factory
+    (and history) are equal and hash alike, and ``torch.compile`` guards on
+    it cheaply.
+
+    Attributes:
+        qfactory: ``role -> TensorQuantizer``.
+        history: where the quantizers take their scale from the layer's amax
+            history (``scale_from_history=True``, all three or none): how the
+            history computes it; None: ``HistoryConfig()``'s defaults.
+    """
+
+    qfactory: Callable[[str], Any]
+    history: Optional[HistoryConfig] = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.qfactory):
+            raise TypeError(
+                f"CustomRecipe: 'qfactory' must be callable (role -> TensorQuantizer), got {self.qfactory!r}"
+            )
+        if self.history is not None and not isinstance(self.history, HistoryConfig):
+            raise TypeError(f"CustomRecipe: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CustomRecipe):
+            return NotImplemented
+        return self.qfactory is other.qfactory and self.history == other.history
+
+    def __hash__(self) -> int:
+        return hash((id(self.qfactory), self.history))
+
+
+Recipe = Union[
+    DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, CustomRecipe
+]
 """Every recipe ``tl.Linear``, ``tl.autocast`` and ``tl.convert_to_fp8`` accept."""
 
 

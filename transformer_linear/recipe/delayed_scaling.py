@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
-from transformer_linear.recipe import DelayedScaling, amax_reduction, quantization
+from transformer_linear.recipe import HistoryConfig, amax_reduction, quantization
 from transformer_linear.recipe.scaling import (
     FP8_STATE_COLUMNS,
     FP8_STATES,
@@ -80,7 +80,7 @@ STATE_KEYS = (*HISTORY_KEYS, *(state.scale_key for state in FP8_STATES.values())
 """The state's buffers, as saved in ``state_dict``."""
 FWD_SCALE_KEY = "fp8_fwd_scale"
 """Not state (not saved): what the last forward quantized with (activation checkpointing's recompute reads it)."""
-DEFAULT_HISTORY_LEN = DelayedScaling().amax_history_len
+DEFAULT_HISTORY_LEN = HistoryConfig().amax_history_len
 
 _STATES: HandleTable["DelayedScalingState"] = HandleTable()
 
@@ -173,7 +173,8 @@ class DelayedScalingState:
         """
         if amax_history_len is None:
             own = owner.recipe
-            amax_history_len = own.amax_history_len if isinstance(own, DelayedScaling) else DEFAULT_HISTORY_LEN
+            history = quantization.quantization_spec(own).history if own is not None else None
+            amax_history_len = history.amax_history_len if history is not None else DEFAULT_HISTORY_LEN
         rows = operator.index(amax_history_len)
         if rows < 1:
             raise ValueError(f"reset_fp8_state: 'amax_history_len' must be a positive integer, got {rows!r}")
@@ -189,9 +190,9 @@ class DelayedScalingState:
             fwd_scale = torch.ones(columns, dtype=torch.float32, device=device)
             owner.register_buffer(FWD_SCALE_KEY, fwd_scale, persistent=False)
 
-    def _histories(self, owner: nn.Module, recipe: DelayedScaling) -> tuple[Tensor, Tensor]:
+    def _histories(self, owner: nn.Module, history: HistoryConfig) -> tuple[Tensor, Tensor]:
         """The forward and backward histories the recipe uses: their leading ``amax_history_len`` rows."""
-        wanted = recipe.amax_history_len
+        wanted = history.amax_history_len
         rows = min(owner._buffers[name].shape[0] for name in HISTORY_KEYS)  # loaded ones may differ
         if wanted > rows:
             if torch.compiler.is_compiling():
@@ -262,9 +263,10 @@ class DelayedScalingState:
     # forward
     # ------------------------------------------------------------------
 
-    def op_args(self, owner: nn.Module, recipe: DelayedScaling) -> DelayedScalingArgs:
-        """The state as ``linear_fwd`` takes it, under ``recipe`` (the histories grow to its length eagerly)."""
-        history, grad_history = self._histories(owner, recipe)
+    def op_args(self, owner: nn.Module, config: HistoryConfig) -> DelayedScalingArgs:
+        """The state as ``linear_fwd`` takes it, under the recipe's history ``config``
+        (``QuantizationSpec.history``; the histories grow to its length eagerly)."""
+        history, grad_history = self._histories(owner, config)
         group = owner.amax_reduction_group
         return DelayedScalingArgs(
             scale=owner.fp8_scale,
@@ -272,11 +274,11 @@ class DelayedScalingState:
             amax_history=history,
             grad_scale=owner.fp8_grad_scale,
             grad_amax_history=grad_history,
-            amax_compute_algo=recipe.amax_compute_algo,
+            amax_compute_algo=config.amax_compute_algo,
             amax_reduction_group=group,
             # Across ranks, reductions run in the background until the next update of their state.
             reduction_handle=self.handle if amax_reduction.reduces_amax(group) else NO_HANDLE,
-            just_in_time=recipe.first_step_just_in_time,
+            just_in_time=config.first_step_just_in_time,
         )
 
     def forward(

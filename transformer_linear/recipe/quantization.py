@@ -9,7 +9,9 @@ margin, whether its scale comes from the layer's delayed-scaling state, how to
 quantize (every recipe's result is a :class:`Quantized`), how a GEMM reads each
 usage of that result and which ScalingType it resolves to. linear.py and
 linear_ops.py ask the quantizers, never the recipe: a recipe whose quantizers the
-kernels support is a new entry in ``_SPEC_BUILDERS`` here.
+kernels support is a new entry in ``_SPEC_BUILDERS`` here, or a ``recipe.CustomRecipe`` whose
+factory returns them (no edit of the package at all). A subclass of a recipe class is built as
+that class.
 
 Tensorwise quantizers (``block_shape == []``) keep the delayed / current
 scaling path with its one scale per tensor. Block quantizers describe one
@@ -40,10 +42,13 @@ from transformer_linear.formats import layout
 from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
 from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES
 from transformer_linear.recipe import (
+    CUSTOM_RECIPE_ROLES,
     CurrentScaling,
+    CustomRecipe,
     DelayedScaling,
     Float8BlockScaling,
     Float8RowwiseScaling,
+    HistoryConfig,
     MXFP8BlockScaling,
     Recipe,
 )
@@ -295,16 +300,47 @@ _quantize_flat_op.register_fake(_flat_scales)
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationSpec:
-    """How a recipe quantizes the Linear's input, weight and grad_output."""
+    """How a recipe quantizes the Linear's input, weight and grad_output.
+
+    Each tensor has its own quantizer: the roles may differ in format, blocks and scaling. Only where
+    the scales come from the layer's amax history must all three agree on that, and input and weight
+    on their dtype and margin (the forward state updates their scales together); ``history`` then says
+    how the scales are computed.
+
+    Raises:
+        TypeError: a role is not a TensorQuantizer, or ``history`` not a HistoryConfig.
+        ValueError: ``scale_from_history`` differs across the roles, ``history`` is given without it
+            (or missing with it), or input and weight taking scales from it differ in dtype or margin.
+    """
 
     input: TensorQuantizer
     weight: TensorQuantizer
     grad_output: TensorQuantizer
+    history: Optional[HistoryConfig] = None
+    """Scales from the amax history: its length, how amax is computed from it, the first step's rule."""
 
-    @property
-    def blockwise(self) -> bool:
-        """Block scales (all three tensors are block-quantized or none is; see quantization_spec)."""
-        return self.input.blockwise
+    def __post_init__(self) -> None:
+        for role in ("input", "weight", "grad_output"):
+            if not isinstance(getattr(self, role), TensorQuantizer):
+                raise TypeError(f"QuantizationSpec: '{role}' must be a TensorQuantizer, got {getattr(self, role)!r}")
+        from_history = {role: getattr(self, role).scale_from_history for role in ("input", "weight", "grad_output")}
+        if len(set(from_history.values())) != 1:
+            raise ValueError(
+                "QuantizationSpec: 'scale_from_history' must be the same for input, weight and grad_output "
+                f"(the layer updates their amax histories together), got {from_history}"
+            )
+        if self.history is not None and not isinstance(self.history, HistoryConfig):
+            raise TypeError(f"QuantizationSpec: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
+        if (self.history is not None) != self.input.scale_from_history:
+            raise ValueError("QuantizationSpec: 'history' is given exactly where the scales come from the history")
+        fwd = {(q.dtype, q.margin) for q in (self.input, self.weight)}
+        if self.history is not None and len(fwd) > 1:
+            # The forward state updates both scales in one pass, with one FP8 maximum and margin.
+            raise ValueError(
+                "QuantizationSpec: with scales from the amax history, input and weight must have the same dtype "
+                f"and margin, got {self.input.dtype} / {self.input.margin} and "
+                f"{self.weight.dtype} / {self.weight.margin}"
+            )
 
     @property
     def scale_from_history(self) -> bool:
@@ -318,7 +354,7 @@ def _tensorwise(recipe: DelayedScaling | CurrentScaling, scale_from_history: boo
         TensorQuantizer(d, [], torch.float32, False, margin=recipe.margin, scale_from_history=scale_from_history)
         for d in (fmt.fwd_dtype, fmt.bwd_dtype)
     )
-    return QuantizationSpec(fwd, fwd, bwd)
+    return QuantizationSpec(fwd, fwd, bwd, recipe.history if scale_from_history else None)
 
 
 def _float8_block(recipe: Float8BlockScaling) -> QuantizationSpec:
@@ -344,16 +380,52 @@ def _rowwise(recipe: Float8RowwiseScaling) -> QuantizationSpec:
     return QuantizationSpec(fwd, fwd, bwd)
 
 
+def _custom(recipe: CustomRecipe) -> QuantizationSpec:
+    """The quantizers ``recipe.qfactory`` returns for the roles of CUSTOM_RECIPE_ROLES."""
+    quantizers = []
+    for role in CUSTOM_RECIPE_ROLES:
+        quantizer = recipe.qfactory(role)
+        if not isinstance(quantizer, TensorQuantizer):
+            raise TypeError(
+                f"CustomRecipe: qfactory({role!r}) must return a transformer_linear.TensorQuantizer, got {quantizer!r}"
+            )
+        quantizers.append(quantizer)
+    from_history = [q.scale_from_history for q in quantizers]
+    if len(set(from_history)) != 1:
+        roles = ", ".join(f"{role}={flag}" for role, flag in zip(CUSTOM_RECIPE_ROLES, from_history))
+        raise ValueError(
+            f"CustomRecipe: 'scale_from_history' must be the same for every role (the layer updates their amax "
+            f"histories together), got {roles}"
+        )
+    history = (recipe.history or HistoryConfig()) if from_history[0] else None
+    return QuantizationSpec(*quantizers, history=history)
+
+
 _SPEC_BUILDERS: dict[type, Callable[..., QuantizationSpec]] = {
     DelayedScaling: functools.partial(_tensorwise, scale_from_history=True),
     CurrentScaling: functools.partial(_tensorwise, scale_from_history=False),
     Float8BlockScaling: _float8_block,
     MXFP8BlockScaling: _mxfp8,
     Float8RowwiseScaling: _rowwise,
+    CustomRecipe: _custom,
 }
 
 # What the Linear runs without a recipe (high precision); only its dtypes are read.
 NO_QUANTIZATION = _tensorwise(CurrentScaling(), scale_from_history=False)
+
+
+def _builder(recipe: object) -> Optional[Callable[..., QuantizationSpec]]:
+    """The spec builder of ``recipe``'s class or of the nearest recipe class it derives from (None: none)."""
+    for cls in type(recipe).__mro__:
+        builder = _SPEC_BUILDERS.get(cls)
+        if builder is not None:
+            return builder
+    return None
+
+
+def _unknown_recipe(where: str, recipe: object) -> TypeError:
+    names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
+    return TypeError(f"{where}: 'recipe' must be one of {names} (or a subclass) or None, got {recipe!r}")
 
 
 def check_recipe(where: str, recipe: object) -> None:
@@ -362,21 +434,21 @@ def check_recipe(where: str, recipe: object) -> None:
     Raises:
         TypeError: naming ``where`` and the recipes that have quantizers.
     """
-    if recipe is not None and type(recipe) not in _SPEC_BUILDERS:
-        names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
-        raise TypeError(f"{where}: 'recipe' must be one of {names} or None, got {recipe!r}")
+    if recipe is not None and _builder(recipe) is None:
+        raise _unknown_recipe(where, recipe)
 
 
 def quantization_spec(recipe: Recipe) -> QuantizationSpec:
-    """The :class:`QuantizationSpec` of ``recipe``.
+    """The :class:`QuantizationSpec` of ``recipe`` (a subclass of a recipe class is built as that class).
 
     Raises:
-        TypeError: ``recipe`` has no quantizers (see check_recipe).
+        TypeError: ``recipe`` has no quantizers (see check_recipe); a CustomRecipe's factory returned
+            something other than a TensorQuantizer (the message names the role).
+        ValueError: a CustomRecipe's quantizers differ in ``scale_from_history``.
     """
-    builder = _SPEC_BUILDERS.get(type(recipe))
+    builder = _builder(recipe)
     if builder is None:
-        names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
-        raise TypeError(f"'recipe' must be one of {names}, got {recipe!r}")
+        raise _unknown_recipe("quantization_spec", recipe)
     return builder(recipe)
 
 
