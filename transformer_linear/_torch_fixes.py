@@ -4,7 +4,7 @@
 forward of each custom op registered with a ``setup_context`` (``linear_fwd``).
 In torch 2.13 that helper reads ``schema.arguments`` inside its loop, and the
 property converts the whole C++ argument list into a new Python list on each
-read: quadratic in the op's arity. ``linear_fwd`` takes 45 parameters (one per
+read: quadratic in the op's arity. ``linear_fwd`` takes about fifty parameters (one per
 leaf of ``LinearFwdArgs``), so the helper cost more CPU time per forward than
 the FP8 kernels of a small layer. :func:`install` puts in its place a version
 that reads the property once and returns the same values (tests/test_torch_fixes.py
