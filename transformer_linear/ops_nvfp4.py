@@ -8,6 +8,10 @@ numeric rule: :mod:`transformer_linear.nvfp4_format` and
 their arguments and raise errors naming the argument; the custom ops
 themselves check devices and dtypes again (they can be called directly
 through ``torch.ops``) and the C++ front end checks everything once more.
+
+The custom ops carry packed FP4 data as its uint8 bytes: torch implements no
+``copy_`` for ``float4_e2m1fn_x2``, and tracing and ``opcheck`` copy a custom
+op's tensors. The public functions take and return ``float4_e2m1fn_x2`` views.
 """
 
 from __future__ import annotations
@@ -77,15 +81,16 @@ def _copy_shapes(m: int, k: int, rowwise: bool, columnwise: bool) -> list[tuple[
 
 
 def _quantize_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """The op's six outputs; a copy not asked for has empty data and scales and a zero global scale."""
     m, k = x.shape
     data, scale, data_t, scale_t = _copy_shapes(m, k, rowwise, columnwise)
     return [
-        x.new_empty(data, dtype=FP4_DTYPE),
+        x.new_empty(data, dtype=torch.uint8),
         x.new_empty(scale, dtype=torch.float8_e4m3fn),
-        x.new_empty((), dtype=torch.float32),
-        x.new_empty(data_t, dtype=FP4_DTYPE),
+        x.new_zeros((), dtype=torch.float32),
+        x.new_empty(data_t, dtype=torch.uint8),
         x.new_empty(scale_t, dtype=torch.float8_e4m3fn),
-        x.new_empty((), dtype=torch.float32),
+        x.new_zeros((), dtype=torch.float32),
     ]
 
 
@@ -120,10 +125,10 @@ def _quantize_nvfp4_op(
         desc(x.contiguous(), op, "x"),
         desc(amax, op, "amax"),
         desc(amax if amax_t is None else amax_t, op, "amax_t"),
-        named(data.view(torch.uint8), "output", rowwise),
+        named(data, "output", rowwise),
         named(scale, "scale", rowwise),
         named(g, "global_scale", rowwise),
-        named(data_t.view(torch.uint8), "output_t", columnwise),
+        named(data_t, "output_t", columnwise),
         named(scale_t, "scale_t", columnwise),
         named(g_t, "global_scale_t", columnwise),
         scaling_2d,
@@ -196,8 +201,9 @@ def quantize_nvfp4(
     outs = torch.ops.transformer_linear.quantize_nvfp4(
         x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
     )
-    row = outs[:3] if rowwise else [None] * 3
-    col = outs[3:] if columnwise else [None] * 3
+    data, scale, g, data_t, scale_t, g_t = outs
+    row = [data.view(FP4_DTYPE), scale, g] if rowwise else [None] * 3
+    col = [data_t.view(FP4_DTYPE), scale_t, g_t] if columnwise else [None] * 3
     return NVFP4Tensors(*row, *col)
 
 
@@ -218,7 +224,7 @@ def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
     return v.abs().amax()
 
 
-def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias):
+def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=torch.uint8):
     check_same_device(
         op,
         {
@@ -227,7 +233,7 @@ def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, b
         },
         optional=("bias",),
     )
-    for name, t, dtype in (("a", a, FP4_DTYPE), ("b", b, FP4_DTYPE), ("a_scale", a_scale, torch.float8_e4m3fn),
+    for name, t, dtype in (("a", a, data_dtype), ("b", b, data_dtype), ("a_scale", a_scale, torch.float8_e4m3fn),
                            ("b_scale", b_scale, torch.float8_e4m3fn)):
         if t.dtype != dtype:
             raise TypeError(f"{op}: argument '{name}' must be {dtype}, got {t.dtype}")
@@ -259,10 +265,10 @@ def _nvfp4_gemm_op(
     check_hp_dtype(op, "out_dtype", out_dtype)
     out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
     _C.nvfp4_gemm(
-        desc(a.contiguous().view(torch.uint8), op, "a"),
+        desc(a.contiguous(), op, "a"),
         desc(a_scale.contiguous(), op, "a_scale"),
         desc(a_global_scale, op, "a_global_scale"),
-        desc(b.contiguous().view(torch.uint8), op, "b"),
+        desc(b.contiguous(), op, "b"),
         desc(b_scale.contiguous(), op, "b_scale"),
         desc(b_global_scale, op, "b_global_scale"),
         desc(bias, op, "bias"),
@@ -309,7 +315,7 @@ def nvfp4_gemm(
     op = "nvfp4_gemm"
     check_tensor(op, "a", a)
     _check_cpu(op, "a", a)
-    _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
+    _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=FP4_DTYPE)
     check_hp_dtype(op, "out_dtype", out_dtype)
     _check_scalar(op, "a_global_scale", a_global_scale, "scale")
     _check_scalar(op, "b_global_scale", b_global_scale, "scale")
@@ -319,5 +325,5 @@ def nvfp4_gemm(
         if list(bias.shape) != [b.shape[0]]:
             raise ValueError(f"{op}: argument 'bias' must have shape {[b.shape[0]]}, got {list(bias.shape)}")
     return torch.ops.transformer_linear.nvfp4_gemm(
-        a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias
+        a.view(torch.uint8), a_scale, a_global_scale, b.view(torch.uint8), b_scale, b_global_scale, out_dtype, bias
     )
