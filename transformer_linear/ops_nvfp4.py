@@ -52,7 +52,9 @@ def _check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
     if t.dtype != torch.float32:
         raise TypeError(f"{op}: argument '{name}' must be a float32 tensor, got {t.dtype}")
     if t.numel() != 1 or t.dim() > 1:
-        raise ValueError(f"{op}: argument '{name}' must be a one-element tensor of shape [] or [1], got {list(t.shape)}")
+        raise ValueError(
+            f"{op}: argument '{name}' must be a one-element tensor of shape [] or [1], got {list(t.shape)}"
+        )
     if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
         return
     value = float(t.reshape(()))

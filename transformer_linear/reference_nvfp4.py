@@ -140,11 +140,18 @@ def random_bits(shape: tuple[int, ...], seed: int, offset: int, usage: int, devi
     g = index >> 2
     seed &= 2**64 - 1
     words = philox4x32(
-        (g & _MASK32, g >> 32, torch.full_like(g, offset & _MASK32), torch.full_like(g, (offset >> 32) | (usage << 31))),
+        (
+            g & _MASK32,
+            g >> 32,
+            torch.full_like(g, offset & _MASK32),
+            torch.full_like(g, (offset >> 32) | (usage << 31)),
+        ),
         (seed & _MASK32, seed >> 32),
     )
     lane = index & 3
-    bits = torch.where(lane == 0, words[0], torch.where(lane == 1, words[1], torch.where(lane == 2, words[2], words[3])))
+    bits = torch.where(lane == 0, words[0], words[1])
+    bits = torch.where(lane == 2, words[2], bits)
+    bits = torch.where(lane == 3, words[3], bits)
     return bits.reshape(shape)
 
 
