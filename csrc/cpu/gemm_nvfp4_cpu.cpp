@@ -1,17 +1,20 @@
-// CPU NVFP4 GEMM (portable): d = (A @ B^T) * alpha [+ bias].
+// CPU NVFP4 GEMM: d = (A @ B^T) * alpha [+ bias]. Micro-kernels: gemm_nvfp4_cpu.h.
 //
 // The output is cut into MC x NC tiles, run in parallel. For each chunk of KC columns
 // of K, a tile's rows of A and of B are decoded into float32 panels, k-major, with each
 // element's E4M3 block scale folded in (E2M1 times E4M3 is exact in float32). A 4 x 8
 // register micro-kernel then sums each 16-element K block's products from zero (exact:
 // every partial sum is an integer below 2^24 times a power of two, so the order inside
-// a block does not matter) and adds the block to the float32 total in K order, as
+// a block does not matter, nor does fusing its multiply-adds) and adds the block to the
+// float32 total in K order, as
 // reference_nvfp4.nvfp4_gemm does; the global scales (alpha) and the bias come in the
 // float32 epilogue.
 #include <algorithm>
 #include <vector>
 
 #include "../common/backend_nvfp4.h"
+#include "cpu_features.h"
+#include "gemm_nvfp4_cpu.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
 #include "transformer_linear/dispatch.h"
@@ -22,9 +25,12 @@ namespace cpu {
 namespace {
 
 using namespace nvfp4;
+using gemm_nvfp4::kMC;
+using gemm_nvfp4::kMR;
+using gemm_nvfp4::kNC;
+using gemm_nvfp4::kNR;
 
-constexpr int kMR = 4, kNR = 8;
-constexpr int64_t kMC = 64, kNC = 64, kKC = 256;  // kKC: a multiple of kBlock
+constexpr int64_t kKC = 256;  // a multiple of kBlock
 
 struct Scratch {
   std::vector<float> a, b, acc;  // (kKC, kMC), (kKC, kNC) panels; (kMC, kNC) totals
@@ -53,8 +59,7 @@ void decode_panel(const uint8_t* data, const uint8_t* scale, int64_t k, int64_t 
   }
 }
 
-// acc[i * ld_acc + j] += sum over the K blocks of the panels, block by block, for the
-// kMR x kNR sub-tile at (i0, j0).
+// The portable gemm_nvfp4::MicroKernelFn.
 void micro_kernel(const float* a, const float* b, int64_t kc, int64_t i0, int64_t j0, float* acc,
                   int64_t ld_acc) {
   float total[kMR][kNR];
@@ -80,7 +85,7 @@ void micro_kernel(const float* a, const float* b, int64_t kc, int64_t i0, int64_
 }
 
 template <typename Out>
-void run(const GemmNvfp4Params& p) {
+void run(const GemmNvfp4Params& p, gemm_nvfp4::MicroKernelFn kernel) {
   const int64_t tiles_m = (p.m + kMC - 1) / kMC, tiles_n = (p.n + kNC - 1) / kNC;
   const auto* a = p.a.ptr<const uint8_t>();
   const auto* b = p.b.ptr<const uint8_t>();
@@ -103,7 +108,7 @@ void run(const GemmNvfp4Params& p) {
         decode_panel(b, sb, p.k, n0, n1, k0, k1, kNC, s.b.data());
         for (int64_t i = 0; i < m1 - m0; i += kMR) {
           for (int64_t j = 0; j < n1 - n0; j += kNR) {
-            micro_kernel(s.a.data(), s.b.data(), k1 - k0, i, j, s.acc.data(), kNC);
+            kernel(s.a.data(), s.b.data(), k1 - k0, i, j, s.acc.data(), kNC);
           }
         }
       }
@@ -122,7 +127,10 @@ void run(const GemmNvfp4Params& p) {
 
 void nvfp4_gemm(const GemmNvfp4Params& p) {
   if (p.m == 0 || p.n == 0) return;
-  dispatch_high_precision(p.d.dtype, "nvfp4_gemm: argument 'd'", [&](auto tag) { run<decltype(tag)>(p); });
+  // Every vector path's CPU has AVX2 and FMA.
+  const gemm_nvfp4::MicroKernelFn kernel =
+      current_isa() == Isa::kGeneric ? micro_kernel : gemm_nvfp4::micro_kernel_avx2();
+  dispatch_high_precision(p.d.dtype, "nvfp4_gemm: argument 'd'", [&](auto tag) { run<decltype(tag)>(p, kernel); });
 }
 
 }  // namespace cpu
