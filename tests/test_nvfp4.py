@@ -77,6 +77,21 @@ def test_ragged_rows_rowwise(option):
     assert_same_copies(got, expected)
 
 
+def test_non_contiguous_operands():
+    """The ops copy strided inputs (the kernels take contiguous ones)."""
+    y = torch.randn(64, 32)
+    amax = ops.nvfp4_amax(y)
+    strided = ops.quantize_nvfp4(y.t(), amax, columnwise=True)
+    assert_same_copies(strided, ops.quantize_nvfp4(y.t().contiguous(), amax, columnwise=True))
+    q = ops.quantize_nvfp4(torch.randn(32, 64), torch.tensor(4.0))
+    a_t = q.data.view(torch.uint8).t().contiguous().t().view(fmt.FP4_DTYPE)
+    scale_t = q.scale.view(torch.uint8).t().contiguous().t().view(torch.float8_e4m3fn)
+    assert not a_t.is_contiguous() and not scale_t.is_contiguous()
+    expected = ops.nvfp4_gemm(q.data, q.scale, q.global_scale, q.data, q.scale, q.global_scale)
+    got = ops.nvfp4_gemm(a_t, scale_t, q.global_scale, q.data, q.scale, q.global_scale)
+    assert_bitwise_equal(got, expected)
+
+
 def test_columnwise_takes_any_k():
     x = torch.randn(32, 19)
     got, expected = quantize_both(x, OPTIONS["columnwise"])

@@ -117,6 +117,7 @@ def _quantize_nvfp4_op(
 ) -> list[torch.Tensor]:
     op = "quantize_nvfp4"
     _check_quantize_op(op, x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
+    x = x.contiguous()  # held here: the kernel reads it after desc() returns
     outs = _quantize_outputs(x, rowwise, columnwise)
     data, scale, g, data_t, scale_t, g_t = outs
 
@@ -124,7 +125,7 @@ def _quantize_nvfp4_op(
         return desc(t, op, name) if present else None
 
     _C.quantize_nvfp4(
-        desc(x.contiguous(), op, "x"),
+        desc(x, op, "x"),
         desc(amax, op, "amax"),
         desc(amax if amax_t is None else amax_t, op, "amax_t"),
         named(data, "output", rowwise),
@@ -266,12 +267,14 @@ def _nvfp4_gemm_op(
     _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
     check_hp_dtype(op, "out_dtype", out_dtype)
     out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    # Contiguous copies (where needed) held here: the kernel reads them after desc() returns.
+    a, a_scale, b, b_scale = (t.contiguous() for t in (a, a_scale, b, b_scale))
     _C.nvfp4_gemm(
-        desc(a.contiguous(), op, "a"),
-        desc(a_scale.contiguous(), op, "a_scale"),
+        desc(a, op, "a"),
+        desc(a_scale, op, "a_scale"),
         desc(a_global_scale, op, "a_global_scale"),
-        desc(b.contiguous(), op, "b"),
-        desc(b_scale.contiguous(), op, "b_scale"),
+        desc(b, op, "b"),
+        desc(b_scale, op, "b_scale"),
         desc(b_global_scale, op, "b_global_scale"),
         desc(bias, op, "bias"),
         desc(out, op, "d"),
