@@ -8,6 +8,8 @@ Rules:
     ``ERROR_RATIO`` times the error that plain PyTorch makes on the same
     inputs at the same precision (the baseline), plus a floor of a few
     output-dtype ulps for results that are exact up to final rounding.
+  * NVFP4 GEMMs: the same rule on the block-scaled (dequantized) operands,
+    :func:`assert_nvfp4_gemm_close`.
   * FP8-vs-high-precision comparisons (numerics of the Linear against
     torch.nn.Linear) use SQNR in dB: :func:`sqnr`.
 """
