@@ -105,7 +105,7 @@ def _gemm(a, b, bias=None):
 
 
 def _emulate(x, w, bias, g):
-    """(out, dx, dw) of the Linear under MIXED from reference.py alone, each as _gemm's pair.
+    """(out, dx, dw) of the Linear under MIXED from the reference alone, each as _gemm's pair.
 
     Forward: x with one current scale x W in 128x128 blocks. dgrad: grad_output with a scale per row x Wᵀ
     (W's blocks transposed). wgrad: grad_outputᵀ with a scale per row of the transpose x xᵀ (x's scale).

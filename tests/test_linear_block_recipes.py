@@ -1,6 +1,6 @@
 """tl.Linear under the block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling,
 Float8RowwiseScaling): eager fwd+bwd against a pure-torch emulation built from
-reference.py, SQNR against fp32, torch.compile / torch.export, FP8 saved
+the reference, SQNR against fp32, torch.compile / torch.export, FP8 saved
 activations, and the weight-cache and wgrad options."""
 
 import copy
@@ -61,7 +61,7 @@ def _gemm(a, b, bias=None):
 
 
 def _emulate(spec, x2d, w, bias, g, e8m0_rounding="ceil"):
-    """(out, dx, dw) of the block-scaled Linear from reference.py alone, each as _gemm's pair.
+    """(out, dx, dw) of the block-scaled Linear from the reference alone, each as _gemm's pair.
 
     Forward: rowwise x and W. dgrad: rowwise grad_output with Wᵀ, quantized with blocks along
     out_features (a square block is W's own blocks transposed). wgrad: grad_outputᵀ and xᵀ quantized

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 import torch._dynamo.testing
-
 from tolerances import assert_bitwise_equal
+
 from transformer_linear import ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -44,7 +44,9 @@ def test_every_op_is_covered():
     linear_ops |= {"quantize_grad_output"}
     block_ops = {"quantize_blockwise", "fp8_gemm_blockwise", "fp8_gemm_blockwise_accumulate"}  # in test_blockwise_*.py
     block_ops |= {"quantize_blockwise_flat"}  # in test_linear_block_recipes.py
-    assert registered == {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
+    nvfp4_ops = {"quantize_nvfp4", "nvfp4_gemm"}  # in test_nvfp4.py
+    expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops | nvfp4_ops
+    assert registered == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -8,6 +8,8 @@ Rules:
     ``ERROR_RATIO`` times the error that plain PyTorch makes on the same
     inputs at the same precision (the baseline), plus a floor of a few
     output-dtype ulps for results that are exact up to final rounding.
+  * NVFP4 GEMMs: the same rule on the block-scaled (dequantized) operands,
+    :func:`assert_nvfp4_gemm_close`.
   * FP8-vs-high-precision comparisons (numerics of the Linear against
     torch.nn.Linear) use SQNR in dB: :func:`sqnr`.
 """
@@ -104,3 +106,26 @@ def assert_close_to_reference(
     if baseline is not None:
         budget = max(floor, ERROR_RATIO * relative_error(baseline, reference))
     assert err <= budget, f"{prefix}relative error {err:.3e} exceeds budget {budget:.3e}"
+
+
+def assert_nvfp4_gemm_close(
+    actual: torch.Tensor, a_values: torch.Tensor, b_values: torch.Tensor, alpha: float, bias: Optional[torch.Tensor] = None
+) -> None:
+    """NVFP4 GEMM tolerance: the flash-attention rule on the dequantized operands.
+
+    ``a_values`` / ``b_values`` are the operands with their block scales applied
+    (float32, exact: E2M1 times E4M3 always is) and ``alpha`` the product of the
+    two global scales. The reference is their float64 product; the baseline is a
+    plain float32 ``torch.mm`` of the same operands. Each 16-element K block sums
+    exactly in float32, so the kernel's only rounding is the float32 sum over K
+    blocks and the epilogue, well within ERROR_RATIO times the baseline's error.
+    (The tests also hold it bitwise to reference.nvfp4.nvfp4_gemm, which sums the
+    blocks in the kernel's order.)
+    """
+    def finish(acc: torch.Tensor) -> torch.Tensor:
+        out = acc * alpha
+        return out if bias is None else out + bias.to(out.dtype)
+
+    reference = finish(a_values.double() @ b_values.double().T)
+    baseline = finish(a_values.float() @ b_values.float().T).to(actual.dtype)
+    assert_close_to_reference(actual, reference, baseline, what="nvfp4_gemm")

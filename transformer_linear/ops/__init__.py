@@ -36,7 +36,11 @@ import torch
 from transformer_linear import _C
 from transformer_linear.formats import checks
 from transformer_linear.formats.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
-from transformer_linear.ops import descriptors, torch_cuda
+from transformer_linear.ops import (
+    descriptors,
+    nvfp4,  # noqa: F401  (registers the NVFP4 ops: ops.nvfp4.*)
+    torch_cuda,
+)
 from transformer_linear.ops.block import (
     _fp8_gemm_blockwise,
     _fp8_gemm_blockwise_accumulate_,

@@ -5,6 +5,7 @@
 #include "../cpu_features.h"
 #include "../gemm_block_cpu.h"
 #include "../gemm_cpu.h"
+#include "../gemm_nvfp4_cpu.h"
 #include "../quantize_block_cpu.h"
 #include "../quantize_cpu_isa.h"
 #include "transformer_linear/check.h"
@@ -41,6 +42,10 @@ PromoteFn promote_avx512() { absent("gemm_block::promote_avx512"); }
 FoldFn fold_avx2() { absent("gemm_block::fold_avx2"); }
 FoldFn fold_avx512() { absent("gemm_block::fold_avx512"); }
 }  // namespace gemm_block
+
+namespace gemm_nvfp4 {
+MicroKernelFn micro_kernel_avx2() { absent("gemm_nvfp4::micro_kernel_avx2"); }
+}  // namespace gemm_nvfp4
 
 }  // namespace cpu
 }  // namespace tl

@@ -2,7 +2,7 @@
  * \file block_math.h
  * \brief Per-block scale math of the block-scaled recipes (1x128, 128x128, 1x32 E8M0, rowwise).
  *
- * Host and device code, like fp8_math.h. transformer_linear/reference.py
+ * Host and device code, like fp8_math.h. transformer_linear/reference/__init__.py
  * (block_scale, e8m0_exponent) defines the same functions in torch; the
  * tests hold the kernels bitwise to it.
  */

@@ -4,7 +4,7 @@
  *
  * Everything here compiles as host and device code, so both backends round
  * and saturate identically and the CPU tests cover the CUDA numerics.
- * transformer_linear/reference.py defines the same functions in torch; the
+ * transformer_linear/reference/__init__.py defines the same functions in torch; the
  * tests hold the kernels bitwise to it.
  */
 #pragma once

@@ -1,0 +1,27 @@
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "tensor_caster.h"
+#include "transformer_linear/nvfp4.h"
+
+namespace py = pybind11;
+using namespace py::literals;
+
+namespace tl {
+namespace bindings {
+
+void register_nvfp4(py::module_& m) {
+  m.def("quantize_nvfp4", &tl::quantize_nvfp4, "input"_a, "amax"_a, "amax_t"_a, "output"_a,
+        "scale"_a, "global_scale"_a, "output_t"_a, "scale_t"_a, "global_scale_t"_a,
+        "scaling_2d"_a, "rht"_a, "stochastic_rounding"_a, "seed"_a, "offset"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "NVFP4 quantize (E2M1 + E4M3 1x16 / 16x16 block scales + float32 global scale); "
+        "rowwise and/or columnwise copy");
+  m.def("nvfp4_gemm", &tl::nvfp4_gemm, "a"_a, "a_scale"_a, "a_global_scale"_a, "b"_a,
+        "b_scale"_a, "b_global_scale"_a, "bias"_a, "d"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "d = NVFP4 block-scaled (a @ b.T) * a_global_scale * b_global_scale [+ bias]");
+}
+
+}  // namespace bindings
+}  // namespace tl

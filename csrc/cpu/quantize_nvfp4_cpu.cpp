@@ -1,0 +1,173 @@
+// CPU NVFP4 quantize (portable): element math in quantize_nvfp4_cpu.h.
+//
+// The input is walked in bands of 16 rows by chunks of columns, in parallel. Each band
+// chunk is loaded once into float32 scratch: the rowwise copy takes its 1x16 blocks
+// (or 16x16 tiles) from the rows, the columnwise copy its 1x16 blocks from the columns
+// (16 values of a column are one block of a row of output_t), after the Hadamard
+// transform with `rht`. With 16x16 tiles the columnwise copy is the rowwise codes and
+// tile scales written transposed. Random bits are a function of each element's index in
+// its output, so results do not depend on the band size or the thread count.
+#include <algorithm>
+#include <vector>
+
+#include "../common/backend_nvfp4.h"
+#include "parallel.h"
+#include "quantize_nvfp4_cpu.h"
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+namespace {
+
+using namespace nvfp4;
+
+// Columns per band chunk: 16 rows x 256 columns of float32 (16 KiB) stay in L1.
+constexpr int64_t kChunkCols = 256;
+
+struct Scratch {
+  std::vector<float> tile;      // kBlock x chunk columns, row-major
+  std::vector<uint8_t> codes;   // kBlock x chunk columns of 16x16 codes
+  std::vector<uint32_t> bits;   // random bits of one block or one tile row
+};
+
+class Nvfp4Quantizer {
+ public:
+  explicit Nvfp4Quantizer(const QuantizeNvfp4Params& p) : p_(p) {}
+
+  // Rows [r0, r1) x columns [c0, c1) of the input as float32 into `tile` (ld = c1 - c0).
+  template <typename In>
+  void load(int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* tile) const {
+    const auto* x = p_.input.ptr<const typename In::storage>();
+    const int64_t w = c1 - c0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto* row = x + r * p_.k + c0;
+      for (int64_t c = 0; c < w; ++c) tile[(r - r0) * w + c] = In::load(row[c]);
+    }
+  }
+
+  // Codes of one block of 16 values (in place of nothing: `codes` gets 16 codes).
+  void round_block(const float* v, float factor, uint32_t usage, uint64_t first, uint8_t* codes,
+                   Scratch& s) const {
+    if (p_.stochastic_rounding) {
+      random_bits(p_.seed, p_.offset, usage, first, kBlock, s.bits.data());
+      for (int i = 0; i < kBlock; ++i) codes[i] = e2m1_stochastic(v[i] * factor, s.bits[i]);
+    } else {
+      for (int i = 0; i < kBlock; ++i) codes[i] = e2m1_rne(v[i] * factor);
+    }
+  }
+
+  static void pack(const uint8_t* codes, uint8_t* out) {
+    for (int i = 0; i < kBlock / 2; ++i) out[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+  }
+
+  // 1x16 rowwise blocks of rows [r0, r1), columns [c0, c1) (tile as loaded).
+  void rowwise_1d(const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1, Scratch& s) const {
+    const int64_t w = c1 - c0;
+    uint8_t* out = p_.output.ptr<uint8_t>();
+    uint8_t* scale = static_cast<uint8_t*>(p_.scale.data);
+    uint8_t codes[kBlock];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; c += kBlock) {
+        const float* v = tile + (r - r0) * w + (c - c0);
+        float amax = 0.0f;
+        for (int i = 0; i < kBlock; ++i) amax = fp8::amax_update(amax, v[i]);
+        const uint8_t sb = block_scale_bits(amax, p_.s_enc);
+        scale[r * (p_.k / kBlock) + c / kBlock] = sb;
+        round_block(v, block_encode_factor(sb, p_.s_enc), 0, static_cast<uint64_t>(r * p_.k + c), codes, s);
+        pack(codes, out + (r * p_.k + c) / 2);
+      }
+    }
+  }
+
+  // 1x16 columnwise blocks: column c of rows [r0, r0 + 16) is a block of output_t's row c.
+  void columnwise_1d(const float* tile, int64_t r0, int64_t c0, int64_t c1, Scratch& s) const {
+    const int64_t w = c1 - c0;
+    uint8_t* out = p_.output_t.ptr<uint8_t>();
+    uint8_t* scale = static_cast<uint8_t*>(p_.scale_t.data);
+    float v[kBlock];
+    uint8_t codes[kBlock];
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int i = 0; i < kBlock; ++i) v[i] = tile[i * w + (c - c0)];
+      if (p_.rht) hadamard16(v);
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) amax = fp8::amax_update(amax, v[i]);
+      const uint8_t sb = block_scale_bits(amax, p_.s_enc_t);
+      scale[c * (p_.m / kBlock) + r0 / kBlock] = sb;
+      round_block(v, block_encode_factor(sb, p_.s_enc_t), 1, static_cast<uint64_t>(c * p_.m + r0), codes, s);
+      pack(codes, out + (c * p_.m + r0) / 2);
+    }
+  }
+
+  // 16x16 tiles of rows [r0, r1) (r1 - r0 <= 16), columns [c0, c1): rowwise and/or transposed.
+  void tiles_2d(const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1, Scratch& s) const {
+    const int64_t w = c1 - c0, h = r1 - r0;
+    uint8_t* codes = s.codes.data();
+    for (int64_t c = c0; c < c1; c += kBlock) {
+      float amax = 0.0f;
+      for (int64_t r = 0; r < h; ++r) {
+        for (int i = 0; i < kBlock; ++i) amax = fp8::amax_update(amax, tile[r * w + (c - c0) + i]);
+      }
+      const uint8_t sb = block_scale_bits(amax, p_.s_enc);
+      const float factor = block_encode_factor(sb, p_.s_enc);
+      for (int64_t r = 0; r < h; ++r) {
+        round_block(tile + r * w + (c - c0), factor, 0, static_cast<uint64_t>((r0 + r) * p_.k + c),
+                    codes + r * w + (c - c0), s);
+      }
+      if (p_.output.defined()) {
+        uint8_t* scale = static_cast<uint8_t*>(p_.scale.data);
+        for (int64_t r = r0; r < r1; ++r) {
+          scale[r * (p_.k / kBlock) + c / kBlock] = sb;
+          pack(codes + (r - r0) * w + (c - c0), p_.output.ptr<uint8_t>() + (r * p_.k + c) / 2);
+        }
+      }
+      if (p_.output_t.defined()) {  // h == 16 here: M % 16 == 0 was checked
+        uint8_t* scale = static_cast<uint8_t*>(p_.scale_t.data);
+        uint8_t column[kBlock];
+        for (int64_t j = 0; j < kBlock; ++j) {
+          scale[(c + j) * (p_.m / kBlock) + r0 / kBlock] = sb;
+          for (int i = 0; i < kBlock; ++i) column[i] = codes[i * w + (c - c0) + j];
+          pack(column, p_.output_t.ptr<uint8_t>() + ((c + j) * p_.m + r0) / 2);
+        }
+      }
+    }
+  }
+
+  template <typename In>
+  void run() const {
+    const int64_t bands = (p_.m + kBlock - 1) / kBlock;
+    const int64_t chunks = (p_.k + kChunkCols - 1) / kChunkCols;
+    parallel_for(bands * chunks, 1, [&](int64_t t0, int64_t t1) {
+      thread_local Scratch s;
+      s.tile.resize(kBlock * kChunkCols);
+      s.codes.resize(kBlock * kChunkCols);
+      s.bits.resize(kBlock);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = (t / chunks) * kBlock, r1 = std::min(p_.m, r0 + kBlock);
+        const int64_t c0 = (t % chunks) * kChunkCols, c1 = std::min(p_.k, c0 + kChunkCols);
+        load<In>(r0, r1, c0, c1, s.tile.data());
+        if (p_.scaling_2d) {
+          tiles_2d(s.tile.data(), r0, r1, c0, c1, s);
+          continue;
+        }
+        if (p_.output.defined()) rowwise_1d(s.tile.data(), r0, r1, c0, c1, s);
+        if (p_.output_t.defined()) columnwise_1d(s.tile.data(), r0, c0, c1, s);
+      }
+    });
+  }
+
+ private:
+  const QuantizeNvfp4Params& p_;
+};
+
+}  // namespace
+
+void quantize_nvfp4(const QuantizeNvfp4Params& p) {
+  if (p.m == 0 || p.k == 0) return;
+  const Nvfp4Quantizer q(p);
+  dispatch_high_precision(p.input.dtype, "quantize_nvfp4: argument 'x'", [&](auto tag) {
+    q.template run<decltype(tag)>();
+  });
+}
+
+}  // namespace cpu
+}  // namespace tl

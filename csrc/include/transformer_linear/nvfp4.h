@@ -1,0 +1,65 @@
+/*!
+ * \file nvfp4.h
+ * \brief NVFP4: quantize to FP4 E2M1 with E4M3 block scales and a float32 global scale, and
+ *        the NVFP4 block-scaled GEMM (CPU kernels).
+ *
+ * Packed data is uint8 (M, K / 2): two E2M1 codes per byte, the first element in the low
+ * nibble (torch.float4_e2m1fn_x2 viewed as uint8). Block scales are float8_e4m3fn
+ * (rows, cols / 16), one per 16 consecutive elements of a row (16x16 scaling repeats each
+ * tile's scale on its 16 rows). transformer_linear/reference/nvfp4.py defines every rule.
+ */
+#pragma once
+
+#include <cstdint>
+
+#include "transformer_linear/tensor.h"
+
+namespace tl {
+
+/*!
+ * \brief Quantize a 2-D tensor to NVFP4: a rowwise copy of input (M, K) and/or a columnwise
+ *        copy of input^T (K, M), each with its own 1x16 blocks (or 16x16 tiles).
+ *
+ * \param input          contiguous (M, K) float32, bfloat16 or float16 on the CPU.
+ * \param amax           float32 scalar, finite and >= 0: global amax of the rowwise copy
+ *                       (and of the 16x16 columnwise copy).
+ * \param amax_t         float32 scalar: global amax of the 1x16 columnwise copy (after the
+ *                       Hadamard transform with `rht`); required with `output_t` unless 16x16.
+ * \param output         uint8 (M, K / 2), or undefined; K % 16 == 0.
+ * \param scale          float8_e4m3fn (M, K / 16), with `output`.
+ * \param global_scale   float32 scalar out: the decode scale 1 / S_enc, with `output`.
+ * \param output_t, scale_t, global_scale_t  the same for the columnwise copy: (K, M / 2),
+ *                       (K, M / 16); M % 16 == 0.
+ * \param scaling_2d     one scale per 16x16 tile.
+ * \param rht            random Hadamard transform of the columnwise copy (not with 16x16).
+ * \param stochastic_rounding  round with Philox4x32-10 bits from (seed, offset).
+ * \param offset         Philox offset, in [0, 2^63).
+ * \param stream         thread count of the call (CPU tensors only).
+ */
+void quantize_nvfp4(const TensorDesc& input, const TensorDesc& amax, const TensorDesc& amax_t,
+                    const TensorDesc& output, const TensorDesc& scale,
+                    const TensorDesc& global_scale, const TensorDesc& output_t,
+                    const TensorDesc& scale_t, const TensorDesc& global_scale_t, bool scaling_2d,
+                    bool rht, bool stochastic_rounding, int64_t seed, int64_t offset,
+                    Stream stream);
+
+/*!
+ * \brief d = (A @ B^T) * (a_global_scale * b_global_scale) [+ bias] for NVFP4 operands.
+ *
+ * Each 16-element K block's products (block scales folded into the decoded operands) sum
+ * exactly in float32; the blocks are accumulated in float32 in K order; the global scales
+ * and the bias are applied in the float32 epilogue.
+ *
+ * \param a             uint8 packed (M, K / 2), contiguous; K % 16 == 0.
+ * \param a_scale       float8_e4m3fn (M, K / 16), contiguous.
+ * \param a_global_scale  float32 scalar, finite.
+ * \param b, b_scale, b_global_scale  the same for B (N, K / 2).
+ * \param bias          (N) of d's dtype, or undefined.
+ * \param d             contiguous (M, N) float32, bfloat16 or float16.
+ * \param stream        thread count of the call (CPU tensors only).
+ */
+void nvfp4_gemm(const TensorDesc& a, const TensorDesc& a_scale, const TensorDesc& a_global_scale,
+                const TensorDesc& b, const TensorDesc& b_scale, const TensorDesc& b_global_scale,
+                const TensorDesc& bias, const TensorDesc& d, Stream stream);
+
+}  // namespace tl

@@ -1,0 +1,334 @@
+"""NVFP4 ops: quantize to NVFP4 and the NVFP4 block-scaled GEMM (CPU kernels).
+
+Each op is a ``torch.library`` custom op with a fake implementation, so it
+traces under ``torch.compile``; the kernels are the extension's CPU kernels
+(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp). The format and every
+numeric rule: :mod:`transformer_linear.formats.nvfp4` and
+``transformer_linear/reference/nvfp4.py``. The public functions validate
+their arguments and raise errors naming the argument; the custom ops
+themselves check devices and dtypes again (they can be called directly
+through ``torch.ops``) and the C++ front end checks everything once more.
+
+The custom ops carry packed FP4 data as its uint8 bytes: torch implements no
+``copy_`` for ``float4_e2m1fn_x2``, and tracing and ``opcheck`` copy a custom
+op's tensors. The public functions take and return ``float4_e2m1fn_x2`` views.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from transformer_linear import _C
+from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
+from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_transform
+from transformer_linear.ops.descriptors import desc, stream_for
+
+__all__ = ["NVFP4Tensors", "nvfp4_amax", "nvfp4_gemm", "quantize_nvfp4"]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class NVFP4Tensors(NamedTuple):
+    """The NVFP4 copies :func:`quantize_nvfp4` made; a copy not asked for is None.
+
+    data: (M, K/2) float4_e2m1fn_x2; scale: (M, K/16) float8_e4m3fn block decode scales;
+    global_scale: () float32 global decode scale. The ``_t`` fields: the columnwise copy,
+    quantized from x.T: (K, M/2), (K, M/16), ().
+    """
+
+    data: Optional[torch.Tensor]
+    scale: Optional[torch.Tensor]
+    global_scale: Optional[torch.Tensor]
+    data_t: Optional[torch.Tensor]
+    scale_t: Optional[torch.Tensor]
+    global_scale_t: Optional[torch.Tensor]
+
+
+def _check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
+    """A float32 one-element tensor whose value (when it can be read: CPU) is finite and, for amax, >= 0."""
+    if t.dtype != torch.float32:
+        raise TypeError(f"{op}: argument '{name}' must be a float32 tensor, got {t.dtype}")
+    if t.numel() != 1 or t.dim() > 1:
+        raise ValueError(
+            f"{op}: argument '{name}' must be a one-element tensor of shape [] or [1], got {list(t.shape)}"
+        )
+    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+        return
+    value = float(t.reshape(()))
+    if not math.isfinite(value) or (what == "amax" and value < 0):
+        bound = "finite and non-negative" if what == "amax" else "finite"
+        raise ValueError(f"{op}: argument '{name}' must be {bound} (a global {what}), got {value}")
+
+
+def _check_cpu(op: str, name: str, t: torch.Tensor) -> None:
+    # A tensor on 'meta' alone is shape inference (the fake implementation answers it).
+    if t.device.type not in ("cpu", "meta"):
+        raise TypeError(f"{op}: argument '{name}' must be on cpu (the NVFP4 kernels are CPU kernels), got {t.device}")
+
+
+def _check_int(op: str, name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{op}: argument '{name}' must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _copy_shapes(m: int, k: int, rowwise: bool, columnwise: bool) -> list[tuple[int, int]]:
+    """Shapes of (data, scale, data_t, scale_t); an absent copy gets (0, 0)."""
+    none = (0, 0)
+    row = [(m, k // 2), (m, k // BLOCK)] if rowwise else [none, none]
+    col = [(k, m // 2), (k, m // BLOCK)] if columnwise else [none, none]
+    return row + col
+
+
+def _quantize_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """The op's six outputs; a copy not asked for has empty data and scales and a zero global scale."""
+    m, k = x.shape
+    data, scale, data_t, scale_t = _copy_shapes(m, k, rowwise, columnwise)
+    return [
+        x.new_empty(data, dtype=torch.uint8),
+        x.new_empty(scale, dtype=torch.float8_e4m3fn),
+        x.new_zeros((), dtype=torch.float32),
+        x.new_empty(data_t, dtype=torch.uint8),
+        x.new_empty(scale_t, dtype=torch.float8_e4m3fn),
+        x.new_zeros((), dtype=torch.float32),
+    ]
+
+
+def _check_quantize_op(op, x, amax, amax_t, rowwise, columnwise, scaling_2d, rht):
+    check_same_device(op, {"x": x, "amax": amax, "amax_t": amax_t}, optional=("amax_t",))
+    check_hp_dtype(op, "x", x.dtype)
+    check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+
+
+@torch.library.custom_op("transformer_linear::quantize_nvfp4", mutates_args=(), device_types="cpu")
+def _quantize_nvfp4_op(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    amax_t: Optional[torch.Tensor],
+    rowwise: bool,
+    columnwise: bool,
+    scaling_2d: bool,
+    rht: bool,
+    stochastic_rounding: bool,
+    seed: int,
+    offset: int,
+) -> list[torch.Tensor]:
+    op = "quantize_nvfp4"
+    _check_quantize_op(op, x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
+    x = x.contiguous()  # held here: the kernel reads it after desc() returns
+    outs = _quantize_outputs(x, rowwise, columnwise)
+    data, scale, g, data_t, scale_t, g_t = outs
+
+    def named(t, name, present):
+        return desc(t, op, name) if present else None
+
+    _C.quantize_nvfp4(
+        desc(x, op, "x"),
+        desc(amax, op, "amax"),
+        desc(amax if amax_t is None else amax_t, op, "amax_t"),
+        named(data, "output", rowwise),
+        named(scale, "scale", rowwise),
+        named(g, "global_scale", rowwise),
+        named(data_t, "output_t", columnwise),
+        named(scale_t, "scale_t", columnwise),
+        named(g_t, "global_scale_t", columnwise),
+        scaling_2d,
+        rht,
+        stochastic_rounding,
+        seed,
+        offset,
+        stream_for(x),
+    )
+    return outs
+
+
+@_quantize_nvfp4_op.register_fake
+def _(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset):
+    _check_quantize_op("quantize_nvfp4", x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
+    return _quantize_outputs(x, rowwise, columnwise)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    amax_t: Optional[torch.Tensor] = None,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    scaling_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+) -> NVFP4Tensors:
+    """Quantize a 2-D tensor to NVFP4 (E2M1 data, E4M3 block scales, float32 global scale).
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16 on the CPU. The rowwise copy needs K % 16 == 0,
+            the columnwise copy M % 16 == 0.
+        amax: () or (1,) float32, finite, >= 0: the global amax of the rowwise copy (and of the
+            16x16 columnwise copy); see :func:`nvfp4_amax`.
+        amax_t: the global amax of the 1x16 columnwise copy (of its Hadamard transform with
+            ``rht``); None: ``amax``.
+        rowwise: make the rowwise copy (quantized along K).
+        columnwise: make the columnwise copy (x.T quantized along M).
+        scaling_2d: one scale per 16x16 tile (the columnwise copy is then the rowwise one transposed).
+        rht: random Hadamard transform of the columnwise copy (1x16 only).
+        stochastic_rounding: round stochastically with Philox4x32-10 bits from (seed, offset).
+        seed: any int64.
+        offset: in [0, 2^63).
+
+    Returns:
+        NVFP4Tensors, None in the fields of a copy not asked for.
+
+    Raises:
+        TypeError: a wrong dtype, or a tensor on another device than cpu (or mixed devices).
+        ValueError: a shape the copies cannot take, a non-finite or negative amax, seed or offset
+            out of range, no copy asked for, or rht with scaling_2d.
+    """
+    op = "quantize_nvfp4"
+    check_tensor(op, "x", x)
+    _check_cpu(op, "x", x)
+    check_tensor(op, "amax", amax, like=x, like_name="x")
+    if amax_t is not None:
+        check_tensor(op, "amax_t", amax_t, like=x, like_name="x")
+    check_hp_dtype(op, "x", x.dtype)
+    check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+    _check_scalar(op, "amax", amax, "amax")
+    if amax_t is not None:
+        _check_scalar(op, "amax_t", amax_t, "amax")
+    _check_int(op, "seed", seed, _INT64_MIN, _INT64_MAX)
+    _check_int(op, "offset", offset, 0, _INT64_MAX)
+    outs = torch.ops.transformer_linear.quantize_nvfp4(
+        x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
+    )
+    data, scale, g, data_t, scale_t, g_t = outs
+    row = [data.view(FP4_DTYPE), scale, g] if rowwise else [None] * 3
+    col = [data_t.view(FP4_DTYPE), scale_t, g_t] if columnwise else [None] * 3
+    return NVFP4Tensors(*row, *col)
+
+
+def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
+    """The global amax of x's NVFP4 copy: max |x|, or with ``rht`` of x.T's Hadamard transform.
+
+    Args:
+        x: (M, K) floating tensor (M % 16 == 0 with ``rht``).
+        rht: the amax of the transformed columnwise copy, as ``quantize_nvfp4(..., rht=True)``
+            quantizes it.
+
+    Returns:
+        () float32; 0 for an empty x; NaN if x holds a NaN.
+    """
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    v = hadamard_transform(x.detach().t()) if rht else x.detach().float()
+    return v.abs().amax()
+
+
+def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=torch.uint8):
+    check_same_device(
+        op,
+        {
+            "a": a, "a_scale": a_scale, "a_global_scale": a_global_scale,
+            "b": b, "b_scale": b_scale, "b_global_scale": b_global_scale, "bias": bias,
+        },
+        optional=("bias",),
+    )
+    for name, t, dtype in (("a", a, data_dtype), ("b", b, data_dtype), ("a_scale", a_scale, torch.float8_e4m3fn),
+                           ("b_scale", b_scale, torch.float8_e4m3fn)):
+        if t.dtype != dtype:
+            raise TypeError(f"{op}: argument '{name}' must be {dtype}, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: argument '{name}' must be 2-D, got shape {list(t.shape)}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: the K dimensions of 'a' {list(a.shape)} and 'b' {list(b.shape)} differ")
+    if (2 * a.shape[1]) % BLOCK:
+        raise ValueError(f"{op}: K ({2 * a.shape[1]} FP4 values per row of 'a') must be a multiple of {BLOCK}")
+    for name, data, scale in (("a_scale", a, a_scale), ("b_scale", b, b_scale)):
+        want = [data.shape[0], 2 * data.shape[1] // BLOCK]
+        if list(scale.shape) != want:
+            raise ValueError(f"{op}: argument '{name}' must have shape {want}, got {list(scale.shape)}")
+
+
+@torch.library.custom_op("transformer_linear::nvfp4_gemm", mutates_args=(), device_types="cpu")
+def _nvfp4_gemm_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_global_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_global_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    op = "nvfp4_gemm"
+    _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
+    check_hp_dtype(op, "out_dtype", out_dtype)
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+    # Contiguous copies (where needed) held here: the kernel reads them after desc() returns.
+    a, a_scale, b, b_scale = (t.contiguous() for t in (a, a_scale, b, b_scale))
+    _C.nvfp4_gemm(
+        desc(a, op, "a"),
+        desc(a_scale, op, "a_scale"),
+        desc(a_global_scale, op, "a_global_scale"),
+        desc(b, op, "b"),
+        desc(b_scale, op, "b_scale"),
+        desc(b_global_scale, op, "b_global_scale"),
+        desc(bias, op, "bias"),
+        desc(out, op, "d"),
+        stream_for(a),
+    )
+    return out
+
+
+@_nvfp4_gemm_op.register_fake
+def _(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias):
+    _check_gemm_op("nvfp4_gemm", a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
+    check_hp_dtype("nvfp4_gemm", "out_dtype", out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def nvfp4_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_global_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_global_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``(a @ b.T) * (a_global_scale * b_global_scale) [+ bias]`` of NVFP4 operands, float32 accumulation.
+
+    Args:
+        a: (M, K/2) float4_e2m1fn_x2 (e.g. ``quantize_nvfp4(x, ...).data``); K % 16 == 0.
+        a_scale: (M, K/16) float8_e4m3fn block decode scales.
+        a_global_scale: () or (1,) float32 global decode scale, finite.
+        b, b_scale, b_global_scale: the same for b (N, K/2).
+        out_dtype: float32, bfloat16 or float16.
+        bias: (N,) of ``out_dtype``, or None.
+
+    Returns:
+        (M, N) tensor of ``out_dtype``.
+
+    Raises:
+        TypeError: a wrong dtype, or tensors on other devices than cpu (or mixed devices).
+        ValueError: shapes that do not match, or a non-finite global scale.
+    """
+    op = "nvfp4_gemm"
+    check_tensor(op, "a", a)
+    _check_cpu(op, "a", a)
+    _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=FP4_DTYPE)
+    check_hp_dtype(op, "out_dtype", out_dtype)
+    _check_scalar(op, "a_global_scale", a_global_scale, "scale")
+    _check_scalar(op, "b_global_scale", b_global_scale, "scale")
+    if bias is not None:
+        if bias.dtype != out_dtype:
+            raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
+        if list(bias.shape) != [b.shape[0]]:
+            raise ValueError(f"{op}: argument 'bias' must have shape {[b.shape[0]]}, got {list(bias.shape)}")
+    return torch.ops.transformer_linear.nvfp4_gemm(
+        a.view(torch.uint8), a_scale, a_global_scale, b.view(torch.uint8), b_scale, b_global_scale, out_dtype, bias
+    )
