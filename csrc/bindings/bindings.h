@@ -10,5 +10,6 @@ void register_gemm(pybind11::module_& m);
 void register_runtime(pybind11::module_& m);
 void register_cuda(pybind11::module_& m);
 void register_block(pybind11::module_& m);
+void register_grouped(pybind11::module_& m);
 }  // namespace bindings
 }  // namespace tl

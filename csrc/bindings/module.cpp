@@ -27,4 +27,5 @@ PYBIND11_MODULE(_C, m) {
   tl::bindings::register_runtime(m);
   tl::bindings::register_cuda(m);
   tl::bindings::register_block(m);
+  tl::bindings::register_grouped(m);
 }
