@@ -7,6 +7,19 @@ triton is first imported), which is how the tests run them without a GPU.
 """
 
 from transformer_linear.triton.fp8_gemm import fp8_gemm, fp8_gemm_resolved
+from transformer_linear.triton.fp8_grouped_gemm import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_resolved,
+    fp8_grouped_gemm_wgrad,
+)
 from transformer_linear.triton.quantize_blockwise import quantize_blockwise, quantize_blockwise_fused
 
-__all__ = ["fp8_gemm", "fp8_gemm_resolved", "quantize_blockwise", "quantize_blockwise_fused"]
+__all__ = [
+    "fp8_gemm",
+    "fp8_gemm_resolved",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_resolved",
+    "fp8_grouped_gemm_wgrad",
+    "quantize_blockwise",
+    "quantize_blockwise_fused",
+]
