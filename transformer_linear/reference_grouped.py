@@ -66,10 +66,13 @@ def fp8_grouped_gemm(
     """
     check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, None, bias)
     scalings = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
-    total, n = a.shape[0], b.shape[1]
+    total, k, n = a.shape[0], a.shape[1], b.shape[1]
     out = torch.zeros(total, n, dtype=torch.float64)
     for g, (start, end) in enumerate(group_bounds(offs, total)):
-        if start == end:
+        if start == end or n == 0:
+            continue
+        if k == 0:  # an empty contraction: the bias alone
+            out[start:end] = 0.0 if bias is None else bias[g].cpu().double()
             continue
         # a's per-row scales follow its rows; one tensorwise scale serves every group.
         sa = a_scale_inv if scalings.a_scaling == "TensorWise" else a_scale_inv[start:end]
