@@ -9,6 +9,7 @@ variable set, where only the Triton tests are defined.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 import subprocess
@@ -386,6 +387,30 @@ if not INTERPRETED:
         a, sa, b, sb = (t.to("meta") for t in grouped_operands(33, 3, 8, 64, "rowwise"))
         out = ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offsets([1, 2, 3]).to("meta"), torch.bfloat16)
         assert out.shape == (33, 8) and out.device.type == "meta" and out.dtype == torch.bfloat16
+
+    @pytest.mark.parametrize("e8m0, a_type, out_type", [(False, "fp8e4nv", "bf16"), (True, "fp8e5", "fp32")])
+    def test_triton_kernels_compile_for_hopper(e8m0, a_type, out_type):
+        """The GPU compiler (no GPU needed) accepts what the interpreter runs: it types more strictly."""
+        triton = pytest.importorskip("triton", reason="triton is in the 'test' extra")
+        from triton.backends.compiler import GPUTarget  # noqa: PLC0415 (optional dependency)
+        from triton.compiler import ASTSource  # noqa: PLC0415
+
+        # By module path: the package's attribute of that name is the function it re-exports.
+        module = importlib.import_module("transformer_linear.triton.fp8_grouped_gemm")
+        target = GPUTarget("cuda", 90, 32)
+        scale = "*u8" if e8m0 else "*fp32"
+        pointers = {"a_ptr": f"*{a_type}", "b_ptr": "*fp8e4nv", "d_ptr": f"*{out_type}", "sa_ptr": scale,
+                    "sb_ptr": scale, "bias_ptr": f"*{out_type}", "offs_ptr": "*i32"}
+        consts = {"HAS_BIAS": True, "E8M0": e8m0, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
+        kernel = module._grouped_gemm_kernel
+        signature = {name: pointers.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
+        assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["ptx"]
+        consts = {"BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_R": 64}
+        pointers = {"grad_ptr": f"*{a_type}", "x_ptr": "*fp8e4nv", "d_ptr": f"*{out_type}", "sg_ptr": "*fp32",
+                    "sx_ptr": "*fp32", "offs_ptr": "*i32"}
+        kernel = module._grouped_wgrad_kernel
+        signature = {name: pointers.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
+        assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["ptx"]
 
     def test_triton_kernels_interpreted(tmp_path):
         pytest.importorskip("triton", reason="triton is in the 'test' extra")

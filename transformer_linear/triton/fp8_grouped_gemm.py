@@ -41,9 +41,12 @@ _GPU_CONFIGS = [
 def _scales(s_ptr, idx, block_rows, k_col, stride, valid, E8M0: tl.constexpr):
     """The scales of rows idx for the K-block column k_col (0 where not valid)."""
     ptrs = s_ptr + (idx // block_rows).to(tl.int64) * stride + k_col
+    # One return: the compiler types every return statement of a function, even one a constexpr skips.
     if E8M0:
-        return tl.where(valid, e8m0_to_float(tl.load(ptrs, mask=valid, other=127)), 0.0)
-    return tl.load(ptrs, mask=valid, other=0.0)
+        scales = tl.where(valid, e8m0_to_float(tl.load(ptrs, mask=valid, other=127)), 0.0)
+    else:
+        scales = tl.load(ptrs, mask=valid, other=0.0)
+    return scales
 
 
 @triton.jit
