@@ -231,7 +231,8 @@ if not INTERPRETED:
         grad, s_grad = reference.quantize_current(torch.randn(40, 16), E5M2)[:2]
         x, s_x = reference.quantize_current(torch.randn(40, 24), E4M3)[:2]
         op = torch.ops.transformer_linear.fp8_grouped_gemm_wgrad.default
-        torch.library.opcheck(op, (grad, s_grad, x, s_x, offsets([10, 0, 30]), torch.float32), test_utils=_OPCHECK_UTILS)
+        args = (grad, s_grad, x, s_x, offsets([10, 0, 30]), torch.float32)
+        torch.library.opcheck(op, args, test_utils=_OPCHECK_UTILS)
 
     def test_compile_changing_offs_no_recompile_no_graph_break():
         """One graph for every routing: offs values change, nothing recompiles, nothing breaks."""
@@ -425,7 +426,9 @@ if not INTERPRETED:
             text=True,
             timeout=900,
         )
-        assert result.returncode == 0, f"interpreted Triton tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (
+            f"interpreted Triton tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
+        )
         assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 else:

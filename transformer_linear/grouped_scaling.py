@@ -123,13 +123,21 @@ def resolve_grouped_scalings(
                 f"{a_scale_inv.dtype}"
             )
         return GroupedScalings(a_type, a_block, b_type, b_block)
+    expected = ", ".join(f"{y}: {_describe_b(y, groups, n, k)}" for _, y in GROUPED_GEMM_SCALINGS)
     raise ValueError(
         f"{op}: unsupported 'b_scale_inv' {list(b_scale_inv.shape)} {b_scale_inv.dtype} for 'b' of shape "
-        f"{list(b.shape)}; supported (a, b) scalings: "
-        + "; ".join(f"{x} x {y}" for x, y in GROUPED_GEMM_SCALINGS)
-        + f" (b_scale_inv {', '.join(f'{name}: {list(shape)}' for name, shape in _b_layouts(torch.empty(0), groups, n, k).items())}, "
-        f"or ({groups}, {n}, {-(-k // 32)}) float8_e8m0fnu for BlockWise1x32)"
+        f"{list(b.shape)}; supported (a, b) scalings: {'; '.join(f'{x} x {y}' for x, y in GROUPED_GEMM_SCALINGS)} "
+        f"(b_scale_inv {expected})"
     )
+
+
+def _describe_b(b_type: str, groups, n, k) -> str:
+    return {
+        "TensorWise": f"({groups},) float32",
+        "RowWise": f"({groups}, {n}, 1) float32",
+        "BlockWise128x128": f"({groups}, {-(-n // 128)}, {-(-k // 128)}) float32",
+        "BlockWise1x32": f"({groups}, {n}, {-(-k // 32)}) float8_e8m0fnu",
+    }[b_type]
 
 
 def _describe_a(a_type: str, total, k) -> str:

@@ -105,7 +105,8 @@ std::vector<Problem> problems(const GroupedGemmParams& p, const std::vector<int6
     Problem q{};
     if (p.wgrad) {
       // d[g] (n, k) = grad_g^T (n x rows) @ x_g (rows x k): A = grad^T, B = x^T, both column-major.
-      if (p.n == 0 || p.k == 0) continue;
+      // A group without rows has been zeroed (fp8_grouped_gemm).
+      if (rows == 0 || p.n == 0 || p.k == 0) continue;
       q.a = Operand{a + r0 * p.n, 1, p.n, p.a.dtype};
       q.b = Operand{b + r0 * p.k, 1, p.k, p.b.dtype};
       q.m = p.n;
@@ -160,6 +161,7 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int mr = ks.mr, nr = ks.nr;
+  TL_CHECK(mr <= 64 && nr <= 64, "fp8_grouped_gemm: register tile ", mr, "x", nr, " above 64x64");
   const int64_t g = k_block(p);
 
   double flops = 0;
