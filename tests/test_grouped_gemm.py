@@ -366,6 +366,41 @@ if not INTERPRETED:
             op(ok["a"], ok["a_scale_inv"], ok["b"], ok["b_scale_inv"], ok["offs"], torch.float32, None,
                [1, 128], [128, 128])
 
+    def _walk_arguments() -> dict[str, dict]:
+        """Well-formed CPU arguments of each public function of ops_grouped."""
+        a, sa, b, sb = grouped_operands(24, 3, 8, 128, "1x128_x_128x128")
+        grad, s_grad = reference.quantize_current(torch.randn(24, 8), E5M2)[:2]
+        offs = torch.tensor([4, 4, 20], dtype=torch.int32)
+        return {
+            "fp8_grouped_gemm": dict(a=a, a_scale_inv=sa, b=b, b_scale_inv=sb, offs=offs, out_dtype=torch.float32,
+                                     bias=torch.zeros(3, 8)),
+            "fp8_grouped_gemm_wgrad": dict(grad=grad, grad_scale_inv=s_grad, x=a, x_scale_inv=torch.ones(1),
+                                           offs=offs, out_dtype=torch.float32),
+        }
+
+    _WALK = [
+        (op, arg, kind)
+        for op, args in _walk_arguments().items()
+        for arg, value in args.items()
+        if isinstance(value, torch.Tensor)
+        for kind in ("meta", "uint8")
+    ]
+
+    def test_every_public_function_is_walked():
+        public = sorted(n for n in ops_grouped.__all__ if callable(getattr(ops_grouped, n)))
+        assert public == sorted(_walk_arguments())
+
+    @pytest.mark.parametrize("op, arg, kind", _WALK, ids=lambda v: v)
+    def test_meta_or_uint8_argument_is_named(op, arg, kind):
+        """As tests/test_bad_input.py holds for ops: a clear error naming the argument and the kind."""
+        args = _walk_arguments()[op]
+        t = args[arg]
+        # uint8: the bytes of one-byte tensors (FP8 data, E8M0 scales), the values of others.
+        as_uint8 = t.view(torch.uint8) if t.element_size() == 1 else t.to(torch.uint8)
+        args[arg] = t.to("meta") if kind == "meta" else as_uint8
+        with pytest.raises((TypeError, ValueError), match=rf"(?=.*'{arg}')(?=.*\b{kind}\b)"):
+            getattr(ops_grouped, op)(**args)
+
     def test_bad_wgrad_input():
         grad, s_grad = reference.quantize_current(torch.randn(20, 8), E5M2)[:2]
         x, s_x = reference.quantize_current(torch.randn(20, 16), E4M3)[:2]
