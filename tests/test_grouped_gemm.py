@@ -127,6 +127,7 @@ if not INTERPRETED:
 
     from cpu_paths import SUPPORTED_ISAS
     from transformer_linear import _C, ops_grouped
+    from transformer_linear._tensor import desc
 
     @pytest.fixture(params=SUPPORTED_ISAS)
     def cpu_isa(request):
@@ -400,6 +401,23 @@ if not INTERPRETED:
         args[arg] = t.to("meta") if kind == "meta" else as_uint8
         with pytest.raises((TypeError, ValueError), match=rf"(?=.*'{arg}')(?=.*\b{kind}\b)"):
             getattr(ops_grouped, op)(**args)
+
+    def test_more_rows_than_int32_offs_address():
+        """offs is int32: the kernel refuses more token rows than it can address (checked from the
+        descriptor's shape, before any memory is read)."""
+        a, sa, b, sb = grouped_operands(4, 2, 8, 64, "tensorwise")
+        offs = torch.tensor([2, 4], dtype=torch.int32)
+        out = torch.empty(4, 8)
+        rows = 2**31
+        huge_a = (a.data_ptr(), 3, (rows, 64), (64, 1), 0, -1)  # a forged shape: never read
+        with pytest.raises(ValueError, match="more than the int32 'offs' can address"):
+            _C.fp8_grouped_gemm(huge_a, desc(sa.reshape(1, 1), "t", "sa"), desc(b, "t", "b"),
+                                desc(sb.reshape(2, 1, 1), "t", "sb"), desc(offs, "t", "offs"), 0, 0, 0, 0, None,
+                                desc(out, "t", "d"))
+        huge_grad = (a.data_ptr(), 3, (rows, 64), (64, 1), 0, -1)
+        with pytest.raises(ValueError, match="more than the int32 'offs' can address"):
+            _C.fp8_grouped_gemm_wgrad(huge_grad, desc(sa, "t", "g"), huge_grad, desc(sa, "t", "x"),
+                                      desc(offs, "t", "offs"), desc(torch.empty(2, 64, 64), "t", "d"))
 
     def test_bad_wgrad_input():
         grad, s_grad = reference.quantize_current(torch.randn(20, 8), E5M2)[:2]
