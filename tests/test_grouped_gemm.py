@@ -255,6 +255,21 @@ if not INTERPRETED:
             assert torch.equal(y, y_eager) and torch.equal(dw, dw_eager), pattern
         assert counter.frame_count == 1
 
+    @pytest.mark.parametrize("scaling", SCALINGS)
+    def test_compile_dynamic_token_count_one_graph(scaling):
+        """The token count is symbolic: the scale shapes are checked without guarding on it."""
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+        def moe(a, sa, b, sb, offs):
+            return ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offs, torch.float32)
+
+        compiled = torch.compile(moe, backend=counter, fullgraph=True, dynamic=True)
+        for total in (64, 40, 130):
+            a, sa, b, sb = grouped_operands(total, 4, 24, 128, scaling)
+            offs = offsets(routing("skewed", total, 4))
+            assert torch.equal(compiled(a, sa, b, sb, offs), moe(a, sa, b, sb, offs)), total
+        assert counter.frame_count == 1
+
     @contextmanager
     def _nothing():
         yield
