@@ -105,17 +105,16 @@ def resolve_grouped_scalings(
             continue
         for size, want in zip(b_scale_inv.shape, b_layouts[b_type]):
             _require(size == want, f"{op}: 'b_scale_inv' does not have {b_type}'s shape")
-        expected = a_layouts.get(a_type, ("none",))[0]
-        if expected is None:  # TensorWise: one element
-            ok = a_scale_inv.dim() <= 2 and a_scale_inv.numel() == 1
-        elif expected == ("none",):
+        if a_type not in a_layouts:  # another scale dtype
             ok = False
+        elif a_layouts[a_type][0] is None:  # TensorWise: one element
+            ok = a_scale_inv.dim() <= 2 and a_scale_inv.numel() == 1
         else:
+            expected = a_layouts[a_type][0]
             ok = a_scale_inv.dim() == 2
-            if ok:
-                for size, want in zip(a_scale_inv.shape, expected):
-                    _require(size == want, f"{op}: 'a_scale_inv' of shape {list(a_scale_inv.shape)} does not have "
-                             f"{a_type}'s shape {list(expected)} for 'a' of shape {list(a.shape)}")
+            for size, want in zip(a_scale_inv.shape, expected) if ok else ():
+                _require(size == want, f"{op}: 'a_scale_inv' of shape {list(a_scale_inv.shape)} does not have "
+                         f"{a_type}'s shape {list(expected)} for 'a' of shape {list(a.shape)}")
         if not ok:
             raise ValueError(
                 f"{op}: 'b_scale_inv' {list(b_scale_inv.shape)} {b_scale_inv.dtype} is {b_type}, which pairs with "
