@@ -9,7 +9,7 @@ import torch
 import torch._dynamo.testing
 
 from tolerances import assert_bitwise_equal
-from transformer_linear import ops
+from transformer_linear import ops, ops_grouped  # noqa: F401 (ops_grouped registers the grouped GEMM ops)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.transformer_linear
@@ -44,7 +44,9 @@ def test_every_op_is_covered():
     linear_ops |= {"quantize_grad_output"}
     block_ops = {"quantize_blockwise", "fp8_gemm_blockwise", "fp8_gemm_blockwise_accumulate"}  # in test_blockwise_*.py
     block_ops |= {"quantize_blockwise_flat"}  # in test_linear_block_recipes.py
-    assert registered == {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
+    grouped_ops = {"fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"}  # in test_grouped_gemm.py
+    expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
+    assert registered == expected | grouped_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
