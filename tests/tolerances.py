@@ -129,3 +129,27 @@ def assert_nvfp4_gemm_close(
     reference = finish(a_values.double() @ b_values.double().T)
     baseline = finish(a_values.float() @ b_values.float().T).to(actual.dtype)
     assert_close_to_reference(actual, reference, baseline, what="nvfp4_gemm")
+
+
+def assert_grouped_close_to_reference(
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    baseline: Optional[torch.Tensor],
+    bounds: list[tuple[int, int]],
+    what: str = "",
+) -> None:
+    """Grouped GEMMs (one GEMM per group of rows, ops.grouped.fp8_grouped_gemm): the rule of
+    :func:`assert_close_to_reference` applied to each group's rows on its own, so that a small
+    group's error is not hidden by a large group's norm; rows past the last group (``bounds``:
+    each group's (start, end)) must be exactly 0.
+    """
+    prefix = f"{what}: " if what else ""
+    assert actual.shape == reference.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(reference.shape)}"
+    for g, (start, end) in enumerate(bounds):
+        assert_close_to_reference(
+            actual[start:end], reference[start:end], None if baseline is None else baseline[start:end],
+            what=f"{prefix}group {g} (rows {start}:{end})",
+        )
+    last = bounds[-1][1] if bounds else 0
+    rest = actual[last:]
+    assert torch.equal(rest, torch.zeros_like(rest)), f"{prefix}rows past the last group ({last}:) are not 0"

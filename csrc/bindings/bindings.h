@@ -11,5 +11,6 @@ void register_runtime(pybind11::module_& m);
 void register_cuda(pybind11::module_& m);
 void register_block(pybind11::module_& m);
 void register_nvfp4(pybind11::module_& m);
+void register_grouped(pybind11::module_& m);
 }  // namespace bindings
 }  // namespace tl

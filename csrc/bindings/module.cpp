@@ -28,4 +28,5 @@ PYBIND11_MODULE(_C, m) {
   tl::bindings::register_cuda(m);
   tl::bindings::register_block(m);
   tl::bindings::register_nvfp4(m);
+  tl::bindings::register_grouped(m);
 }

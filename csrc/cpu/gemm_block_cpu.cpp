@@ -38,16 +38,6 @@ constexpr int kMaxFoldExps = 16 * 64;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-void promote_generic(const float* part, int ld_part, const float* sa, const float* sb, int rows,
-                     int cols, bool first, float* acc, int64_t ld_acc) {
-  for (int i = 0; i < rows; ++i) {
-    for (int j = 0; j < cols; ++j) {
-      const float v = part[i * ld_part + j] * (sa[i] * sb[j]);
-      acc[i * ld_acc + j] = first ? v : acc[i * ld_acc + j] + v;
-    }
-  }
-}
-
 // Exponents of power-of-two scales, [k-block][row] with rows_padded per block, or empty
 // when a scale is not a power of two whose products with every nonzero finite FP8 value
 // are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)).
@@ -257,6 +247,16 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
 }
 
 }  // namespace
+
+void promote_generic(const float* part, int ld_part, const float* sa, const float* sb, int rows,
+                     int cols, bool first, float* acc, int64_t ld_acc) {
+  for (int i = 0; i < rows; ++i) {
+    for (int j = 0; j < cols; ++j) {
+      const float v = part[i * ld_part + j] * (sa[i] * sb[j]);
+      acc[i * ld_acc + j] = first ? v : acc[i * ld_acc + j] + v;
+    }
+  }
+}
 
 void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32_t* row_exp,
                   int64_t block_k) {

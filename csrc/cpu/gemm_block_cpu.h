@@ -17,6 +17,10 @@ namespace gemm_block {
 using PromoteFn = void (*)(const float* part, int ld_part, const float* sa, const float* sb,
                            int rows, int cols, bool first, float* acc, int64_t ld_acc);
 
+/*! \brief Portable promotion (gemm_block_cpu.cpp). */
+void promote_generic(const float* part, int ld_part, const float* sa, const float* sb, int rows,
+                     int cols, bool first, float* acc, int64_t ld_acc);
+
 /*! \brief AVX2 promotion; call only when the CPU has it. */
 PromoteFn promote_avx2();
 /*! \brief AVX-512F promotion; call only when the CPU has it. */

@@ -38,6 +38,7 @@ from transformer_linear.formats import checks
 from transformer_linear.formats.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
 from transformer_linear.ops import (
     descriptors,
+    grouped,  # noqa: F401  (registers the grouped GEMM ops: ops.grouped.*)
     nvfp4,  # noqa: F401  (registers the NVFP4 ops: ops.nvfp4.*)
     torch_cuda,
 )

@@ -7,6 +7,19 @@ triton is first imported), which is how the tests run them without a GPU.
 """
 
 from transformer_linear.ops.triton.gemm_block import fp8_gemm, fp8_gemm_resolved
+from transformer_linear.ops.triton.gemm_grouped import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_resolved,
+    fp8_grouped_gemm_wgrad,
+)
 from transformer_linear.ops.triton.quantize_block import quantize_blockwise, quantize_blockwise_fused
 
-__all__ = ["fp8_gemm", "fp8_gemm_resolved", "quantize_blockwise", "quantize_blockwise_fused"]
+__all__ = [
+    "fp8_gemm",
+    "fp8_gemm_resolved",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_resolved",
+    "fp8_grouped_gemm_wgrad",
+    "quantize_blockwise",
+    "quantize_blockwise_fused",
+]

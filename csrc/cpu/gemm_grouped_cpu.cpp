@@ -1,0 +1,280 @@
+// CPU grouped FP8 GEMM: one GEMM per group (mixture-of-experts experts), all of them in one
+// parallel loop.
+//
+// Reuses the packing and register-tiled micro-kernels of the tensorwise GEMM (gemm_cpu.h) and
+// the per-K-block promotion of the block-scaled GEMM (gemm_block_cpu.h): the micro-kernel's fp32
+// sum over one K-block is promoted into the fp32 total with the two block scales. The work items
+// are (group, tile of rows, tile of columns) over every group at once, so a skewed routing (one
+// group holding most rows) still spreads over every thread, and an empty group costs nothing.
+// Each item packs its own A and B panels per KC chunk and keeps its fp32 total on the thread.
+//
+// Two forms share the driver. Forward (m-grouped): group g multiplies its rows of `a` by b[g].
+// Weight gradient (k-grouped): group g contracts its rows, d[g] = grad_g^T x_g, which is a GEMM of
+// the transposed views (a column-major operand for the packing routines, which take any strides).
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu_features.h"
+#include "gemm_block_cpu.h"
+#include "gemm_cpu.h"
+#include "gemm_grouped_cpu.h"
+#include "parallel.h"
+#include "transformer_linear/block_math.h"
+#include "transformer_linear/check.h"
+#include "transformer_linear/dispatch.h"
+
+namespace tl {
+namespace cpu {
+namespace {
+
+using gemm::KernelSet;
+using gemm::Operand;
+using gemm::store_tile;
+using gemm::sub_operand;
+
+constexpr int64_t kWhole = std::numeric_limits<int64_t>::max();
+// Columns of one work item's tile (a multiple of nr is used): its fp32 total is mc x this.
+constexpr int64_t kTileCols = 256;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// The scale_inv of element (row, k) of one operand: block (row / rows, k / cols) of a row-major
+// grid with grid_cols columns, float32 or E8M0 bits.
+struct ScaleSource {
+  const void* data;
+  bool e8m0;
+  int64_t rows, cols, grid_cols;
+
+  float at(int64_t row, int64_t k) const {
+    const int64_t index = (row / rows) * grid_cols + k / cols;
+    return e8m0 ? fp8::float_from_e8m0_bits(static_cast<const uint8_t*>(data)[index])
+                : static_cast<const float*>(data)[index];
+  }
+};
+
+ScaleSource scale_source(const TensorDesc& scale, const BlockLayout& l, int64_t group) {
+  const int64_t offset = group * l.grid_rows * l.grid_cols;
+  const void* data = l.e8m0 ? static_cast<const void*>(scale.ptr<uint8_t>() + offset)
+                            : static_cast<const void*>(scale.ptr<float>() + offset);
+  return ScaleSource{data, l.e8m0, l.rows, l.cols, l.grid_cols};
+}
+
+// One group's GEMM: d[i, j] = sum_k A(i, k) B(j, k) * sa(a_row0 + i, k) * sb(j, k) [+ bias[j]].
+struct Problem {
+  Operand a, b;
+  int64_t m, n, k;
+  ScaleSource sa, sb;
+  int64_t a_row0;  // row of A's first row in its scale grid
+  int64_t d_offset, ldd;  // elements
+  int64_t bias_offset;  // -1: no bias
+};
+
+struct WorkItem {
+  int64_t problem, i0, j0;
+};
+
+// offs read once, where the kernel uses it: group g is rows [starts[g], starts[g + 1]).
+std::vector<int64_t> group_starts(const GroupedGemmParams& p, const char* op) {
+  const int32_t* offs = p.offs.ptr<int32_t>();
+  std::vector<int64_t> starts(p.groups + 1, 0);
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t end = offs[g];
+    TL_CHECK(end >= starts[g], op, ": argument 'offs' must be non-decreasing and non-negative, got offs[",
+             g, "] = ", end, (g == 0 ? std::string() : ", after offs[" + std::to_string(g - 1) + "] = " +
+                                                       std::to_string(starts[g])));
+    TL_CHECK(end <= p.total, op, ": argument 'offs' must not pass the ", p.total,
+             " rows of the tokens, got offs[", g, "] = ", end);
+    starts[g + 1] = end;
+  }
+  return starts;
+}
+
+std::vector<Problem> problems(const GroupedGemmParams& p, const std::vector<int64_t>& starts) {
+  std::vector<Problem> out;
+  out.reserve(p.groups);
+  const uint8_t* a = p.a.ptr<uint8_t>();
+  const uint8_t* b = p.b.ptr<uint8_t>();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t r0 = starts[g], rows = starts[g + 1] - r0;
+    Problem q{};
+    if (p.wgrad) {
+      // d[g] (n, k) = grad_g^T (n x rows) @ x_g (rows x k): A = grad^T, B = x^T, both column-major.
+      // A group without rows has been zeroed (fp8_grouped_gemm).
+      if (rows == 0 || p.n == 0 || p.k == 0) continue;
+      q.a = Operand{a + r0 * p.n, 1, p.n, p.a.dtype};
+      q.b = Operand{b + r0 * p.k, 1, p.k, p.b.dtype};
+      q.m = p.n;
+      q.n = p.k;
+      q.k = rows;
+      q.a_row0 = 0;
+      q.sa = scale_source(p.a_scale_inv, p.a_block, 0);
+      q.sb = scale_source(p.b_scale_inv, p.b_block, 0);
+      q.d_offset = g * p.n * p.k;
+      q.ldd = p.k;
+      q.bias_offset = -1;
+    } else {
+      if (rows == 0 || p.n == 0) continue;
+      q.a = Operand{a + r0 * p.k, p.k, 1, p.a.dtype};
+      q.b = Operand{b + g * p.n * p.k, p.k, 1, p.b.dtype};
+      q.m = rows;
+      q.n = p.n;
+      q.k = p.k;
+      q.a_row0 = r0;
+      q.sa = scale_source(p.a_scale_inv, p.a_block, 0);
+      q.sb = scale_source(p.b_scale_inv, p.b_block, g);
+      q.d_offset = r0 * p.n;
+      q.ldd = p.n;
+      q.bias_offset = p.bias.defined() ? g * p.n : -1;
+    }
+    out.push_back(q);
+  }
+  return out;
+}
+
+struct FreeDeleter {
+  void operator()(void* ptr) const { std::free(ptr); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
+
+Buffer aligned_buffer(size_t bytes) {
+  Buffer buffer(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
+  TL_CHECK(buffer != nullptr, "fp8_grouped_gemm: out of memory allocating ", bytes, " bytes");
+  return buffer;
+}
+
+// The K-block width promoted at once: the smaller block width, or the whole K (tensorwise, rowwise).
+int64_t k_block(const GroupedGemmParams& p) {
+  const int64_t g = std::min(p.a_block.cols, p.b_block.cols);
+  return g == kWhole ? kWhole : std::max<int64_t>(1, g);
+}
+
+template <typename Out>
+void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const KernelSet& ks,
+         gemm_block::PromoteFn promote) {
+  using T = typename Out::storage;
+  T* d = p.d.ptr<T>();
+  const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
+  const int mr = ks.mr, nr = ks.nr;
+  TL_CHECK(mr <= 64 && nr <= 64, "fp8_grouped_gemm: register tile ", mr, "x", nr, " above 64x64");
+  const int64_t g = k_block(p);
+
+  double flops = 0;
+  for (const Problem& q : probs) flops += 2.0 * q.m * q.n * std::max<int64_t>(q.k, 1);
+  constexpr double kMinParallelFlops = 1 << 22;
+  const int threads = flops < kMinParallelFlops ? 1 : get_num_threads();
+
+  // Tiles: mc rows (a multiple of mr) x kTileCols columns (a multiple of nr), narrowed while
+  // there are fewer work items than threads.
+  const int64_t mt = round_up(std::min<int64_t>(ks.mc, 128), mr);
+  int64_t nt = round_up(std::min<int64_t>(kTileCols, p.wgrad ? p.k : p.n), nr);
+  const auto count_items = [&](int64_t cols) {
+    int64_t items = 0;
+    for (const Problem& q : probs) items += ceil_div(q.m, mt) * ceil_div(q.n, cols);
+    return items;
+  };
+  while (nt > nr && count_items(nt) < threads) nt = round_up(nt / 2, nr);
+  std::vector<WorkItem> items;
+  items.reserve(count_items(nt));
+  for (int64_t w = 0; w < static_cast<int64_t>(probs.size()); ++w) {
+    for (int64_t i0 = 0; i0 < probs[w].m; i0 += mt) {
+      for (int64_t j0 = 0; j0 < probs[w].n; j0 += nt) items.push_back(WorkItem{w, i0, j0});
+    }
+  }
+
+  parallel_for(threads, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+    const int64_t kc_max = ks.kc;
+    Buffer a_buffer = aligned_buffer(ceil_div(mt, mr) * ks.panel_bytes(kc_max, mr));
+    Buffer b_buffer = aligned_buffer(ceil_div(nt, nr) * ks.panel_bytes(kc_max, nr));
+    std::vector<float> totals(mt * nt);
+    alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+    alignas(64) float sa[64];
+    alignas(64) float sb[64];
+    for (int64_t w = w0; w < w1; ++w) {
+      const WorkItem& item = items[w];
+      const Problem& q = probs[item.problem];
+      const int64_t mb = std::min(mt, q.m - item.i0), nb = std::min(nt, q.n - item.j0);
+      // Partial sums are promoted every `step` k: each K-block, or every KC chunk when one block
+      // covers K (tensorwise, rowwise, the weight gradient).
+      const int64_t step = g >= q.k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
+      const int64_t kc = ks.kc / step * step;
+      if (q.k == 0) std::fill(totals.begin(), totals.end(), 0.0f);
+      for (int64_t pc = 0; pc < q.k; pc += kc) {
+        const int64_t kb = std::min(kc, q.k - pc);
+        const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
+        ks.pack_a(sub_operand(q.a, item.i0, pc), mb, kb, mr, a_buffer.get());
+        ks.pack_b(sub_operand(q.b, item.j0, pc), nb, kb, nr, b_buffer.get());
+        if (ks.prepare) ks.prepare();
+        for (int64_t jr = 0; jr < nb; jr += nr) {
+          const uint8_t* b_panel = b_buffer.get() + (jr / nr) * b_panel_bytes;
+          for (int64_t ir = 0; ir < mb; ir += mr) {
+            const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+            for (int64_t s0 = 0; s0 < kb; s0 += step) {
+              // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
+              // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
+              ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                       b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+              const int64_t kk = pc + s0;
+              for (int i = 0; i < mr; ++i) {
+                const int64_t row = item.i0 + ir + i;
+                sa[i] = row < item.i0 + mb ? q.sa.at(q.a_row0 + row, kk) : 0.0f;
+              }
+              for (int j = 0; j < nr; ++j) {
+                const int64_t col = item.j0 + jr + j;
+                sb[j] = col < item.j0 + nb ? q.sb.at(col, kk) : 0.0f;
+              }
+              promote(part, nr, sa, sb, mr, nr, pc == 0 && s0 == 0, totals.data() + ir * nt + jr, nt);
+            }
+          }
+        }
+      }
+      const T* tile_bias = q.bias_offset >= 0 ? bias + q.bias_offset + item.j0 : nullptr;
+      store_tile<Out>(totals.data(), nt, mb, nb, 1.0f, tile_bias, false,
+                      d + q.d_offset + item.i0 * q.ldd + item.j0, q.ldd);
+    }
+  });
+}
+
+}  // namespace
+
+void fp8_grouped_gemm(const GroupedGemmParams& p) {
+  const char* op = p.wgrad ? "fp8_grouped_gemm_wgrad" : "fp8_grouped_gemm";
+  const std::vector<int64_t> starts = group_starts(p, op);
+  const size_t elem = static_cast<size_t>(element_size(p.d.dtype));
+  if (p.wgrad) {
+    // Groups without rows (and every group when K or N is 0) are zeros: written here, the rest below.
+    for (int64_t g = 0; g < p.groups; ++g) {
+      if (starts[g + 1] == starts[g] && p.n * p.k > 0) {
+        std::memset(static_cast<uint8_t*>(p.d.data) + g * p.n * p.k * elem, 0, p.n * p.k * elem);
+      }
+    }
+  } else if (p.n > 0 && starts[p.groups] < p.total) {
+    // Rows past the last group belong to none: zeros (torch._grouped_mm leaves them unspecified).
+    std::memset(static_cast<uint8_t*>(p.d.data) + starts[p.groups] * p.n * elem, 0,
+                (p.total - starts[p.groups]) * p.n * elem);
+  }
+  const std::vector<Problem> probs = problems(p, starts);
+  if (probs.empty()) return;
+  KernelSet ks = gemm::kernels_for(current_isa());
+  // Sub-panels start at multiples of the K-block: it must keep whole k-groups of the packing.
+  const int64_t g = k_block(p);
+  if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
+  gemm_block::PromoteFn promote = gemm_block::promote_generic;
+  const Isa isa = current_isa();
+  if (isa == Isa::kAvx2) {
+    promote = gemm_block::promote_avx2();
+  } else if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
+    promote = gemm_block::promote_avx512();
+  }
+  dispatch_high_precision(p.d.dtype, "fp8_grouped_gemm: argument 'd'", [&](auto out_tag) {
+    run<decltype(out_tag)>(p, probs, ks, promote);
+  });
+}
+
+}  // namespace cpu
+}  // namespace tl

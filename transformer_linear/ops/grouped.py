@@ -1,0 +1,193 @@
+"""Grouped FP8 GEMMs (mixture-of-experts): the forward GEMM and its weight gradient, as torch ops.
+
+Modelled on ``torch._grouped_mm`` (2-D tokens x 3-D weights with ``offs``) and Transformer Engine's
+grouped GEMM; the layouts and scalings are described in ``transformer_linear.formats.grouped_scaling``.
+Each op is a ``torch.library`` custom op whose fake implementation takes its output shape from the
+operands alone, so ``torch.compile`` traces one graph for any routing. CPU tensors run the
+extension's kernel, which reads and checks ``offs`` itself; CUDA tensors run the Triton kernels of
+``transformer_linear.ops.triton`` (cuBLASLt's grouped FP8 GEMM is not used yet). Neither path copies
+``offs`` to the host: there is no device sync, and ``offs`` can change between calls without
+recompiling. On CUDA, ``offs`` values are not checked (that would sync); out-of-range values are
+clamped by the kernels so that they never access memory outside the operands.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from transformer_linear import _C
+from transformer_linear.formats.checks import check_scale_values
+from transformer_linear.ops.descriptors import desc, stream_for
+from transformer_linear.formats.dtypes import E8M0_DTYPE
+from transformer_linear.formats.grouped_scaling import (
+    WHOLE,
+    check_grouped_gemm_args,
+    check_grouped_wgrad_args,
+    resolve_grouped_scalings,
+)
+
+__all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"]
+
+
+def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales cross into the kernels as their uint8 bits."""
+    return t.view(torch.uint8) if t.dtype == E8M0_DTYPE else t
+
+
+def _scale_grids(a_scale_inv, b_scale_inv, a_block, b_block, groups):
+    """The scales as the kernels index them: a's as one 2-D grid, b's as G grids (one element each
+    where a block spans the whole weight, TensorWise)."""
+    sa = a_scale_inv.reshape(1, 1) if a_block[0] == WHOLE else a_scale_inv
+    sb = b_scale_inv.reshape(groups, 1, 1) if b_block[0] == WHOLE else b_scale_inv
+    return _kernel_scale(sa), _kernel_scale(sb)
+
+
+@torch.library.custom_op("transformer_linear::fp8_grouped_gemm", mutates_args=(), device_types="cpu")
+def _fp8_grouped_gemm_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    a_block: list[int],
+    b_block: list[int],
+) -> torch.Tensor:
+    op = "fp8_grouped_gemm"
+    check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    check_scale_values(op, {"a_scale_inv": a_scale_inv, "b_scale_inv": b_scale_inv})
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    sa, sb = _scale_grids(a_scale_inv, b_scale_inv, a_block, b_block, b.shape[0])
+    _C.fp8_grouped_gemm(
+        desc(a, op, "a"), desc(sa, op, "a_scale_inv"), desc(b, op, "b"), desc(sb, op, "b_scale_inv"),
+        desc(offs, op, "offs"), a_block[0], a_block[1], b_block[0], b_block[1], desc(bias, op, "bias"),
+        desc(out, op, "d"), stream_for(a),
+    )
+    return out
+
+
+@_fp8_grouped_gemm_op.register_kernel("cuda")
+def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, a_block, b_block):
+    check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    return _triton_kernels().fp8_grouped_gemm_resolved(
+        a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, tuple(a_block), tuple(b_block)
+    )
+
+
+@_fp8_grouped_gemm_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, a_block, b_block):
+    check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def fp8_grouped_gemm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One FP8 GEMM per group: out[rows of g] = a[rows of g] @ b[g]ᵀ, scaled [+ bias[g]].
+
+    Numerics: reference.grouped.fp8_grouped_gemm (per-K-block fp32 promotion, as ops.fp8_gemm).
+
+    Args:
+        a: contiguous FP8 (total_tokens, K): the tokens of every group, quantized once.
+        a_scale_inv: a's scales: 1 element (TensorWise), (total, 1) (RowWise), (total, ceil(K/128))
+            (BlockWise1x128) or (total, ceil(K/32)) float8_e8m0fnu (MX).
+        b: contiguous FP8 (G, N, K): one weight per group (expert).
+        b_scale_inv: (G,), (G, N, 1), (G, ceil(N/128), ceil(K/128)) or (G, N, ceil(K/32)) E8M0,
+            paired with a_scale_inv as in formats.grouped_scaling.GROUPED_GEMM_SCALINGS.
+        offs: contiguous int32 (G,) cumulative row ends (torch._grouped_mm's): group g is rows
+            offs[g-1]:offs[g]; empty groups are allowed; rows past offs[-1] come out as 0.
+        out_dtype: torch.float32, torch.bfloat16 or torch.float16.
+        bias: (G, N) of out_dtype, or None.
+
+    Returns:
+        (total_tokens, N) of out_dtype.
+
+    Raises:
+        TypeError: a non-tensor argument, one on another device (meta included) or of a wrong dtype.
+        ValueError: a wrong shape, an unsupported scaling, a bad scale value (CPU) or bad offs
+            values (CPU: the kernel checks them where it reads them).
+    """
+    check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    scalings = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
+    return _fp8_grouped_gemm_op(
+        a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(scalings.a_block), list(scalings.b_block)
+    )
+
+
+@torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
+def _fp8_grouped_gemm_wgrad_op(
+    grad: torch.Tensor,
+    grad_scale_inv: torch.Tensor,
+    x: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    op = "fp8_grouped_gemm_wgrad"
+    check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    check_scale_values(op, {"grad_scale_inv": grad_scale_inv, "x_scale_inv": x_scale_inv})
+    out = torch.empty((offs.shape[0], grad.shape[1], x.shape[1]), dtype=out_dtype, device=x.device)
+    _C.fp8_grouped_gemm_wgrad(
+        desc(grad, op, "grad"), desc(grad_scale_inv.reshape(1), op, "grad_scale_inv"), desc(x, op, "x"),
+        desc(x_scale_inv.reshape(1), op, "x_scale_inv"), desc(offs, op, "offs"), desc(out, op, "d"),
+        stream_for(x),
+    )
+    return out
+
+
+@_fp8_grouped_gemm_wgrad_op.register_kernel("cuda")
+def _(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype):
+    check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    return _triton_kernels().fp8_grouped_gemm_wgrad(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+
+
+@_fp8_grouped_gemm_wgrad_op.register_fake
+def _(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype):
+    check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    return x.new_empty((offs.shape[0], grad.shape[1], x.shape[1]), dtype=out_dtype)
+
+
+def fp8_grouped_gemm_wgrad(
+    grad: torch.Tensor,
+    grad_scale_inv: torch.Tensor,
+    x: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight gradient of a grouped GEMM: out[g] = grad[rows of g]ᵀ @ x[rows of g], scaled.
+
+    A "k-grouped" GEMM: the groups split the contraction (token) dimension; an empty group's
+    gradient is 0. Tensorwise scales only (block scales are a ValueError). Numerics:
+    reference.grouped.fp8_grouped_gemm_wgrad.
+
+    Args:
+        grad: contiguous FP8 (total_tokens, N), the output gradient.
+        grad_scale_inv: one float32 element.
+        x: contiguous FP8 (total_tokens, K), the input.
+        x_scale_inv: one float32 element.
+        offs: contiguous int32 (G,) cumulative row ends, as for :func:`fp8_grouped_gemm`.
+        out_dtype: torch.float32, torch.bfloat16 or torch.float16.
+
+    Returns:
+        (G, N, K) of out_dtype.
+    """
+    check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    return _fp8_grouped_gemm_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+
+
+def _triton_kernels():
+    """transformer_linear.ops.triton, imported on first GPU use: triton is an optional dependency
+    (the ``cuda`` extra) and importing it costs seconds."""
+    import transformer_linear.ops.triton as kernels  # noqa: PLC0415 (optional dependency)
+
+    return kernels
