@@ -18,10 +18,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
-import transformer_linear
 from blockwise_cases import E4M3, E5M2, E8M0
 from tolerances import assert_close_to_reference, assert_grouped_close_to_reference
+
+import transformer_linear
 from transformer_linear import reference
 from transformer_linear.reference import grouped as reference_grouped
 
@@ -125,8 +125,8 @@ def check_wgrad(fn, total, n, k, sizes, out_dtype, what=""):
 
 if not INTERPRETED:
     import torch._dynamo.testing
-
     from cpu_paths import SUPPORTED_ISAS
+
     from transformer_linear import _C
     from transformer_linear.ops import grouped as ops_grouped
     from transformer_linear.ops.descriptors import desc

@@ -29,8 +29,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_same_device
 from transformer_linear.formats.block_scaling import check_scale_dtype, scale_layouts
+from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_same_device
 
 __all__ = [
     "GROUPED_GEMM_SCALINGS",

@@ -19,7 +19,6 @@ import torch
 
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_scale_values
-from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.formats.grouped_scaling import (
     WHOLE,
@@ -27,6 +26,7 @@ from transformer_linear.formats.grouped_scaling import (
     check_grouped_wgrad_args,
     resolve_grouped_scalings,
 )
+from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"]
 
