@@ -138,8 +138,11 @@ class TestTraining:
         ref = _train(plain, rec, 4, batches, _mlp_loss, requantize=False)
         got = _train(quantized, rec, 4, batches, _mlp_loss, requantize=True)
         if recipe.quantization.quantization_spec(rec).scale_from_history:
-            # Delayed scaling: the stored weight's scale is its own amax, not the history's; FP8 rounding apart.
-            torch.testing.assert_close(got, ref, rtol=0.05, atol=0.0)
+            # Delayed scaling: from the second step the stored weight's scale is its own amax, not the
+            # history's, so the weights differ by FP8 rounding (measured 0.1 % of the loss); the first
+            # step's scales agree (the empty history's first-step rule is the current amax).
+            assert got[0] == ref[0]
+            torch.testing.assert_close(got, ref, rtol=0.01, atol=0.0)
         else:
             assert got == ref  # the same quantizer on the same master weight: bitwise the same
 
@@ -160,7 +163,10 @@ class TestTraining:
 
         ref = _train(plain, rec, 6, batches, loss_fn, requantize=False)
         got = _train(quantized, rec, 6, batches, loss_fn, requantize=True)
-        torch.testing.assert_close(got, ref, rtol=0.02, atol=0.0)
+        if recipe.quantization.quantization_spec(rec).scale_from_history:
+            torch.testing.assert_close(got, ref, rtol=0.01, atol=0.0)  # measured 0.2 %, see above
+        else:
+            assert got == ref
         assert got[-1] < got[0]
 
     def test_without_requantize_the_stored_weight_is_stale(self):
