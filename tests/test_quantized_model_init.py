@@ -268,3 +268,10 @@ class TestBadInput:
             tl.register_requantize_hook(object(), nn.Linear(2, 2))
         with pytest.raises(TypeError, match="'model'"):
             tl.register_requantize_hook(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), object())
+
+    def test_weight_shape_mismatch(self):
+        with tl.quantized_model_init(recipe=recipe.from_name("current")):
+            layer = tl.Linear(16, 8)
+        with pytest.raises(ValueError, match="does not shard the stored weight"):
+            with tl.autocast(recipe=recipe.from_name("current")):
+                layer._forward(None, torch.randn(4, 8), layer.weight[:, :8], None)

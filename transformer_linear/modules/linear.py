@@ -216,7 +216,7 @@ class Linear(nn.Module):
         fp8 = recipe is not None
         quantization = quantization_spec(recipe) if fp8 else NO_QUANTIZATION
         if fp8 and getattr(self, "_quantized_weight", None) is not None:
-            cached_weight = quantized_init.stored_weight(self, quantization.weight)
+            cached_weight = quantized_init.stored_weight(self, weight, quantization.weight)
         else:
             cached_weight = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None

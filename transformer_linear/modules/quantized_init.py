@@ -156,15 +156,22 @@ def init_layer(layer: nn.Module) -> None:
     requantize(layer)
 
 
-def stored_weight(layer: nn.Module, weight_quantizer: TensorQuantizer) -> Optional[CachedWeight]:
-    """The quantized weight the forward reads, checked against the forward recipe's weight quantizer.
+def stored_weight(layer: nn.Module, weight: Tensor, weight_quantizer: TensorQuantizer) -> Optional[CachedWeight]:
+    """The quantized weight the forward reads in place of ``weight``, checked against the forward recipe's
+    weight quantizer.
 
     Raises:
-        ValueError: the forward's recipe quantizes the weight differently from the stored one.
+        ValueError: the forward's recipe quantizes the weight differently from the stored one, or
+            ``weight`` is a shard (tensor parallel) of the whole weight that was stored.
     """
     stored: Optional[CachedWeight] = layer._quantized_weight
     if stored is None:
         return None
+    if tuple(stored.weight_fp8.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"Linear: the weight is stored quantized with shape {list(stored.weight_fp8.shape)} but the forward "
+            f"runs on a {list(weight.shape)} shard; quantized_model_init does not shard the stored weight"
+        )
     expected = layer.quantized_init.weight_quantizer
     if weight_quantizer != expected:
         raise ValueError(
