@@ -22,6 +22,15 @@ from transformer_linear.modules.autocast import autocast, fp8_autocast  # noqa: 
 from transformer_linear.modules.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
 from transformer_linear.modules.linear import Linear  # noqa: E402
+from transformer_linear.modules.quantized_init import (  # noqa: E402
+    clear_high_precision_init_val,
+    fp8_model_init,
+    get_high_precision_init_val,
+    quantized_model_init,
+    quantized_weight_bytes,
+    register_requantize_hook,
+    requantize_weights,
+)
 from transformer_linear.recipe.quantization import TensorQuantizer  # noqa: E402
 
 __all__ += [
@@ -34,6 +43,13 @@ __all__ += [
     "recipe",
     "selective_checkpoint_contexts",
     "TensorQuantizer",
+    "clear_high_precision_init_val",
+    "fp8_model_init",
+    "get_high_precision_init_val",
+    "quantized_model_init",
+    "quantized_weight_bytes",
+    "register_requantize_hook",
+    "requantize_weights",
 ]
 
 # "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.

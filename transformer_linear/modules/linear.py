@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.checks import check_linear_devices
-from transformer_linear.modules import tensor_parallel
+from transformer_linear.modules import quantized_init, tensor_parallel
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.modules.linear_ops import WgradQueue, compute_wgrad, linear_fwd
@@ -90,6 +90,10 @@ class Linear(nn.Module):
         self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
         self.reset_fp8_state()
+        # Under tl.quantized_model_init the weight is kept quantized too (quantized_init.py).
+        quantized_init.init_layer(self)
+        if self.quantized_init is not None:
+            self.register_load_state_dict_post_hook(quantized_init.load_state_dict_post_hook)
         # A checkpoint holds the scales as of the last step, not lagging behind
         # reductions still in flight (tl.distributed).
         self.register_state_dict_pre_hook(_finish_amax_reductions_hook)
@@ -141,6 +145,7 @@ class Linear(nn.Module):
         with self.delayed_scaling_state.float32_buffers(self):
             super()._apply(fn, recurse)
         self._weight_cache = None
+        quantized_init.requantize(self)
         return self
 
     # ------------------------------------------------------------------
@@ -210,6 +215,10 @@ class Linear(nn.Module):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else inp.dtype
         fp8 = recipe is not None
         quantization = quantization_spec(recipe) if fp8 else NO_QUANTIZATION
+        if fp8 and getattr(self, "_quantized_weight", None) is not None:
+            cached_weight = quantized_init.stored_weight(self, weight, quantization.weight)
+        else:
+            cached_weight = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None
         if self.fuse_wgrad_accumulation and grad and weight.requires_grad:
             if getattr(self.weight, "main_grad", None) is None:
@@ -220,7 +229,7 @@ class Linear(nn.Module):
             inp=inp,
             weight=weight,
             bias=bias,
-            cached_weight=self._weight_cache if fp8 and is_first_microbatch is False else None,
+            cached_weight=cached_weight,
             # requires-grad flags
             input_requires_grad=grad and inp.requires_grad,
             weight_requires_grad=grad and weight.requires_grad,
@@ -273,6 +282,10 @@ class Linear(nn.Module):
         # Sharing the Parameters keeps optimizer state and ties pointing at them valid.
         new.weight = linear.weight
         new.bias = linear.bias
+        if new.quantized_init is not None:
+            if new.quantized_init.preserve_high_precision_init_val:
+                new._high_precision_init_val = new.weight.detach().to("cpu", copy=True)
+            quantized_init.requantize(new)
         new.train(linear.training)
         new.reset_fp8_state()
         return new
