@@ -95,13 +95,14 @@ def _check_margin(cls: str, margin: object) -> None:
         raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
 
 
-_AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+"""How a delayed scale reads its amax history: over all of it, or its newest entry."""
 
 
 def _check_history(cls: str, amax_history_len: int, amax_compute_algo: object, first_step_just_in_time: object) -> None:
     if amax_history_len < 1:
         raise ValueError(f"{cls}: 'amax_history_len' must be a positive integer, got {amax_history_len!r}")
-    if amax_compute_algo not in _AMAX_COMPUTE_ALGOS:
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
         raise ValueError(f"{cls}: 'amax_compute_algo' must be 'max' or 'most_recent', got {amax_compute_algo!r}")
     if not isinstance(first_step_just_in_time, bool):
         raise TypeError(f"{cls}: 'first_step_just_in_time' must be a bool, got {first_step_just_in_time!r}")

@@ -13,10 +13,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from transformer_linear.recipe import AMAX_COMPUTE_ALGOS
 from transformer_linear.reference import compute_scale, fp8_max
 
 __all__ = [
-    "AMAX_ALGOS",
     "BACKWARD_STATE",
     "FORWARD_STATE",
     "FP8_STATES",
@@ -30,7 +30,6 @@ __all__ = [
 # Columns of the scales a forward used, ``fp8_fwd_scale`` (3,); input and weight are also the
 # columns of the forward state (FORWARD_STATE), grad_output the one column of the backward state.
 FP8_STATE_COLUMNS = {"input": 0, "weight": 1, "grad_output": 2}
-AMAX_ALGOS = ("max", "most_recent")
 
 
 def no_amax_yet(history: Tensor, scale: Tensor) -> Tensor:
@@ -71,8 +70,8 @@ def update_delayed_scaling_(
         margin: the recipe's power-of-two head room.
         amax_compute_algo: ``"max"`` or ``"most_recent"``.
     """
-    if amax_compute_algo not in AMAX_ALGOS:
-        raise ValueError(f"delayed_scaling_update: 'amax_compute_algo' must be one of {AMAX_ALGOS}, got {amax_compute_algo!r}")
+    if amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+        raise ValueError(f"delayed_scaling_update: 'amax_compute_algo' must be one of {AMAX_COMPUTE_ALGOS}, got {amax_compute_algo!r}")
     n = amax.numel()
     history = amax_history[:, first : first + n]
     columns = scale[first : first + n]
