@@ -22,7 +22,7 @@ namespace {
 // exponent and mantissa placed in a float32 and rebiased by a multiply by
 // 2^(127 - bias) (exact, subnormals included); NaN / inf patterns written directly.
 template <typename In>
-__m256 fp8_to_float(__m128i bytes) {
+TL_LANE_INLINE __m256 fp8_to_float(__m128i bytes) {
   const __m256i w = _mm256_cvtepu8_epi32(bytes);
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
   const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7f));
@@ -45,7 +45,7 @@ __m256 fp8_to_float(__m128i bytes) {
 
 // fp32 lanes -> 8 elements of Out, as Out::store, at y.
 template <typename Out>
-void store_hp(typename Out::storage* y, __m256 v) {
+TL_LANE_INLINE void store_hp(typename Out::storage* y, __m256 v) {
   if constexpr (std::is_same_v<Out, Float32>) {
     _mm256_storeu_ps(y, v);
   } else {

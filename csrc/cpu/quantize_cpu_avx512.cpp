@@ -22,7 +22,7 @@ namespace {
 // multiply by 2^(127 - bias) rebias them (subnormals included: the product is
 // exact); NaN / inf patterns are written directly.
 template <typename In>
-__m512 fp8_to_float(__m128i bytes) {
+TL_LANE_INLINE __m512 fp8_to_float(__m128i bytes) {
   const __m512i w = _mm512_cvtepu8_epi32(bytes);
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24);
   const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7f));
@@ -46,7 +46,7 @@ __m512 fp8_to_float(__m128i bytes) {
 
 // fp32 lanes -> 16 stored elements of Out, as Out::store.
 template <typename Out>
-void store_hp(typename Out::storage* y, __m512 v, __mmask16 m) {
+TL_LANE_INLINE void store_hp(typename Out::storage* y, __m512 v, __mmask16 m) {
   if constexpr (std::is_same_v<Out, Float32>) {
     _mm512_mask_storeu_ps(y, m, v);
   } else {

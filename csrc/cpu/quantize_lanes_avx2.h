@@ -33,7 +33,7 @@ namespace avx2 {
 // --- loads: 8 elements -> fp32 lanes ---------------------------------------
 
 template <typename In>
-__m256 widen(__m128i h) {
+TL_LANE_INLINE __m256 widen(__m128i h) {
   if constexpr (std::is_same_v<In, Float16>) {
     return _mm256_cvtph_ps(h);
   } else {  // bfloat16 is the top half of a float32
@@ -42,7 +42,7 @@ __m256 widen(__m128i h) {
 }
 
 template <typename In>
-__m256 load_hp(const typename In::storage* p) {
+TL_LANE_INLINE __m256 load_hp(const typename In::storage* p) {
   if constexpr (std::is_same_v<In, Float32>) {
     return _mm256_loadu_ps(p);
   } else {
@@ -52,27 +52,27 @@ __m256 load_hp(const typename In::storage* p) {
 
 // The first n (< 8) elements at p; the other lanes read as +0.
 template <typename In>
-__m256 load_hp(const typename In::storage* p, int64_t n) {
+TL_LANE_INLINE __m256 load_hp(const typename In::storage* p, int64_t n) {
   typename In::storage buf[8] = {};
   std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(buf[0]));
   return load_hp<In>(buf);
 }
 
-inline __m256i abs_bits(__m256 v) {
+TL_LANE_INLINE __m256i abs_bits(__m256 v) {
   return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
 }
 
-inline uint32_t reduce_max_epu32(__m256i v) {
+TL_LANE_INLINE uint32_t reduce_max_epu32(__m256i v) {
   __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
-inline __m256i lanes_gt(__m256i a, uint32_t b) {
+TL_LANE_INLINE __m256i lanes_gt(__m256i a, uint32_t b) {
   return _mm256_cmpgt_epi32(a, _mm256_set1_epi32(static_cast<int>(b)));
 }
-inline __m256i lanes_lt(__m256i a, uint32_t b) {
+TL_LANE_INLINE __m256i lanes_lt(__m256i a, uint32_t b) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(b)), a);
 }
 
@@ -80,7 +80,7 @@ inline __m256i lanes_lt(__m256i a, uint32_t b) {
 
 // FP8 bits of the lanes at or above kSpecialFrom: NaN, or e5m2's infinity.
 template <typename B>
-__m256i special_bits(__m256i u) {
+TL_LANE_INLINE __m256i special_bits(__m256i u) {
   if constexpr (B::kHasInf) {
     return _mm256_blendv_epi8(_mm256_set1_epi32(B::kInfBits), _mm256_set1_epi32(B::kNanBits), lanes_gt(u, B::kNanAbove));
   } else {
@@ -90,7 +90,7 @@ __m256i special_bits(__m256i u) {
 
 // Saturating RNE cast of x * scale: 8 lanes, each holding its FP8 byte (Out::quantize).
 template <typename Out>
-__m256i to_fp8(__m256 x, __m256 scale) {
+TL_LANE_INLINE __m256i to_fp8(__m256 x, __m256 scale) {
   using B = Fp8CastBits<Out>;
   __m256 v = _mm256_mul_ps(x, scale);
   // vminps/vmaxps return the second operand when either is NaN, so NaN
@@ -115,7 +115,7 @@ __m256i to_fp8(__m256 x, __m256 scale) {
 }
 
 // The low bytes of 16 lanes (values 0..255), in order, as 16 bytes.
-inline __m128i pack_bytes(__m256i lo, __m256i hi) {
+TL_LANE_INLINE __m128i pack_bytes(__m256i lo, __m256i hi) {
   const __m128i w0 = _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
   const __m128i w1 = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
   return _mm_packus_epi16(w0, w1);
@@ -124,13 +124,13 @@ inline __m128i pack_bytes(__m256i lo, __m256i hi) {
 // The low bytes of 32 lanes (values 0..255), in order, as 32 bytes: two in-lane
 // packs leave the 4-byte groups in the order r0.lo r1.lo r2.lo r3.lo | r0.hi ...,
 // one dword permutation puts them back (4 instructions, not pack_bytes' 10).
-inline __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3) {
+TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3) {
   const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
-inline __m256 load_scales(const float* p, int64_t n) {
+TL_LANE_INLINE __m256 load_scales(const float* p, int64_t n) {
   float buf[8] = {};
   std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(float));
   return _mm256_loadu_ps(buf);

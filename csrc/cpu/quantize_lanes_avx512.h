@@ -28,15 +28,15 @@ namespace tl {
 namespace cpu {
 namespace avx512 {
 
-inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+TL_LANE_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
 // --- loads: 16 elements -> fp32 lanes (masked lanes read as +0) -----------
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+TL_LANE_INLINE __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+TL_LANE_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 template <typename In>
-__m512 widen(__m256i h) {
+TL_LANE_INLINE __m512 widen(__m256i h) {
   if constexpr (std::is_same_v<In, Float16>) {
     return _mm512_cvtph_ps(h);
   } else {  // bfloat16 is the top half of a float32
@@ -45,7 +45,7 @@ __m512 widen(__m256i h) {
 }
 
 template <typename In>
-__m512 load_hp(const typename In::storage* p, __mmask16 m) {
+TL_LANE_INLINE __m512 load_hp(const typename In::storage* p, __mmask16 m) {
   if constexpr (std::is_same_v<In, Float32>) {
     return load16(p, m);
   } else {
@@ -54,7 +54,7 @@ __m512 load_hp(const typename In::storage* p, __mmask16 m) {
 }
 
 template <typename In>
-__m512 load_hp(const typename In::storage* p) {
+TL_LANE_INLINE __m512 load_hp(const typename In::storage* p) {
   if constexpr (std::is_same_v<In, Float32>) {
     return load16(p);
   } else {
@@ -62,7 +62,7 @@ __m512 load_hp(const typename In::storage* p) {
   }
 }
 
-inline __m512i abs_bits(__m512 v) {
+TL_LANE_INLINE __m512i abs_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
 }
 
@@ -70,7 +70,7 @@ inline __m512i abs_bits(__m512 v) {
 
 // FP8 bits of the lanes at or above kSpecialFrom: NaN, or e5m2's infinity.
 template <typename B>
-__m512i special_bits(__m512i u) {
+TL_LANE_INLINE __m512i special_bits(__m512i u) {
   if constexpr (B::kHasInf) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(u, _mm512_set1_epi32(B::kNanAbove));
     return _mm512_mask_blend_epi32(nan, _mm512_set1_epi32(B::kInfBits), _mm512_set1_epi32(B::kNanBits));
@@ -81,7 +81,7 @@ __m512i special_bits(__m512i u) {
 
 // Saturating RNE cast of x * scale, 16 lanes -> 16 bytes (Out::quantize).
 template <typename Out>
-__m128i to_fp8(__m512 x, __m512 scale) {
+TL_LANE_INLINE __m128i to_fp8(__m512 x, __m512 scale) {
   using B = Fp8CastBits<Out>;
   __m512 v = _mm512_mul_ps(x, scale);
   // vminps/vmaxps return the second operand when either is NaN, so NaN
