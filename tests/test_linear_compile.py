@@ -151,7 +151,37 @@ class TestOpcheck:
         rebuilt = op.unflatten(flat)
         for field in LinearFwdArgs.__dataclass_fields__:
             assert type(getattr(rebuilt, field)) is type(getattr(args, field)), field
-        assert all(a is b for a, b in zip(op.flatten(rebuilt), flat, strict=True))
+        # Tensors come back as themselves; plain values (a cached config's lists) equal and of the same type.
+        for a, b in zip(op.flatten(rebuilt), flat, strict=True):
+            assert a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_configs_of_plain_values_are_rebuilt_once(self, name):
+        """The quantization config is rebuilt from the op parameters once and then reused (it is frozen);
+        a config holding tensors (the cached weight) is rebuilt on every call."""
+        layer = tl.Linear(16, 8, recipe=RECIPES[name])
+        x = torch.randn(4, 16)
+        layer(x, is_first_microbatch=True)
+        op = linear_ops.linear_fwd
+        args = layer._fwd_args(x, layer.recipe, False)
+        first, second = op.unflatten(op.flatten(args)), op.unflatten(op.flatten(args))
+        assert first.quantization == args.quantization
+        assert first.quantization is second.quantization
+        assert first.cached_weight is not second.cached_weight
+        assert first.cached_weight.weight_fp8 is args.cached_weight.weight_fp8
+
+    def test_a_cached_config_is_not_returned_for_values_of_another_type(self):
+        """True == 1, but a bool margin is refused even after the int one was rebuilt and cached."""
+        layer = tl.Linear(16, 8, recipe=recipe.CurrentScaling(margin=1))
+        x = torch.randn(4, 16)
+        op = linear_ops.linear_fwd
+        flat = op.flatten(layer._fwd_args(x, layer.recipe, None))
+        names = [n for n, _ in op.params]
+        op.unflatten(flat)
+        at = names.index("quantization__input__margin")
+        assert flat[at] == 1 and type(flat[at]) is int
+        with pytest.raises(ValueError, match="margin"):
+            op.unflatten(flat[:at] + (True,) + flat[at + 1 :])
 
 
 def _train_steps(model, sizes, mark_dynamic):

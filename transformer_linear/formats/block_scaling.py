@@ -206,6 +206,28 @@ def resolve_gemm_scalings(
     check_fp8_dtype(op, "b", b.dtype)
     check_scale_dtype(op, "a_scale_inv", a_scale_inv.dtype)
     check_scale_dtype(op, "b_scale_inv", b_scale_inv.dtype)
+    tensors = (a, a_scale_inv, b, b_scale_inv)
+    key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+    if not torch.compiler.is_compiling() and all(type(size) is int for _, shape in key for size in shape):
+        # Concrete sizes: the answer depends on dtypes and shapes alone, and the same few recur every step.
+        # (Not while torch.compile traces the caller: there the cache would be graph state.)
+        found = _CONCRETE_SCALINGS.get(key)
+        if found is None:
+            found = _resolve(op, *tensors)
+            if len(_CONCRETE_SCALINGS) >= 4096:
+                _CONCRETE_SCALINGS.clear()
+            _CONCRETE_SCALINGS[key] = found
+        return found
+    return _resolve(op, *tensors)
+
+
+_CONCRETE_SCALINGS: dict[tuple, GemmScalings] = {}
+
+
+def _resolve(
+    op: str, a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor
+) -> GemmScalings:
+    """resolve_gemm_scalings after its argument checks."""
 
     def layouts(t: torch.Tensor, operand: torch.Tensor) -> dict[str, tuple[list, Optional[bool], tuple[int, int]]]:
         return {

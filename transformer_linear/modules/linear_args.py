@@ -232,17 +232,63 @@ class _Field(NamedTuple):
     def flatten(self, value: Any) -> tuple:
         if not self.fields:
             return (value,)
-        return tuple(v for f in self.fields for v in f.flatten(None if value is None else getattr(value, f.attr)))
+        # torch.compile traces this code (the op's caller): there the cache would be graph state.
+        cache = value is not None and not torch.compiler.is_compiling()
+        if cache:
+            cached = _FLAT_CONFIGS.get(id(value))
+            if cached is not None and cached[0] is value:
+                return cached[1]
+        flat = tuple(v for f in self.fields for v in f.flatten(None if value is None else getattr(value, f.attr)))
+        if cache and _config_key(flat) is not None:
+            _remember(_FLAT_CONFIGS, id(value), (value, flat))
+        return flat
 
     def unflatten(self, values: Iterator[Any]) -> Any:
         if not self.fields:
             return next(values)
-        if self.optional:
-            taken = [next(values) for _ in range(self.size)]
-            if all(v is None for v in taken):
-                return None
-            values = iter(taken)
-        return self.hint(**{f.attr: f.unflatten(values) for f in self.fields})
+        taken = tuple(next(values) for _ in range(self.size))
+        if self.optional and all(v is None for v in taken):
+            return None
+        key = _config_key(taken)
+        if key is not None:
+            config = _CONFIGS.get((self.hint, key))
+            if config is not None:
+                return config
+        it = iter(taken)
+        config = self.hint(**{f.attr: f.unflatten(it) for f in self.fields})
+        if key is not None:
+            _remember(_CONFIGS, (self.hint, key), config)
+        return config
+
+
+# A Linear's configs (its QuantizationSpec, say) are the same few values call after call, and each op call
+# flattens them into op arguments and rebuilds them from those: about a third of a small layer's host time
+# before these caches. Only configs made entirely of plain values are cached (a config holding tensors,
+# like CachedWeight, or symbolic sizes while tracing is rebuilt every time); configs are frozen, so one
+# instance serves every call. Each cache is cleared when it reaches _CACHE_LIMIT entries.
+_CACHE_LIMIT = 4096
+_CONFIGS: dict[tuple, Any] = {}
+_FLAT_CONFIGS: dict[int, tuple[Any, tuple]] = {}
+_PLAIN = frozenset((bool, int, float, str, type(None), torch.dtype))
+
+
+def _config_key(leaves: tuple) -> Optional[tuple]:
+    """A hashable key of a config's leaf values, or None if a leaf is not a plain value (or a list of
+    ints). The leaves' types are part of the key: True and 1 are equal, but not the same argument."""
+    types = tuple(map(type, leaves))
+    if _PLAIN.issuperset(types):
+        return leaves, types
+    if not _PLAIN.union((list,)).issuperset(types):
+        return None
+    if not all(type(x) is int for v in leaves if type(v) is list for x in v):
+        return None
+    return tuple(tuple(v) if type(v) is list else v for v in leaves), types
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def _field(cls: type, name: str, param: str) -> _Field:
