@@ -38,6 +38,7 @@ from transformer_linear.formats import checks
 from transformer_linear.formats.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
 from transformer_linear.ops import (
     descriptors,
+    eager,
     grouped,  # noqa: F401  (registers the grouped GEMM ops: ops.grouped.*)
     nvfp4,  # noqa: F401  (registers the NVFP4 ops: ops.nvfp4.*)
     torch_cuda,
@@ -86,7 +87,7 @@ def _amax_kernel(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_amax_op = torch.library.custom_op("transformer_linear::amax", _amax_kernel, mutates_args=(), device_types="cpu")
+_amax_op = eager.custom_op("transformer_linear::amax")(_amax_kernel)
 torch_cuda.register_cuda_kernel(_amax_op, _amax_kernel, torch_cuda.amax)
 
 
@@ -102,7 +103,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
     """
     checks.check_tensor("amax", "input", x)
-    return _amax_op(x)
+    return eager.call(_amax_op, x)
 
 
 # ---------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     return q, q_t, scale_inv, x_amax, dbias
 
 
-@torch.library.custom_op("transformer_linear::quantize", mutates_args=(), device_types="cpu")
+@eager.custom_op("transformer_linear::quantize")
 def _quantize_op(
     x: torch.Tensor,
     scale: Optional[torch.Tensor],
@@ -221,7 +222,7 @@ def quantize_fused(
     checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
     checks.check_fp8_dtype("quantize", "dtype", dtype)
     checks.check_margin("quantize", margin)
-    return QuantizeOutput(*_quantize_op(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
+    return QuantizeOutput(*eager.call(_quantize_op, x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,7 +264,7 @@ def _dequantize_kernel(q, scale_inv, out_dtype):
     return out
 
 
-@torch.library.custom_op("transformer_linear::dequantize", mutates_args=(), device_types="cpu")
+@eager.custom_op("transformer_linear::dequantize")
 def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _dequantize_checks(q, scale_inv, out_dtype)
     return _dequantize_kernel(q, scale_inv, out_dtype)
@@ -282,7 +283,7 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype)
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
     checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
     checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
-    return _dequantize_op(q, scale_inv, out_dtype)
+    return eager.call(_dequantize_op, q, scale_inv, out_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_
     return out
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm", mutates_args=(), device_types="cpu")
+@eager.custom_op("transformer_linear::fp8_gemm")
 def _fp8_gemm_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -419,7 +420,7 @@ def fp8_gemm(
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
-        return _fp8_gemm_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
+        return eager.call(_fp8_gemm_op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
     return _fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings)
 
 
