@@ -378,6 +378,11 @@ def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
     return None
 
 
+def _is_nvfp4(a: object, b: object) -> bool:
+    """NVFP4 operands: packed E2M1 pairs, uint8 (FP8 operands have FP8 dtypes)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.uint8 in (a.dtype, b.dtype)
+
+
 def fp8_gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -404,6 +409,10 @@ def fp8_gemm(
     :func:`fp8_gemm_scalings`; each K-block's fp32 partial sum is then
     multiplied by its two block scales before it is added (always promoted).
 
+    NVFP4: uint8 operands (two E2M1 codes a byte, (M, K/2) and (N, K/2)) with
+    packed scales (``ops.nvfp4.quantize_nvfp4_packed``) run
+    ``ops.nvfp4.nvfp4_gemm_packed``; ``use_split_accumulator`` does not apply.
+
     Raises:
         TypeError: an argument is not a tensor, or not on ``a``'s device, or
             has an unsupported dtype.
@@ -416,6 +425,8 @@ def fp8_gemm(
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
     )
+    if _is_nvfp4(a, b):
+        return nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
@@ -447,6 +458,12 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
+    if _is_nvfp4(a, b):
+        if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"fp8_gemm_accumulate: argument 'out' must be float32, bfloat16 or float16, got {out.dtype}")
+        # One float32 GEMM result added in out's dtype: rounded once, as the FP8 block-scaled path does.
+        out.add_(nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, torch.float32))
+        return
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
