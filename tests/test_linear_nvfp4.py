@@ -253,8 +253,10 @@ def test_inductor_draws_the_same_sr_seeds_as_eager():
     torch._dynamo.reset()
     compiled = torch.compile(compiled_layer, fullgraph=True)
     got, expected = _run(compiled, x, dy), _run(eager, x, dy)
-    for a, e, what in zip(got, expected, ("out", "dx", "dw", "db")):
-        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=what)
+    for a, e, what in zip(got[:3], expected[:3], ("out", "dx", "dw")):
+        assert_bitwise_equal(a, e, what)
+    # The bias gradient is a plain column sum, which inductor generates code for (its own summation order).
+    torch.testing.assert_close(got[3], expected[3])
     # And another seed gives another gradient: the seed is really drawn.
     compiled_layer.zero_grad()
     xs = x.detach().clone().requires_grad_()
