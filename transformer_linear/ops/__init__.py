@@ -378,9 +378,15 @@ def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
     return None
 
 
-def _is_nvfp4(a: object, b: object) -> bool:
-    """NVFP4 operands: packed E2M1 pairs, uint8 (FP8 operands have FP8 dtypes)."""
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.uint8 in (a.dtype, b.dtype)
+def _is_nvfp4(a: object, a_scale_inv: object, b: object, b_scale_inv: object) -> bool:
+    """NVFP4 operands: packed E2M1 pairs (uint8; FP8 operands have FP8 dtypes) with 1-D packed E4M3 scales.
+    Anything else goes the FP8 way, whose checks name what is wrong."""
+    operands = (a, a_scale_inv, b, b_scale_inv)
+    return all(isinstance(t, torch.Tensor) for t in operands) and (
+        a.dtype == b.dtype == torch.uint8
+        and a_scale_inv.dtype == b_scale_inv.dtype == torch.float8_e4m3fn
+        and a_scale_inv.dim() == b_scale_inv.dim() == 1
+    )
 
 
 def fp8_gemm(
@@ -425,7 +431,7 @@ def fp8_gemm(
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
     )
-    if _is_nvfp4(a, b):
+    if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
         return nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
@@ -458,7 +464,7 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
-    if _is_nvfp4(a, b):
+    if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
         if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"fp8_gemm_accumulate: argument 'out' must be float32, bfloat16 or float16, got {out.dtype}")
         # One float32 GEMM result added in out's dtype: rounded once, as the FP8 block-scaled path does.
