@@ -193,7 +193,8 @@ def test_gpt_final_loss_within_3_percent_of_fp32(name, workload):
     linears = [m for m in trained.modules() if isinstance(m, tl.Linear)]
     assert len(linears) == 5 and all(m.recipe == VARIANTS[name] for m in linears)
     gap = abs(_final_loss(fp4) - _final_loss(fp32)) / _final_loss(fp32)
-    assert gap <= FINAL_LOSS_TOLERANCE, f"{name}: final {_final_loss(fp4):.4f} vs fp32 {_final_loss(fp32):.4f} ({gap:.2%})"
+    final, reference_final = _final_loss(fp4), _final_loss(fp32)
+    assert gap <= FINAL_LOSS_TOLERANCE, f"{name}: final {final:.4f} vs fp32 {reference_final:.4f} ({gap:.2%})"
 
 
 # --- every way to enable it; compile; export; state_dict ---
@@ -352,3 +353,113 @@ def test_inference_takes_any_row_count():
     qw = ref.quantize_nvfp4(w, _amax(w), scaling_2d=True)
     expected = ref.nvfp4_gemm(qx.data, qx.scale, qx.global_scale, qw.data, qw.scale, qw.global_scale, bias=b)
     assert_bitwise_equal(out, expected, "out")
+
+
+# --- opcheck: the Linear's ops and the NVFP4 ops it runs ---
+
+
+@pytest.fixture
+def _allclose_on_fp8(monkeypatch):
+    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
+    allclose = torch.allclose
+
+    def fp8_aware(a, b, *args, **kwargs):
+        if a.dtype in reference.FP8_DTYPES:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", fp8_aware)
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", ["default", "no_2d"])
+@pytest.mark.parametrize("cached", [False, True])
+def test_opcheck_linear_fwd(name, cached):
+    r = VARIANTS[name]
+    x, w, b, _ = _data(rows=32)
+    layer = _layer(r, w, b)
+    if cached:
+        layer(x, is_first_microbatch=True)
+    args = layer._fwd_args(x.requires_grad_(), r, False if cached else None)
+    assert (args.cached_weight is not None) == cached
+    flat = linear_ops.linear_fwd.flatten(args)
+    op = linear_ops.linear_fwd.op
+    torch.library.opcheck(op, flat, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    detached = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in flat)
+    torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_opcheck_linear_dgrad_and_wgrad(name):
+    """The backward ops on what the backward hands them (SR seeds drawn before, as tensors) agree with their
+    fake implementations."""
+    r = VARIANTS[name]
+    x, w, b, dy = _data(rows=32)
+    spec = tl.recipe.quantization.quantization_spec(r)
+    qx = spec.input.quantize_flat(x, rowwise=False, columnwise=True)
+    qw = spec.weight.quantize(w, rowwise=False, columnwise=True)
+    qg = spec.grad_output.quantize_flat(dy, rowwise=True, columnwise=True)
+    args = linear_ops.LinearBwdArgs(
+        grad_output=qg.data, grad_output_t=qg.data_t, grad_output_scale_inv=qg.scale_inv,
+        grad_output_t_scale_inv=qg.scale_inv_t, inp=qx.data_t, inp_scale_inv=qx.scale_inv_t, weight=qw.data_t,
+        weight_scale_inv=qw.scale_inv_t, input_shape=list(x.shape), dgrad_dtype=torch.float32,
+        wgrad_dtype=torch.float32, quantization=spec,
+    )
+    for op in (linear_ops.linear_dgrad, linear_ops.linear_wgrad):
+        torch.library.opcheck(op.op, op.flatten(args))
+
+
+@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.parametrize("rows", [0, 16, 48])
+@pytest.mark.parametrize("scaling_2d, rht, sr", [(False, False, False), (True, False, False), (False, True, True)])
+def test_opcheck_packed_nvfp4_ops(rows, scaling_2d, rht, sr):
+    x = torch.randn(rows, 64)
+    seed = torch.tensor(7, dtype=torch.int64)
+    torch.library.opcheck(torch.ops.transformer_linear.quantize_nvfp4_packed.default,
+                          (x, True, True, scaling_2d, rht, sr, seed))
+    data, scales, data_t, scales_t = nvfp4_ops.quantize_nvfp4_packed(x, True, True, scaling_2d, rht, sr, seed)
+    w = nvfp4_ops.quantize_nvfp4_packed(torch.randn(32, 64))
+    torch.library.opcheck(torch.ops.transformer_linear.nvfp4_gemm_packed.default,
+                          (data, scales, w[0], w[1], torch.float32, None))
+
+
+def test_sr_seed_follows_the_default_generator():
+    """Not opchecked (each call draws a new seed, which is its job): the same torch.manual_seed gives the same
+    seeds, in eager and compiled code alike (test_inductor_draws_the_same_sr_seeds_as_eager)."""
+    like = torch.randn(16, 16)
+    torch.manual_seed(5)
+    first = [int(nvfp4_ops.sr_seed(like)) for _ in range(3)]
+    torch.manual_seed(5)
+    assert [int(nvfp4_ops.sr_seed(like)) for _ in range(3)] == first and len(set(first)) == 3
+
+
+@pytest.mark.parametrize("rows, cols", [(16, 64), (48, 32), (0, 16)])
+def test_packed_scales_hold_the_reference_copies(rows, cols):
+    """quantize_nvfp4_packed is quantize_nvfp4 with its amaxes and the global scale packed in front of the
+    block scales; nvfp4_gemm_packed is nvfp4_gemm of the unpacked operands, bitwise."""
+    x, w = torch.randn(rows, cols), torch.randn(32, cols)
+    data, scales, _, _ = nvfp4_ops.quantize_nvfp4_packed(x)
+    q = ref.quantize_nvfp4(x, _amax(x) if rows else torch.tensor(0.0))
+    _assert_copy_equal(data, scales, q.data, q.scale, q.global_scale, "x")
+    assert scales.shape == (nvfp4_ops.packed_scale_numel(rows, cols),)
+    qw = nvfp4_ops.quantize_nvfp4_packed(w)
+    rw = ref.quantize_nvfp4(w, _amax(w))
+    expected = ref.nvfp4_gemm(q.data, q.scale, q.global_scale, rw.data, rw.scale, rw.global_scale)
+    assert_bitwise_equal(nvfp4_ops.nvfp4_gemm_packed(data, scales, qw[0], qw[1]), expected, "gemm")
+
+
+def test_packed_ops_reject_bad_arguments():
+    data, scales, _, _ = nvfp4_ops.quantize_nvfp4_packed(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="'stochastic_rounding' needs 'seed'"):
+        nvfp4_ops.quantize_nvfp4_packed(torch.randn(16, 64), stochastic_rounding=True)
+    with pytest.raises(TypeError, match="'b' must be 2-D uint8"):
+        nvfp4_ops.nvfp4_gemm_packed(data, scales, data.float(), scales)
+    with pytest.raises(TypeError, match="'a_scale_inv' must be 1-D float8_e4m3fn"):
+        nvfp4_ops.nvfp4_gemm_packed(data, scales.view(torch.uint8), data, scales)
+    with pytest.raises(ValueError, match="'b_scale_inv' must have 72 elements"):
+        nvfp4_ops.nvfp4_gemm_packed(data, scales, data, scales[:-1])
+    with pytest.raises(ValueError, match="the K dimensions"):
+        nvfp4_ops.nvfp4_gemm_packed(data, scales, data[:, :16], scales[:40])
+    with pytest.raises(ValueError, match="the rows of 'x' \\(8\\) must be a multiple of 16"):
+        nvfp4_ops.quantize_nvfp4_packed(torch.randn(8, 64), columnwise=True)

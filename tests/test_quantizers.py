@@ -145,7 +145,8 @@ def test_a_quantizer_takes_any_data_dtype_and_checks_its_fields():
     fp4 = TensorQuantizer(torch.float4_e2m1fn_x2, [1, 16], torch.float8_e4m3fn, False)
     assert fp4.blockwise and fp4.scale_dtype == torch.float8_e4m3fn
     # FP4 is held as its storage dtype (torch.export cannot save float4 dtypes in an op's arguments).
-    assert fp4.dtype == torch.uint8 and fp4.is_nvfp4 and fp4 == TensorQuantizer(torch.uint8, [1, 16], torch.float8_e4m3fn, False)
+    assert fp4.dtype == torch.uint8 and fp4.is_nvfp4
+    assert fp4 == TensorQuantizer(torch.uint8, [1, 16], torch.float8_e4m3fn, False)
     with pytest.raises(ValueError, match=r"\[1, 16\] or \[16, 16\]"):
         TensorQuantizer(torch.float4_e2m1fn_x2, [1, 32], torch.float8_e4m3fn, False)
     with pytest.raises(ValueError, match="'rht' applies to \\[1, 16\\] blocks only"):

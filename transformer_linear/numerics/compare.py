@@ -67,7 +67,8 @@ def recipe_label(recipe: Any) -> str:
     fmt = getattr(recipe, "fp4_format", None) or getattr(recipe, "fp8_format", None)
     parts = [fmt.value] if fmt is not None else []
     if dataclasses.is_dataclass(recipe):
-        parts += [f.name for f in dataclasses.fields(recipe) if f.name.startswith("disable_") and getattr(recipe, f.name)]
+        parts += [f.name for f in dataclasses.fields(recipe)
+                  if f.name.startswith("disable_") and getattr(recipe, f.name)]
     return f"{type(recipe).__name__}({', '.join(parts)})" if parts else type(recipe).__name__
 
 

@@ -11,8 +11,8 @@ import math
 import torch
 
 from transformer_linear import reference
-from transformer_linear.reference import nvfp4 as nvfp4_reference
 from transformer_linear.recipe.quantization import TensorQuantizer
+from transformer_linear.reference import nvfp4 as nvfp4_reference
 
 
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:

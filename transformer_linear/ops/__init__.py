@@ -466,7 +466,9 @@ def fp8_gemm_accumulate_(
     )
     if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
         if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"fp8_gemm_accumulate: argument 'out' must be float32, bfloat16 or float16, got {out.dtype}")
+            raise TypeError(
+                f"fp8_gemm_accumulate: argument 'out' must be float32, bfloat16 or float16, got {out.dtype}"
+            )
         # One float32 GEMM result added in out's dtype: rounded once, as the FP8 block-scaled path does.
         out.add_(nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, torch.float32))
         return

@@ -27,7 +27,7 @@ from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_sh
 from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = [
-    "GLOBAL_SCALE_BYTES",
+    "GLOBAL_SCALE_ELEMENTS",
     "NVFP4Tensors",
     "nvfp4_amax",
     "nvfp4_gemm",
@@ -353,30 +353,38 @@ def nvfp4_gemm(
 # A quantizer's result (recipe.quantization.Quantized) carries one scale tensor per usage, and the Linear's
 # ops pass that tensor along untouched. An NVFP4 copy has two scales, the E4M3 block scales and the float32
 # global decode scale, so its scale tensor packs both, 1-D (as every activation's block scales cross a
-# traced graph, see TensorQuantizer.quantize_flat): the global scale's 4 bytes (native byte order), then
-# the block scales row-major. ``nvfp4_gemm_packed`` unpacks them; the data stays uint8 (two E2M1 codes a
-# byte), which torch.export can save (it cannot save float4 dtypes).
+# traced graph, see TensorQuantizer.quantize_flat): the global scale's 32 bits as 8 elements of 4 bits each
+# (least significant first, each element's byte 0x00-0x0F: a finite E4M3 value, never NaN, so the packed
+# tensor compares and prints like any scale tensor), then the block scales row-major. ``nvfp4_gemm_packed``
+# unpacks them; the data stays uint8 (two E2M1 codes a byte), which torch.export can save (it cannot save
+# float4 dtypes).
 
-GLOBAL_SCALE_BYTES = 4
-"""The float32 global decode scale's bytes at the front of a packed scale tensor."""
+GLOBAL_SCALE_ELEMENTS = 8
+"""Elements at the front of a packed scale tensor holding the float32 global decode scale, 4 bits each."""
+_NIBBLE_SHIFTS = tuple(range(0, 32, 4))
 
 
 def packed_scale_numel(rows: int, cols: int) -> int:
-    """Elements of the packed scales of a (rows, cols) copy: the global scale's bytes + one per 16 columns."""
-    return GLOBAL_SCALE_BYTES + rows * (cols // BLOCK)
+    """Elements of the packed scales of a (rows, cols) copy: the global scale's 8 + one per 16 columns."""
+    return GLOBAL_SCALE_ELEMENTS + rows * (cols // BLOCK)
 
 
 def pack_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """(rows, cols/16) E4M3 block scales and a () float32 global scale as one 1-D float8_e4m3fn tensor."""
-    head = global_scale.reshape(1).view(torch.uint8)
+    bits = global_scale.reshape(1).view(torch.int32).to(torch.int64)
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=scale.device)
+    head = ((bits >> shifts) & 0xF).to(torch.uint8)
     return torch.cat([head, scale.reshape(-1).view(torch.uint8)]).view(torch.float8_e4m3fn)
 
 
 def unpack_scales(packed: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block scales (rows, cols/16), global scale ()) of the packed scales of a (rows, cols) copy."""
     raw = packed.view(torch.uint8)
-    global_scale = raw[:GLOBAL_SCALE_BYTES].clone().view(torch.float32).reshape(())
-    return raw[GLOBAL_SCALE_BYTES:].view(torch.float8_e4m3fn).reshape(rows, cols // BLOCK), global_scale
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=packed.device)
+    bits = (raw[:GLOBAL_SCALE_ELEMENTS].to(torch.int64) << shifts).sum()
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # the int32 of those 32 bits
+    global_scale = bits.to(torch.int32).reshape(1).view(torch.float32).reshape(())
+    return raw[GLOBAL_SCALE_ELEMENTS:].view(torch.float8_e4m3fn).reshape(rows, cols // BLOCK), global_scale
 
 
 def _packed_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
@@ -500,10 +508,13 @@ def _check_packed_gemm(op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
         if (2 * data.shape[1]) % BLOCK:
             raise ValueError(f"{op}: K ({2 * data.shape[1]} FP4 values per row of '{name}') must be a multiple "
                              f"of {BLOCK}")
-        want = packed_scale_numel(data.shape[0], 2 * data.shape[1])
-        torch._check(scale.shape[0] == want,
-                     lambda name=name, want=want, scale=scale: f"{op}: argument '{name}_scale_inv' must have "
-                     f"{want} elements (packed scales), got {scale.shape[0]}")
+        want, got = packed_scale_numel(data.shape[0], 2 * data.shape[1]), scale.shape[0]
+        if isinstance(want, int) and isinstance(got, int):
+            if want != got:
+                raise ValueError(f"{op}: argument '{name}_scale_inv' must have {want} elements (packed scales), "
+                                 f"got {got}")
+        else:  # symbolic sizes (tracing): checked when the graph runs
+            torch._check(got == want, lambda name=name: f"{op}: argument '{name}_scale_inv' has the wrong length")
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"{op}: the K dimensions of 'a' {list(a.shape)} and 'b' {list(b.shape)} differ")
     check_hp_dtype(op, "out_dtype", out_dtype)

@@ -84,9 +84,9 @@ class Quantized(NamedTuple):
     unproduced one is empty).
 
     NVFP4 (``TensorQuantizer.is_nvfp4``): each usage is its own copy, uint8 data (two E2M1 codes a
-    byte, (M, K/2) and (K, M/2)) and 1-D packed scales: the float32 global decode scale's 4 bytes, then
-    the E4M3 block scales (ops.nvfp4.pack_scales), so the one scale tensor a usage has carries both and
-    every op of the Linear passes it along unchanged; ops.fp8_gemm unpacks it.
+    byte, (M, K/2) and (K, M/2)) and 1-D packed scales: the float32 global decode scale (8 elements of
+    4 bits), then the E4M3 block scales (ops.nvfp4.pack_scales), so the one scale tensor a usage has
+    carries both and every op of the Linear passes it along unchanged; ops.fp8_gemm unpacks it.
 
     One scale per tensor: ``data_t`` is ``data`` transposed where the backend's GEMM wants it
     materialized (layout.needs_columnwise), sharing ``scale_inv``; ``scale_inv_t`` is empty. Block
