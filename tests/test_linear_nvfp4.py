@@ -13,8 +13,9 @@ from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 import transformer_linear as tl
 from transformer_linear import recipe, reference
 from transformer_linear.modules import linear, linear_ops
-from transformer_linear.numerics.compare import train_run
+from transformer_linear.numerics.compare import recipe_label, train_run
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
+from transformer_linear.numerics.stats import quantizer_range_stats
 from transformer_linear.ops import nvfp4 as nvfp4_ops
 from transformer_linear.reference import nvfp4 as ref
 
@@ -463,3 +464,41 @@ def test_packed_ops_reject_bad_arguments():
         nvfp4_ops.nvfp4_gemm_packed(data, scales, data[:, :16], scales[:40])
     with pytest.raises(ValueError, match="the rows of 'x' \\(8\\) must be a multiple of 16"):
         nvfp4_ops.quantize_nvfp4_packed(torch.randn(8, 64), columnwise=True)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_tensor_raises(bad):
+    """NVFP4's global scale comes from the tensor's amax, which the kernels refuse non-finite: a NaN or inf in
+    a quantized tensor raises (the FP8 recipes pass it through, see tests/test_nonfinite_inputs.py)."""
+    layer = tl.Linear(32, 16, recipe=VARIANTS["default"])
+    x = torch.randn(16, 32)
+    x[3, 5] = bad
+    with pytest.raises(ValueError, match="argument 'amax' must be finite"):
+        layer(x)
+
+
+def test_custom_recipe_of_nvfp4_quantizers_equals_the_built_in_one():
+    """The recipe is its quantizers: a CustomRecipe returning them runs the same Linear, bitwise."""
+    spec = tl.recipe.quantization.quantization_spec(VARIANTS["default"])
+    quantizers = dict(zip(recipe.CUSTOM_RECIPE_ROLES, (spec.input, spec.weight, spec.grad_output)))
+    custom = recipe.CustomRecipe(quantizers.__getitem__)
+    x, w, b, dy = _data()
+    for a, e, what in zip(_run(_layer(custom, w, b), x, dy), _run(_layer(VARIANTS["default"], w, b), x, dy),
+                          ("out", "dx", "dw", "db")):
+        assert_bitwise_equal(a, e, what)
+
+
+def test_numerics_range_stats_and_labels():
+    """numerics asks the quantizer: NVFP4 range statistics come from reference/nvfp4; labels name the
+    format and the features turned off."""
+    x = torch.randn(32, 64)
+    x[0, :16] = 0.0001  # flushed to zero within a block whose amax is 1
+    x[0, 0] = 1.0
+    spec = tl.recipe.quantization.quantization_spec(VARIANTS["default"])
+    stats = quantizer_range_stats(x, spec.input, None)
+    codes = ref.unpack_e2m1(ref.quantize_nvfp4(x, _amax(x)).data)
+    assert stats["underflow"] == float(((codes & 7) == 0).sum()) / x.numel() > 0
+    assert stats["amax"] == float(x.abs().max()) and stats["saturation"] == 0.0
+    assert recipe_label(VARIANTS["default"]) == "NVFP4BlockScaling(E2M1)"
+    assert recipe_label(VARIANTS["no_rht"]) == "NVFP4BlockScaling(E2M1, disable_rht)"
+    assert recipe_label(recipe.MXFP8BlockScaling()) == "MXFP8BlockScaling(E4M3)"
