@@ -502,3 +502,40 @@ def test_numerics_range_stats_and_labels():
     assert recipe_label(VARIANTS["default"]) == "NVFP4BlockScaling(E2M1)"
     assert recipe_label(VARIANTS["no_rht"]) == "NVFP4BlockScaling(E2M1, disable_rht)"
     assert recipe_label(recipe.MXFP8BlockScaling()) == "MXFP8BlockScaling(E4M3)"
+
+
+# --- the weight cache and the wgrad options ---
+
+
+def test_cached_weight_is_first_microbatch():
+    """is_first_microbatch=False reuses the NVFP4 weight (both copies): the same results as requantizing."""
+    r = VARIANTS["default"]
+    x, w, b, dy = _data(rows=16)
+    layer = _layer(r, w, b)
+    first = _run(layer, x, dy, is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # not seen: the cached weight is used
+    layer.zero_grad()
+    for a, e, what in zip(_run(layer, x, dy, is_first_microbatch=False), first, ("out", "dx", "dw", "db")):
+        assert_bitwise_equal(a, e, what)
+
+
+@pytest.mark.parametrize("main_grad_dtype", [torch.float32, torch.bfloat16])
+def test_delay_wgrad_compute_and_fused_accumulation(main_grad_dtype):
+    """backward_dw() and fuse_wgrad_accumulation (ops.fp8_gemm_accumulate_'s NVFP4 path): the weight gradient
+    of the plain backward, added once into main_grad."""
+    r = VARIANTS["default"]
+    x, w, b, dy = _data(rows=32)
+    expected = _run(_layer(r, w, b), x, dy)
+    delayed = tl.Linear(w.shape[1], w.shape[0], recipe=r, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    with torch.no_grad():
+        delayed.weight.copy_(w)
+        delayed.bias.copy_(b)
+    delayed.weight.main_grad = torch.full_like(w, 0.5, dtype=main_grad_dtype)
+    out, dx, dw, db = _run(delayed, x, dy)
+    assert dw is None and db is None
+    delayed.backward_dw()
+    assert_bitwise_equal(out, expected[0], "out")
+    assert_bitwise_equal(dx, expected[1], "dx")
+    assert_bitwise_equal(delayed.weight.main_grad, (0.5 + expected[2]).to(main_grad_dtype), "main_grad")
+    assert_bitwise_equal(delayed.bias.grad, expected[3], "dbias")
