@@ -117,7 +117,8 @@ class TestOpcheck:
         # One parameter per field; a nested config (QuantizationSpec, DelayedScalingArgs, CachedWeight)
         # gives one per leaf, named by its path.
         quantizer_leaves = (
-            "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history"
+            "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history",
+            "rht", "stochastic_rounding",
         )
         nested = {
             "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]

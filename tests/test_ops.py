@@ -45,6 +45,8 @@ def test_every_op_is_covered():
     block_ops = {"quantize_blockwise", "fp8_gemm_blockwise", "fp8_gemm_blockwise_accumulate"}  # in test_blockwise_*.py
     block_ops |= {"quantize_blockwise_flat"}  # in test_linear_block_recipes.py
     nvfp4_ops = {"quantize_nvfp4", "nvfp4_gemm"}  # in test_nvfp4.py
+    # in test_linear_nvfp4.py (nvfp4_sr_seed draws a new seed per call: tested for reproducibility, not opchecked)
+    nvfp4_ops |= {"quantize_nvfp4_packed", "nvfp4_gemm_packed", "nvfp4_sr_seed"}
     grouped_ops = {"fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"}  # in test_grouped_gemm.py
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     assert registered == expected | nvfp4_ops | grouped_ops

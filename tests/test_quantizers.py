@@ -16,8 +16,11 @@ import torch
 
 import transformer_linear as tl
 from transformer_linear import recipe
-from transformer_linear.formats.block_scaling import resolve_gemm_scalings
+from transformer_linear.formats.block_scaling import GemmScalings
+from transformer_linear.formats.block_scaling import resolve_gemm_scalings as resolve_fp8_gemm_scalings
+from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.modules import linear, linear_ops
+from transformer_linear.ops import nvfp4
 from transformer_linear.recipe.quantization import (
     DATA_DTYPES,
     QUANTIZER_SCALE_DTYPES,
@@ -31,8 +34,19 @@ M, K, N = 256, 256, 384
 
 
 def _scale_shape(quantizer: TensorQuantizer, rows: int, cols: int) -> tuple[int, ...]:
-    """The scale_inv shape a quantizer declares for a (rows, cols) tensor."""
+    """The scale_inv shape a quantizer declares for a (rows, cols) tensor (as a GEMM reads it)."""
+    if quantizer.is_nvfp4:  # block scales packed with the global scale (Quantized), 1-D
+        return (nvfp4.packed_scale_numel(rows, cols),)
     return quantizer.scale_grid(rows, cols) if quantizer.blockwise else (1,)
+
+
+def resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv):
+    """The ScalingTypes ops.fp8_gemm resolves for its operands: FP8 pairs by block_scaling.py; NVFP4
+    operands (uint8 data, packed scales) take the NVFP4 GEMM, their packed scales checked by its op."""
+    if a.dtype == torch.uint8:
+        nvfp4._check_packed_gemm("fp8_gemm", a, a_scale_inv, b, b_scale_inv, torch.float32, None)
+        return GemmScalings("NVFP4", (1, 16), "NVFP4", (1, 16))
+    return resolve_fp8_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
 
 
 def _run_linear(name: str, monkeypatch: pytest.MonkeyPatch) -> dict:
@@ -73,18 +87,18 @@ def test_quantizers_declare_what_the_linear_produces(name, monkeypatch):
         assert q.records_amax == (not q.blockwise) and q.columnwise_is_copy == q.blockwise
 
     # Weight: both usages, in its dtypes, with its block grid.
-    assert o.weight_fp8.dtype == spec.weight.dtype and o.weight_fp8.shape == (N, K)
+    assert o.weight_fp8.dtype == spec.weight.dtype and o.weight_fp8.shape == spec.weight.data_shape(N, K)
     assert o.weight_scale_inv.dtype == spec.weight.scale_dtype
     assert tuple(o.weight_scale_inv.shape) == _scale_shape(spec.weight, N, K)
     if spec.weight.columnwise_is_copy:
-        assert o.weight_fp8_t.shape == (K, N) and o.weight_fp8_t.dtype == spec.weight.dtype
-        assert tuple(o.weight_scale_inv_t.shape) == spec.weight.scale_grid(K, N)
+        assert o.weight_fp8_t.shape == spec.weight.data_shape(K, N) and o.weight_fp8_t.dtype == spec.weight.dtype
+        assert tuple(o.weight_scale_inv_t.shape) == _scale_shape(spec.weight, K, N)
     else:
         assert o.weight_scale_inv_t.numel() == 0, "a per-tensor columnwise usage shares the rowwise scale"
 
     # Input: what autograd saves is its columnwise usage, the operand wgrad reads as (K, M).
     x_t = spec.input.columnwise_operand(o.inp_saved)
-    assert x_t.shape == (K, M) and x_t.dtype == spec.input.dtype
+    assert x_t.shape == spec.input.data_shape(K, M) and x_t.dtype == spec.input.dtype
     assert o.inp_scale_inv.dtype == spec.input.scale_dtype
     assert o.inp_scale_inv.dim() == 1, "activation scales cross the graph 1-D"
     x_t_scale_inv = spec.input.scale_2d(o.inp_scale_inv, x_t)
@@ -105,20 +119,20 @@ def test_quantizers_declare_what_the_linear_produces(name, monkeypatch):
 
     # dgrad: grad_output's rowwise usage against the weight's columnwise usage.
     b = seen["dgrad"]
-    assert b.grad_output.dtype == spec.grad_output.dtype and b.grad_output.shape == (M, N)
+    assert b.grad_output.dtype == spec.grad_output.dtype and b.grad_output.shape == spec.grad_output.data_shape(M, N)
     assert b.grad_output_scale_inv.dtype == spec.grad_output.scale_dtype
     g_scale_inv = spec.grad_output.scale_2d(b.grad_output_scale_inv, b.grad_output)
     assert tuple(g_scale_inv.shape) == _scale_shape(spec.grad_output, M, N)
     assert b.quantization == spec  # each saved operand becomes a GEMM operand by its own quantizer
     w_t = spec.weight.columnwise_operand(b.weight)
-    assert w_t.shape == (K, N) and w_t.dtype == spec.weight.dtype
+    assert w_t.shape == spec.weight.data_shape(K, N) and w_t.dtype == spec.weight.dtype
     dgrad = resolve_gemm_scalings(b.grad_output, g_scale_inv, w_t, b.weight_scale_inv)
     assert (dgrad.a_scaling, dgrad.b_scaling) == (spec.grad_output.gemm_scaling, spec.weight.gemm_scaling)
 
     # wgrad: grad_output's columnwise usage against the input's.
     w = seen["wgrad"]
     g_t = spec.grad_output.columnwise_operand(w.grad_output_t)
-    assert g_t.shape == (N, M) and g_t.dtype == spec.grad_output.dtype
+    assert g_t.shape == spec.grad_output.data_shape(N, M) and g_t.dtype == spec.grad_output.dtype
     g_t_scale_inv = spec.grad_output.scale_2d(w.grad_output_t_scale_inv, g_t)
     assert tuple(g_t_scale_inv.shape) == _scale_shape(spec.grad_output, N, M)
     wgrad = resolve_gemm_scalings(g_t, g_t_scale_inv, spec.input.columnwise_operand(w.inp),
@@ -130,6 +144,17 @@ def test_quantizers_declare_what_the_linear_produces(name, monkeypatch):
 def test_a_quantizer_takes_any_data_dtype_and_checks_its_fields():
     fp4 = TensorQuantizer(torch.float4_e2m1fn_x2, [1, 16], torch.float8_e4m3fn, False)
     assert fp4.blockwise and fp4.scale_dtype == torch.float8_e4m3fn
+    # FP4 is held as its storage dtype (torch.export cannot save float4 dtypes in an op's arguments).
+    assert fp4.dtype == torch.uint8 and fp4.is_nvfp4
+    assert fp4 == TensorQuantizer(torch.uint8, [1, 16], torch.float8_e4m3fn, False)
+    with pytest.raises(ValueError, match=r"\[1, 16\] or \[16, 16\]"):
+        TensorQuantizer(torch.float4_e2m1fn_x2, [1, 32], torch.float8_e4m3fn, False)
+    with pytest.raises(ValueError, match="'rht' applies to \\[1, 16\\] blocks only"):
+        TensorQuantizer(torch.uint8, [16, 16], torch.float8_e4m3fn, False, rht=True)
+    with pytest.raises(ValueError, match="FP4 .* only"):
+        TensorQuantizer(torch.float8_e4m3fn, [1, 32], E8M0_DTYPE, False, stochastic_rounding=True)
+    with pytest.raises(TypeError, match="'rht' must be a bool"):
+        TensorQuantizer(torch.uint8, [1, 16], torch.float8_e4m3fn, False, rht=1)
     with pytest.raises(TypeError, match="'dtype'"):
         TensorQuantizer(torch.bfloat16, [], torch.float32, False)
     with pytest.raises(TypeError, match="'scale_dtype'"):

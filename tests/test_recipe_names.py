@@ -19,6 +19,7 @@ EXPECTED = {
     "block": recipe.Float8BlockScaling(),
     "mxfp8": recipe.MXFP8BlockScaling(),
     "rowwise": recipe.Float8RowwiseScaling(),
+    "nvfp4": recipe.NVFP4BlockScaling(),
 }
 
 
@@ -49,9 +50,16 @@ def test_options_replace_the_defaults_and_are_validated():
         recipe.from_name("mxfp8", e8m0_rounding="nearest")
     with pytest.raises(TypeError, match="margin"):
         recipe.from_name("mxfp8", margin=1)
+    assert recipe.from_name("nvfp4", disable_rht=True) == recipe.NVFP4BlockScaling(disable_rht=True)
+    with pytest.raises(TypeError, match="disable_stochastic_rounding"):
+        recipe.from_name("nvfp4", disable_stochastic_rounding=1)
+    with pytest.raises(ValueError, match="fp4_format"):
+        recipe.from_name("nvfp4", fp4_format=recipe.Format.E4M3)
+    with pytest.raises(ValueError, match="fp8_format"):
+        recipe.from_name("current", fp8_format=recipe.Format.E2M1)
 
 
-@pytest.mark.parametrize("name", ["", "nvfp4", "delayed_e4m3", "Float8BlockScaling"])
+@pytest.mark.parametrize("name", ["", "mxfp4", "delayed_e4m3", "Float8BlockScaling"])
 def test_unknown_name_lists_the_known_ones(name):
     with pytest.raises(ValueError, match=f"unknown recipe {name!r}; expected one of {', '.join(EXPECTED)}"):
         recipe.from_name(name)

@@ -167,12 +167,13 @@ def stored_weight(layer: nn.Module, weight: Tensor, weight_quantizer: TensorQuan
     stored: Optional[CachedWeight] = layer._quantized_weight
     if stored is None:
         return None
-    if tuple(stored.weight_fp8.shape) != tuple(weight.shape):
+    expected = layer.quantized_init.weight_quantizer
+    # The stored data's shape for the weight's (FP4 packs two values a byte: its quantizer says).
+    if tuple(stored.weight_fp8.shape) != expected.data_shape(*weight.shape):
         raise ValueError(
             f"Linear: the weight is stored quantized with shape {list(stored.weight_fp8.shape)} but the forward "
             f"runs on a {list(weight.shape)} shard; quantized_model_init does not shard the stored weight"
         )
-    expected = layer.quantized_init.weight_quantizer
     if weight_quantizer != expected:
         raise ValueError(
             "Linear: the weight is stored quantized by quantized_model_init's recipe "

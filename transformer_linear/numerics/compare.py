@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import typing
@@ -61,9 +62,14 @@ RECIPE_NAMES: tuple[str, ...] = available_names()
 
 
 def recipe_label(recipe: Any) -> str:
-    """A short name for tables: ``DelayedScaling(HYBRID)``."""
-    fmt = getattr(recipe, "fp8_format", None)
-    return f"{type(recipe).__name__}({fmt.value})" if fmt is not None else type(recipe).__name__
+    """A short name for tables: ``DelayedScaling(HYBRID)``; the data format of an FP4 recipe and the
+    features it turns off: ``NVFP4BlockScaling(E2M1, disable_rht)``."""
+    fmt = getattr(recipe, "fp4_format", None) or getattr(recipe, "fp8_format", None)
+    parts = [fmt.value] if fmt is not None else []
+    if dataclasses.is_dataclass(recipe):
+        parts += [f.name for f in dataclasses.fields(recipe)
+                  if f.name.startswith("disable_") and getattr(recipe, f.name)]
+    return f"{type(recipe).__name__}({', '.join(parts)})" if parts else type(recipe).__name__
 
 
 def resolve_recipe(r: Any) -> Recipe:

@@ -12,6 +12,7 @@ import torch
 
 from transformer_linear import reference
 from transformer_linear.recipe.quantization import TensorQuantizer
+from transformer_linear.reference import nvfp4 as nvfp4_reference
 
 
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -72,11 +73,36 @@ def block_range_stats(
     }
 
 
+def nvfp4_range_stats(x: torch.Tensor, scaling_2d: bool) -> dict[str, float]:
+    """:func:`range_stats` of a 2-D tensor quantized to NVFP4, rowwise (reference.nvfp4.quantize_nvfp4).
+
+    ``scale`` is the smallest effective scale, 1 / (largest block decode scale x global decode scale);
+    nothing saturates (the global scale maps the amax onto E4M3's and E2M1's maxima); underflow counts
+    the elements rounded to zero within their block.
+    """
+    x = x.detach().float().reshape(-1, x.shape[-1])
+    n = x.numel()
+    if n == 0:
+        return {"amax": 0.0, "scale": 1.0, "underflow": 0.0, "saturation": 0.0}
+    amax = reference.amax(x)
+    q = nvfp4_reference.quantize_nvfp4(x, amax, scaling_2d=scaling_2d)
+    codes = nvfp4_reference.unpack_e2m1(q.data)
+    underflow = (((codes & 7) == 0) & (x != 0)).sum().item() / n
+    return {
+        "amax": float(amax),
+        "scale": float(1 / (q.scale.float().max() * q.global_scale)),
+        "underflow": underflow,
+        "saturation": 0.0,
+    }
+
+
 def quantizer_range_stats(
     x: torch.Tensor, quantizer: TensorQuantizer, scale: torch.Tensor | float | None
 ) -> dict[str, float]:
     """:func:`range_stats` of ``x`` as ``quantizer`` casts it: with ``scale`` when it is tensorwise,
     else with its own block scales (:func:`block_range_stats`, the rowwise layout; ``scale`` unused)."""
+    if quantizer.is_nvfp4:
+        return nvfp4_range_stats(x, quantizer.block_shape == [16, 16])
     if quantizer.blockwise:
         block = quantizer.block_for(x.shape[-1])
         return block_range_stats(x, quantizer.dtype, block, quantizer.scale_dtype, quantizer.power_2_scale)

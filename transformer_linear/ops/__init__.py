@@ -379,6 +379,17 @@ def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
     return None
 
 
+def _is_nvfp4(a: object, a_scale_inv: object, b: object, b_scale_inv: object) -> bool:
+    """NVFP4 operands: packed E2M1 pairs (uint8; FP8 operands have FP8 dtypes) with 1-D packed E4M3 scales.
+    Anything else goes the FP8 way, whose checks name what is wrong."""
+    operands = (a, a_scale_inv, b, b_scale_inv)
+    return all(isinstance(t, torch.Tensor) for t in operands) and (
+        a.dtype == b.dtype == torch.uint8
+        and a_scale_inv.dtype == b_scale_inv.dtype == torch.float8_e4m3fn
+        and a_scale_inv.dim() == b_scale_inv.dim() == 1
+    )
+
+
 def fp8_gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -405,6 +416,10 @@ def fp8_gemm(
     :func:`fp8_gemm_scalings`; each K-block's fp32 partial sum is then
     multiplied by its two block scales before it is added (always promoted).
 
+    NVFP4: uint8 operands (two E2M1 codes a byte, (M, K/2) and (N, K/2)) with
+    packed scales (``ops.nvfp4.quantize_nvfp4_packed``) run
+    ``ops.nvfp4.nvfp4_gemm_packed``; ``use_split_accumulator`` does not apply.
+
     Raises:
         TypeError: an argument is not a tensor, or not on ``a``'s device, or
             has an unsupported dtype.
@@ -417,6 +432,8 @@ def fp8_gemm(
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
         optional=("bias",),
     )
+    if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
+        return nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
@@ -448,6 +465,14 @@ def fp8_gemm_accumulate_(
         "fp8_gemm_accumulate",
         {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
     )
+    if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
+        if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"fp8_gemm_accumulate: argument 'out' must be float32, bfloat16 or float16, got {out.dtype}"
+            )
+        # One float32 GEMM result added in out's dtype: rounded once, as the FP8 block-scaled path does.
+        out.add_(nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, torch.float32))
+        return
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)

@@ -26,7 +26,19 @@ from transformer_linear.formats.checks import check_hp_dtype, check_same_device,
 from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_transform
 from transformer_linear.ops.descriptors import desc, stream_for
 
-__all__ = ["NVFP4Tensors", "nvfp4_amax", "nvfp4_gemm", "quantize_nvfp4"]
+__all__ = [
+    "GLOBAL_SCALE_ELEMENTS",
+    "NVFP4Tensors",
+    "nvfp4_amax",
+    "nvfp4_gemm",
+    "nvfp4_gemm_packed",
+    "pack_scales",
+    "packed_scale_numel",
+    "quantize_nvfp4",
+    "quantize_nvfp4_packed",
+    "sr_seed",
+    "unpack_scales",
+]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -332,3 +344,226 @@ def nvfp4_gemm(
     return torch.ops.transformer_linear.nvfp4_gemm(
         a.view(torch.uint8), a_scale, a_global_scale, b.view(torch.uint8), b_scale, b_global_scale, out_dtype, bias
     )
+
+
+# ---------------------------------------------------------------------------
+# The Linear's form: global scales packed with the block scales, seeds as tensors
+# ---------------------------------------------------------------------------
+#
+# A quantizer's result (recipe.quantization.Quantized) carries one scale tensor per usage, and the Linear's
+# ops pass that tensor along untouched. An NVFP4 copy has two scales, the E4M3 block scales and the float32
+# global decode scale, so its scale tensor packs both, 1-D (as every activation's block scales cross a
+# traced graph, see TensorQuantizer.quantize_flat): the global scale's 32 bits as 8 elements of 4 bits each
+# (least significant first, each element's byte 0x00-0x0F: a finite E4M3 value, never NaN, so the packed
+# tensor compares and prints like any scale tensor), then the block scales row-major. ``nvfp4_gemm_packed``
+# unpacks them; the data stays uint8 (two E2M1 codes a byte), which torch.export can save (it cannot save
+# float4 dtypes).
+
+GLOBAL_SCALE_ELEMENTS = 8
+"""Elements at the front of a packed scale tensor holding the float32 global decode scale, 4 bits each."""
+_NIBBLE_SHIFTS = tuple(range(0, 32, 4))
+
+
+def packed_scale_numel(rows: int, cols: int) -> int:
+    """Elements of the packed scales of a (rows, cols) copy: the global scale's 8 + one per 16 columns."""
+    return GLOBAL_SCALE_ELEMENTS + rows * (cols // BLOCK)
+
+
+def pack_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """(rows, cols/16) E4M3 block scales and a () float32 global scale as one 1-D float8_e4m3fn tensor."""
+    bits = global_scale.reshape(1).view(torch.int32).to(torch.int64)
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=scale.device)
+    head = ((bits >> shifts) & 0xF).to(torch.uint8)
+    return torch.cat([head, scale.reshape(-1).view(torch.uint8)]).view(torch.float8_e4m3fn)
+
+
+def unpack_scales(packed: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block scales (rows, cols/16), global scale ()) of the packed scales of a (rows, cols) copy."""
+    raw = packed.view(torch.uint8)
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=packed.device)
+    bits = (raw[:GLOBAL_SCALE_ELEMENTS].to(torch.int64) << shifts).sum()
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # the int32 of those 32 bits
+    global_scale = bits.to(torch.int32).reshape(1).view(torch.float32).reshape(())
+    return raw[GLOBAL_SCALE_ELEMENTS:].view(torch.float8_e4m3fn).reshape(rows, cols // BLOCK), global_scale
+
+
+def _packed_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    m, k = x.shape
+    data, _, data_t, _ = _copy_shapes(m, k, rowwise, columnwise)
+    return [
+        x.new_empty(data, dtype=torch.uint8),
+        x.new_empty(packed_scale_numel(m, k) if rowwise else 0, dtype=torch.float8_e4m3fn),
+        x.new_empty(data_t, dtype=torch.uint8),
+        x.new_empty(packed_scale_numel(k, m) if columnwise else 0, dtype=torch.float8_e4m3fn),
+    ]
+
+
+def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
+    check_hp_dtype(op, "x", x.dtype)
+    check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+    if stochastic_rounding and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
+        raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
+
+
+@torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types="cpu")
+def _quantize_packed_op(
+    x: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    scaling_2d: bool,
+    rht: bool,
+    stochastic_rounding: bool,
+    seed: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    op = "quantize_nvfp4_packed"
+    _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
+    amax = nvfp4_amax(x)
+    amax_t = nvfp4_amax(x, rht=True) if columnwise and rht else None
+    seed_value = int(seed.reshape(())) if stochastic_rounding else 0
+    data, scale, g, data_t, scale_t, g_t = torch.ops.transformer_linear.quantize_nvfp4(
+        x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed_value, 0
+    )
+    outs = _packed_outputs(x, rowwise, columnwise)
+    if rowwise:
+        outs[0], outs[1] = data, pack_scales(scale, g)
+    if columnwise:
+        outs[2], outs[3] = data_t, pack_scales(scale_t, g_t)
+    return outs
+
+
+@_quantize_packed_op.register_fake
+def _(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
+    _check_packed_quantize("quantize_nvfp4_packed", x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
+    return _packed_outputs(x, rowwise, columnwise)
+
+
+def quantize_nvfp4_packed(
+    x: torch.Tensor,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    scaling_2d: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    seed: Optional[torch.Tensor] = None,
+) -> list[torch.Tensor]:
+    """NVFP4 copies of a 2-D ``x`` with their global scales from its amaxes, as the Linear holds them.
+
+    The amaxes are :func:`nvfp4_amax` of x (and of its transformed transpose for an RHT columnwise
+    copy); the rest is :func:`quantize_nvfp4` with offset 0.
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16 on the CPU (the rowwise copy needs K % 16 == 0,
+            the columnwise copy M % 16 == 0).
+        rowwise / columnwise / scaling_2d / rht / stochastic_rounding: as :func:`quantize_nvfp4`.
+        seed: stochastic rounding: a one-element int64 tensor (see :func:`sr_seed`).
+
+    Returns:
+        [data (M, K/2) uint8, packed scales, data_t (K, M/2) uint8, packed scales_t] (see
+        :func:`pack_scales`); a copy not asked for has empty tensors.
+
+    Raises:
+        TypeError: a wrong dtype or a tensor not on the CPU.
+        ValueError: a shape the copies cannot take (naming the dimension), or a missing seed.
+    """
+    op = "quantize_nvfp4_packed"
+    check_tensor(op, "x", x)
+    _check_cpu(op, "x", x)
+    return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
+
+
+@torch.library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "meta"))
+def _sr_seed_op(like: torch.Tensor) -> torch.Tensor:
+    # The default CPU generator, drawn here rather than by a traced torch.randint: inductor replaces traced
+    # random ops by its own generator, so a compiled graph would round with other bits than eager.
+    return torch.randint(_INT64_MIN, _INT64_MAX, (), dtype=torch.int64)
+
+
+@_sr_seed_op.register_fake
+def _(like):
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+def sr_seed(like: torch.Tensor) -> torch.Tensor:
+    """A stochastic-rounding seed: a () int64 tensor drawn from torch's default CPU generator.
+
+    A custom op, so eager and ``torch.compile`` draw it alike: the same ``torch.manual_seed`` gives the
+    same seeds in the same order, compiled or not. ``like`` is the tensor about to be quantized: the
+    draw depends on it, so a graph keeps the draws in the order of the tensors they round, and two draws
+    are never merged into one.
+    """
+    check_tensor("sr_seed", "like", like)
+    return _sr_seed_op(like)
+
+
+def _check_packed_gemm(op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    check_same_device(op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
+                      optional=("bias",))
+    for name, data, scale in (("a", a, a_scale_inv), ("b", b, b_scale_inv)):
+        if data.dtype != torch.uint8 or data.dim() != 2:
+            raise TypeError(f"{op}: argument '{name}' must be 2-D uint8 (packed E2M1 pairs), got "
+                            f"{data.dtype} {list(data.shape)}")
+        if scale.dtype != torch.float8_e4m3fn or scale.dim() != 1:
+            raise TypeError(f"{op}: argument '{name}_scale_inv' must be 1-D float8_e4m3fn (packed scales), got "
+                            f"{scale.dtype} {list(scale.shape)}")
+        if (2 * data.shape[1]) % BLOCK:
+            raise ValueError(f"{op}: K ({2 * data.shape[1]} FP4 values per row of '{name}') must be a multiple "
+                             f"of {BLOCK}")
+        want, got = packed_scale_numel(data.shape[0], 2 * data.shape[1]), scale.shape[0]
+        if isinstance(want, int) and isinstance(got, int):
+            if want != got:
+                raise ValueError(f"{op}: argument '{name}_scale_inv' must have {want} elements (packed scales), "
+                                 f"got {got}")
+        else:  # symbolic sizes (tracing): checked when the graph runs
+            torch._check(got == want, lambda name=name: f"{op}: argument '{name}_scale_inv' has the wrong length")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: the K dimensions of 'a' {list(a.shape)} and 'b' {list(b.shape)} differ")
+    check_hp_dtype(op, "out_dtype", out_dtype)
+
+
+@torch.library.custom_op("transformer_linear::nvfp4_gemm_packed", mutates_args=(), device_types="cpu")
+def _gemm_packed_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    _check_packed_gemm("nvfp4_gemm_packed", a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    a_scale, a_global = unpack_scales(a_scale_inv, a.shape[0], 2 * a.shape[1])
+    b_scale, b_global = unpack_scales(b_scale_inv, b.shape[0], 2 * b.shape[1])
+    return torch.ops.transformer_linear.nvfp4_gemm(a, a_scale, a_global, b, b_scale, b_global, out_dtype, bias)
+
+
+@_gemm_packed_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    _check_packed_gemm("nvfp4_gemm_packed", a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def nvfp4_gemm_packed(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`nvfp4_gemm` of operands as :func:`quantize_nvfp4_packed` returns them (scales packed).
+
+    Args:
+        a: (M, K/2) uint8; a_scale_inv: its packed scales (:func:`pack_scales`).
+        b: (N, K/2) uint8; b_scale_inv: its packed scales.
+        out_dtype: float32, bfloat16 or float16.
+        bias: (N,) of ``out_dtype``, or None.
+
+    Raises:
+        TypeError: a wrong dtype or rank, or a tensor not on the CPU.
+        ValueError: mismatched shapes (K, or a packed scale's length).
+    """
+    op = "nvfp4_gemm_packed"
+    check_tensor(op, "a", a)
+    _check_cpu(op, "a", a)
+    if bias is not None and bias.dtype != out_dtype:
+        raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
+    return _gemm_packed_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)

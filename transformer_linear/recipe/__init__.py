@@ -35,6 +35,7 @@ __all__ = [
     "Format",
     "HistoryConfig",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "Recipe",
     "available_names",
     "from_name",
@@ -48,21 +49,31 @@ class Format(str, enum.Enum):
     """e4m3 everywhere."""
     HYBRID = "HYBRID"
     """e4m3 forward, e5m2 gradients (their range matters more than precision)."""
+    E2M1 = "E2M1"
+    """FP4 e2m1 everywhere (NVFP4BlockScaling's ``fp4_format``; no FP8 recipe takes it)."""
 
     @property
     def fwd_dtype(self) -> torch.dtype:
         """The dtype of the quantized input and weight."""
-        return torch.float8_e4m3fn
+        return torch.float4_e2m1fn_x2 if self is Format.E2M1 else torch.float8_e4m3fn
 
     @property
     def bwd_dtype(self) -> torch.dtype:
         """The dtype of the quantized grad_output."""
+        if self is Format.E2M1:
+            return torch.float4_e2m1fn_x2
         return torch.float8_e5m2 if self is Format.HYBRID else torch.float8_e4m3fn
 
 
-def _check_format(cls: str, fp8_format: object) -> None:
+_FP8_FORMATS = (Format.E4M3, Format.HYBRID)
+
+
+def _check_format(cls: str, fp8_format: object, name: str = "fp8_format", allowed=_FP8_FORMATS) -> None:
     if not isinstance(fp8_format, Format):
-        raise TypeError(f"{cls}: 'fp8_format' must be a recipe.Format, got {fp8_format!r}")
+        raise TypeError(f"{cls}: '{name}' must be a recipe.Format, got {fp8_format!r}")
+    if fp8_format not in allowed:
+        expected = " or ".join(f"Format.{f.name}" for f in allowed)
+        raise ValueError(f"{cls}: '{name}' must be {expected}, got Format.{fp8_format.name}")
 
 
 def _check_ints(recipe: object) -> None:
@@ -309,6 +320,44 @@ class Float8RowwiseScaling:
         _check_bool("Float8RowwiseScaling", "power_2_scale", self.power_2_scale)
 
 
+@dataclass(frozen=True)
+class NVFP4BlockScaling:
+    """NVFP4 (TE ``NVFP4BlockScaling``): FP4 E2M1 data, one E4M3 scale per 16 elements, one float32
+    global scale per tensor (formats/nvfp4.py).
+
+    As in Transformer Engine: the weight gets one scale per 16x16 tile (2D), so its rowwise and
+    columnwise copies are each other's transpose; the wgrad operands (the columnwise copies of the input
+    and grad_output) are quantized after a random Hadamard transform of each 16-element block along the
+    batch dimension (the transforms cancel in the GEMM); grad_output is rounded stochastically (unbiased
+    gradients), the input and weight to nearest. TE reads its switches' defaults from the environment
+    (``NVTE_NVFP4_DISABLE_RHT`` ...); here they default to False and are set as fields.
+
+    Stochastic rounding draws one seed per quantize from torch's default CPU generator
+    (``ops.nvfp4.sr_seed``, a custom op, so eager and ``torch.compile`` draw the same seeds in the same
+    order): the same ``torch.manual_seed`` reproduces a run, compiled or not.
+
+    Attributes:
+        fp4_format: the data format; only ``Format.E2M1``.
+        fp8_format: the block scales' format; only ``Format.E4M3``.
+        disable_rht: no Hadamard transform of the wgrad operands.
+        disable_stochastic_rounding: round grad_output to nearest too.
+        disable_2d_quantization: 1x16 weight scales (the weight's columnwise copy then quantized on its own).
+    """
+
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+
+    def __post_init__(self) -> None:
+        cls = "NVFP4BlockScaling"
+        _check_format(cls, self.fp4_format, "fp4_format", (Format.E2M1,))
+        _check_format(cls, self.fp8_format, "fp8_format", (Format.E4M3,))
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            _check_bool(cls, name, getattr(self, name))
+
+
 CUSTOM_RECIPE_ROLES = ("linear_input", "linear_weight", "linear_grad_output")
 """The roles a :class:`CustomRecipe`'s factory is asked for, in the order of QuantizationSpec's fields
 (input, weight, grad_output): Transformer Engine's role names. The Linear quantizes no other tensor, so
@@ -357,7 +406,13 @@ class CustomRecipe:
 
 
 Recipe = Union[
-    DelayedScaling, CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, CustomRecipe
+    DelayedScaling,
+    CurrentScaling,
+    Float8BlockScaling,
+    MXFP8BlockScaling,
+    Float8RowwiseScaling,
+    NVFP4BlockScaling,
+    CustomRecipe,
 ]
 """Every recipe ``tl.Linear``, ``tl.autocast`` and ``tl.convert_to_fp8`` accept."""
 
@@ -371,6 +426,7 @@ _BUILT_IN: dict[str, Callable[..., Recipe]] = {
     "block": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,
     "rowwise": Float8RowwiseScaling,
+    "nvfp4": NVFP4BlockScaling,
 }
 
 
@@ -385,7 +441,8 @@ def from_name(name: str, **options: Any) -> Recipe:
     Args:
         name: one of :func:`available_names` (case and surrounding spaces ignored):
             ``"delayed"`` / ``"current"`` (HYBRID formats) and their ``"-e4m3"``
-            variants, ``"block"`` (Float8BlockScaling), ``"mxfp8"``, ``"rowwise"``.
+            variants, ``"block"`` (Float8BlockScaling), ``"mxfp8"``, ``"rowwise"``, ``"nvfp4"``
+            (NVFP4BlockScaling).
         **options: fields of the recipe's dataclass that replace its defaults
             (validated like any recipe's).
 

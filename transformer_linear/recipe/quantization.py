@@ -50,16 +50,23 @@ from transformer_linear.recipe import (
     Float8RowwiseScaling,
     HistoryConfig,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
 
-DATA_DTYPES = (*FP8_DTYPES, torch.float4_e2m1fn_x2)
-"""What a quantizer's data may be: FP8, or FP4 (two E2M1 values a byte) for recipes whose kernels take it."""
+FP4_STORAGE_DTYPE = torch.uint8
+"""How a quantizer holds FP4 data (two E2M1 codes a byte, formats/nvfp4.py): torch.export cannot save float4
+dtypes, in tensors or as op arguments, so a quantizer given ``torch.float4_e2m1fn_x2`` keeps this dtype."""
+DATA_DTYPES = (*FP8_DTYPES, torch.float4_e2m1fn_x2, FP4_STORAGE_DTYPE)
+"""What a quantizer's data may be: FP8, or FP4 (two E2M1 values a byte; ``torch.float4_e2m1fn_x2`` or its
+storage dtype uint8) with E4M3 scales per 1x16 or 16x16 block (NVFP4, ops/nvfp4.py)."""
+_NVFP4_BLOCKS = ([1, 16], [16, 16])
 QUANTIZER_SCALE_DTYPES = (torch.float32, E8M0_DTYPE, torch.float8_e4m3fn)
 """What its scale_inv may be: float32, E8M0 (MX blocks) or E4M3 (FP4 blocks)."""
 
 __all__ = [
     "DATA_DTYPES",
+    "FP4_STORAGE_DTYPE",
     "QUANTIZER_SCALE_DTYPES",
     "QuantizationSpec",
     "Quantized",
@@ -75,6 +82,11 @@ __all__ = [
 class Quantized(NamedTuple):
     """What a quantizer returns, for every recipe: a 2-D tensor in the usages it produced (an
     unproduced one is empty).
+
+    NVFP4 (``TensorQuantizer.is_nvfp4``): each usage is its own copy, uint8 data (two E2M1 codes a
+    byte, (M, K/2) and (K, M/2)) and 1-D packed scales: the float32 global decode scale (8 elements of
+    4 bits), then the E4M3 block scales (ops.nvfp4.pack_scales), so the one scale tensor a usage has
+    carries both and every op of the Linear passes it along unchanged; ops.fp8_gemm unpacks it.
 
     One scale per tensor: ``data_t`` is ``data`` transposed where the backend's GEMM wants it
     materialized (layout.needs_columnwise), sharing ``scale_inv``; ``scale_inv_t`` is empty. Block
@@ -120,6 +132,11 @@ class TensorQuantizer:
         margin: one scale per tensor: power-of-two head room of the scale.
         scale_from_history: the scale is handed in from the layer's delayed-scaling state (its amax
             history, delayed_scaling.py) rather than computed from the tensor being quantized.
+        rht: NVFP4, 1x16 blocks: the columnwise copy is quantized after a random Hadamard transform of each
+            16-element block along its rows (formats/nvfp4.hadamard_transform). Both operands of a GEMM
+            over that dimension must be transformed (wgrad: input and grad_output), which cancels it.
+        stochastic_rounding: NVFP4: round to E2M1 stochastically, with a seed drawn per quantize from
+            torch's default generator (ops.nvfp4.sr_seed).
     """
 
     dtype: torch.dtype
@@ -129,8 +146,12 @@ class TensorQuantizer:
     e8m0_rounding: str = "ceil"
     margin: int = 0
     scale_from_history: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
+        if self.dtype == torch.float4_e2m1fn_x2:
+            object.__setattr__(self, "dtype", FP4_STORAGE_DTYPE)
         if self.dtype not in DATA_DTYPES:
             raise TypeError(f"TensorQuantizer: 'dtype' must be one of {DATA_DTYPES}, got {self.dtype}")
         if len(self.block_shape) not in (0, 2) or any(b < 0 for b in self.block_shape):
@@ -145,6 +166,25 @@ class TensorQuantizer:
             raise ValueError(f"TensorQuantizer: 'margin' must be an integer in [0, 127), got {self.margin!r}")
         if self.block_shape and (self.margin or self.scale_from_history):
             raise ValueError("TensorQuantizer: 'margin' and 'scale_from_history' apply to one scale per tensor only")
+        for name in ("rht", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TensorQuantizer: '{name}' must be a bool, got {getattr(self, name)!r}")
+        if self.is_nvfp4:
+            if list(self.block_shape) not in _NVFP4_BLOCKS or self.scale_dtype != torch.float8_e4m3fn:
+                raise ValueError(
+                    "TensorQuantizer: FP4 data takes float8_e4m3fn scales of [1, 16] or [16, 16] blocks (NVFP4), "
+                    f"got {self.scale_dtype} scales of {self.block_shape} blocks"
+                )
+            if self.rht and self.block_shape != [1, 16]:
+                raise ValueError("TensorQuantizer: 'rht' applies to [1, 16] blocks only (a 16x16 tile's copies are "
+                                 "each other's transpose)")
+        elif self.rht or self.stochastic_rounding:
+            raise ValueError("TensorQuantizer: 'rht' and 'stochastic_rounding' apply to FP4 (NVFP4) data only")
+
+    @property
+    def is_nvfp4(self) -> bool:
+        """FP4 data with E4M3 block scales and a float32 global scale (ops/nvfp4.py)."""
+        return self.dtype == FP4_STORAGE_DTYPE
 
     @property
     def blockwise(self) -> bool:
@@ -168,7 +208,13 @@ class TensorQuantizer:
         (block_scaling.resolve_gemm_scalings): the blocks run along the contracted dimension both ways."""
         if not self.blockwise:
             return "TensorWise"
+        if self.is_nvfp4:
+            return "NVFP4"  # ops.fp8_gemm's NVFP4 path (1x16 and 16x16 scales are both read per 1x16 block)
         return _GEMM_SCALING_OF_BLOCK[tuple(self.block_shape)]
+
+    def data_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The shape of the data of a (rows, cols) tensor quantized rowwise (FP4: two values a byte)."""
+        return (rows, cols // 2) if self.is_nvfp4 else (rows, cols)
 
     def block_for(self, cols: int) -> tuple[int, int]:
         """The (bm, bk) block of a tensor with ``cols`` columns (rowwise: the whole row)."""
@@ -185,6 +231,8 @@ class TensorQuantizer:
     def scale_2d(self, scale_inv: Tensor, operand: Tensor) -> Tensor:
         """``scale_inv`` of the GEMM operand ``operand`` in the shape the GEMM reads: block scales of an
         activation cross the graph 1-D (see :meth:`quantize_flat`); a per-tensor scale is as it is."""
+        if self.is_nvfp4:
+            return scale_inv  # packed with the global scale (Quantized); the NVFP4 GEMM unpacks it
         return scale_inv.reshape(self.scale_grid(*operand.shape)) if self.blockwise else scale_inv
 
     def columnwise_usage(self, q: Quantized) -> tuple[Tensor, Tensor]:
@@ -215,6 +263,8 @@ class TensorQuantizer:
         """
         if not self.blockwise:
             return tensorwise_result(quantize_tensorwise(x, self.dtype, scale, self.margin, dbias_dtype=dbias_dtype))
+        if self.is_nvfp4:
+            return self._quantize_nvfp4(x, rowwise, columnwise)
         return self._quantize_blocks(x, rowwise, columnwise)
 
     def quantize_flat(
@@ -229,7 +279,7 @@ class TensorQuantizer:
         scale is 1-D already: that is :meth:`quantize`. Asking for no usage of block scales gives
         empty tensors.
         """
-        if not self.blockwise:
+        if not self.blockwise or self.is_nvfp4:  # NVFP4 scales are 1-D (packed) already
             return self.quantize(x, rowwise, columnwise, dbias_dtype=dbias_dtype)
         if not (rowwise or columnwise):
             empty_fp8, empty_scale = x.new_empty(0, dtype=self.dtype), x.new_empty(0, dtype=self.scale_dtype)
@@ -237,6 +287,18 @@ class TensorQuantizer:
         out = _quantize_flat_op(
             x, self.dtype, list(self.block_shape), self.scale_dtype, self.power_2_scale, rowwise, columnwise,
             self.e8m0_rounding,
+        )
+        return Quantized(*out)
+
+    def _quantize_nvfp4(self, x: Tensor, rowwise: bool, columnwise: bool) -> Quantized:
+        """NVFP4 copies of a 2-D ``x`` in the requested usages (Quantized's packed form), one pass."""
+        if not (rowwise or columnwise):
+            empty_fp4, empty_scale = x.new_empty(0, dtype=self.dtype), x.new_empty(0, dtype=self.scale_dtype)
+            return Quantized(empty_fp4, empty_scale, empty_fp4.clone(), empty_scale.clone())
+        seed = ops.nvfp4.sr_seed(x) if self.stochastic_rounding else None
+        scaling_2d = self.block_shape == [16, 16]
+        out = ops.nvfp4.quantize_nvfp4_packed(
+            x, rowwise, columnwise, scaling_2d, self.rht and columnwise, self.stochastic_rounding, seed
         )
         return Quantized(*out)
 
@@ -380,6 +442,23 @@ def _rowwise(recipe: Float8RowwiseScaling) -> QuantizationSpec:
     return QuantizationSpec(fwd, fwd, bwd)
 
 
+def _nvfp4(recipe: NVFP4BlockScaling) -> QuantizationSpec:
+    """TE's NVFP4 quantizers: RHT on the wgrad operands' columnwise copies (input, grad_output), 16x16
+    weight tiles, stochastic rounding of grad_output; each switch of the recipe turns one off."""
+    rht = not recipe.disable_rht
+    weight_block = [1, 16] if recipe.disable_2d_quantization else [16, 16]
+
+    def fp4(block_shape: list[int], rht: bool = False, stochastic_rounding: bool = False) -> TensorQuantizer:
+        return TensorQuantizer(recipe.fp4_format.fwd_dtype, block_shape, recipe.fp8_format.fwd_dtype, False,
+                               rht=rht, stochastic_rounding=stochastic_rounding)
+
+    return QuantizationSpec(
+        fp4([1, 16], rht=rht),
+        fp4(weight_block),
+        fp4([1, 16], rht=rht, stochastic_rounding=not recipe.disable_stochastic_rounding),
+    )
+
+
 def _custom(recipe: CustomRecipe) -> QuantizationSpec:
     """The quantizers ``recipe.qfactory`` returns for the roles of CUSTOM_RECIPE_ROLES."""
     quantizers = []
@@ -407,6 +486,7 @@ _SPEC_BUILDERS: dict[type, Callable[..., QuantizationSpec]] = {
     Float8BlockScaling: _float8_block,
     MXFP8BlockScaling: _mxfp8,
     Float8RowwiseScaling: _rowwise,
+    NVFP4BlockScaling: _nvfp4,
     CustomRecipe: _custom,
 }
 
