@@ -26,11 +26,11 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import cpu_model
+from bench_linear import _time_interleaved, cpu_path
 from torch import nn
 
 import transformer_linear as tl
-from bench_kernels import cpu_model
-from bench_linear import _time_interleaved, cpu_path
 from transformer_linear import ops, reference
 from transformer_linear.ops.grouped import fp8_grouped_gemm
 

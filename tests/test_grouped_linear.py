@@ -138,6 +138,25 @@ def test_no_recipe_is_a_loop_of_f_linear_bitwise():
     assert torch.equal(module(x, torch.tensor(sizes)), expected)
 
 
+def test_leading_dims_are_tokens():
+    module = _module("current")
+    sizes = routing("skewed", T, G)
+    x = torch.randn(2, T // 2, K)
+    y = module(x, sizes)
+    assert y.shape == (2, T // 2, N)
+    assert torch.equal(y.reshape(T, N), module(x.reshape(T, K), sizes))
+
+
+def test_torch_autocast_output_dtype():
+    module = _module("current")
+    x = torch.randn(T, K, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x, torch.tensor(routing("skewed", T, G)))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and module.weight.grad.dtype == torch.float32
+
+
 def test_autocast_recipe_turns_fp8_on():
     module = _module("current")
     plain = tl.GroupedLinear(G, K, N)
@@ -298,7 +317,8 @@ def _bad_calls():
         "inp meta": (lambda m: m(x.to("meta"), sizes), TypeError, "weight"),
         "inp int": (lambda m: m(x.to(torch.int32), sizes), TypeError, "inp"),
         "inp features": (lambda m: m(torch.randn(T, K + 1), sizes), ValueError, "inp"),
-        "inp 3-D": (lambda m: m(x.reshape(2, T // 2, K), [T // 2] * 2 + [0] * (G - 2)), ValueError, "m_splits"),
+        "inp 0-D": (lambda m: m(torch.tensor(1.0), sizes), ValueError, "inp"),
+        "inp list": (lambda m: m(x.tolist(), sizes), TypeError, "inp"),
     }
 
 

@@ -115,7 +115,9 @@ class GroupedLinear(nn.Module):
         """Apply the amax reductions still in flight to the delayed-scaling state."""
         self.delayed_scaling_state.finish_reductions(self)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         _stack_per_expert_keys(state_dict, prefix, self.num_gemms)
         load_module = functools.partial(
             super()._load_from_state_dict, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -136,20 +138,33 @@ class GroupedLinear(nn.Module):
         """Apply expert g to rows ``sum(m_splits[:g]):sum(m_splits[:g+1])`` of ``inp``.
 
         Args:
-            inp: (total_tokens, in_features), the tokens sorted by expert.
+            inp: (..., in_features), the tokens sorted by expert (leading dims flattened, as
+                Transformer Engine does).
             m_splits: the tokens of each expert: a list of ``num_gemms`` ints summing to total_tokens, or an
                 integer tensor of ``num_gemms`` entries on inp's device. A tensor's values are never read on
                 the host (with a recipe): no device sync, and under ``torch.compile`` a routing change
                 does not recompile; its sum is then not checked, and rows past it come out as 0.
 
         Returns:
-            (total_tokens, out_features).
+            (..., out_features).
 
         Raises:
             TypeError: a wrong dtype or device of ``inp`` or ``m_splits``.
             ValueError: a wrong shape of ``inp``, a wrong length of ``m_splits``, or (a list) a wrong sum.
         """
-        offs = self._offs(inp, m_splits)
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"GroupedLinear: argument 'inp' must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"GroupedLinear: argument 'inp' must have shape (..., {self.in_features}), "
+                             f"got {list(inp.shape)}")
+        x2d = inp.reshape(-1, self.in_features) if inp.dim() != 2 else inp
+        out = self._forward(x2d, self._offs(x2d, m_splits))
+        if inp.dim() == 2:
+            return out
+        return torch.ops.aten._unsafe_view.default(out, [*inp.shape[:-1], self.out_features])
+
+    def _forward(self, inp: Tensor, offs: Tensor) -> Tensor:
+        """The forward on 2-D tokens."""
         check_grouped_linear_args("GroupedLinear", inp, self.weight, offs, self.bias)
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         if recipe is None:
@@ -176,8 +191,6 @@ class GroupedLinear(nn.Module):
     def _offs(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
         """The (num_gemms,) int32 cumulative row ends of ``m_splits``, made on inp's device."""
         where = "GroupedLinear"
-        if not isinstance(inp, Tensor):
-            raise TypeError(f"{where}: argument 'inp' must be a torch.Tensor, got {type(inp).__name__}")
         if isinstance(m_splits, Tensor):
             if m_splits.dtype not in (torch.int32, torch.int64) or m_splits.dim() != 1:
                 raise TypeError(f"{where}: argument 'm_splits' must be a 1-D int32 or int64 tensor (or a list of "
@@ -196,10 +209,9 @@ class GroupedLinear(nn.Module):
         if len(m_splits) != self.num_gemms:
             raise ValueError(f"{where}: argument 'm_splits' must have {self.num_gemms} entries (num_gemms), "
                              f"got {len(m_splits)}")
-        if any(m < 0 for m in m_splits) or (inp.dim() >= 1 and sum(m_splits) != inp.shape[0]):
-            rows = inp.shape[0] if inp.dim() >= 1 else None
-            raise ValueError(f"{where}: argument 'm_splits' must be non-negative and sum to the {rows} rows of "
-                             f"'inp', got {list(m_splits)}")
+        if any(m < 0 for m in m_splits) or sum(m_splits) != inp.shape[0]:
+            raise ValueError(f"{where}: argument 'm_splits' must be non-negative and sum to the {inp.shape[0]} "
+                             f"tokens of 'inp', got {list(m_splits)}")
         ends, total = [], 0
         for m in m_splits:
             total += m

@@ -156,7 +156,10 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     weight = a.weight.contiguous()
     # One quantize pass per expert: the grouped GEMM takes one scale per expert.
     qws = [spec.weight.quantize(weight[g], scale=scales.weight if scales else None) for g in range(weight.shape[0])]
-    weight_fp8 = torch.stack([q.data for q in qws])
+    # Copied into one (G, N, K) tensor rather than stacked: torch.autocast's stack rejects FP8.
+    weight_fp8 = x.new_empty(weight.shape, dtype=spec.weight.dtype)
+    for g, q in enumerate(qws):
+        weight_fp8[g].copy_(q.data)
     weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias)
