@@ -23,6 +23,7 @@ from transformer_linear.modules.checkpointing import selective_checkpoint_contex
 from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
 from transformer_linear.modules.grouped_linear import GroupedLinear  # noqa: E402
 from transformer_linear.modules.grouped_linear_ops import grouped_linear  # noqa: E402
+from transformer_linear.modules.hf_experts import register_hf_experts  # noqa: E402
 from transformer_linear.modules.linear import Linear  # noqa: E402
 from transformer_linear.modules.quantized_init import (  # noqa: E402
     clear_high_precision_init_val,
@@ -45,6 +46,7 @@ __all__ += [
     "fp8_autocast",
     "grouped_linear",
     "recipe",
+    "register_hf_experts",
     "selective_checkpoint_contexts",
     "TensorQuantizer",
     "clear_high_precision_init_val",
