@@ -2,10 +2,10 @@
 functional form :func:`grouped_linear`.
 
 Forward quantizes the tokens of every expert once (the recipe's input quantizer), each expert's weight
-with the weight quantizer (one scale per expert; under delayed scaling the state's one weight scale,
-shared by the experts), and runs one grouped FP8 GEMM (ops.grouped). It returns the FP8 copies, so
-autograd saves those. Backward quantizes grad_output once; the input gradient is the grouped GEMM of it
-with each expert's FP8 weight read columnwise (its transpose, exact for one scale per expert), the weight
+with its own scale (under delayed scaling the state's one weight scale, shared by the experts) into the
+rowwise data and the transpose, and runs one grouped FP8 GEMM (ops.grouped). It returns the FP8 copies,
+so autograd saves those. Backward quantizes grad_output once; the input gradient is the grouped GEMM of
+it with each expert's FP8 weight read columnwise (the transpose forward wrote), the weight
 gradient is the grouped weight-gradient GEMM (dY_gᵀ X_g per expert), the bias gradient each group's
 column sums. No value of ``offs`` is read on the host: there is no device sync, and a routing change
 does not recompile.
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer_linear import ops
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.linear_args import args_op
@@ -35,7 +36,7 @@ from transformer_linear.recipe.delayed_scaling import (
     forward_scales,
     quantize_and_record_grad_output,
 )
-from transformer_linear.recipe.quantization import QuantizationSpec, check_recipe, quantization_spec
+from transformer_linear.recipe.quantization import QuantizationSpec, check_recipe, quantization_spec, tensorwise_result
 
 __all__ = [
     "GroupedLinearFwdArgs",
@@ -77,8 +78,9 @@ class GroupedLinearFwdOutputs(NamedTuple):
     inp_fp8: Tensor
     """(total_tokens, in_features) FP8: what wgrad reads (rowwise: the grouped wgrad contracts over rows)."""
     inp_scale_inv: Tensor
-    weight_fp8: Tensor
-    """(num_gemms, out_features, in_features) FP8."""
+    weight_fp8_t: Tensor
+    """(num_gemms, in_features, out_features) FP8: each expert's weight transposed, what dgrad reads (empty
+    when the input needs no gradient)."""
     weight_scale_inv: Tensor
     """(num_gemms,): one per expert."""
     amax: Tensor
@@ -154,12 +156,23 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
     weight = a.weight.contiguous()
-    # One quantize pass per expert: the grouped GEMM takes one scale per expert.
-    qws = [spec.weight.quantize(weight[g], scale=scales.weight if scales else None) for g in range(weight.shape[0])]
-    # Copied into one (G, N, K) tensor rather than stacked: torch.autocast's stack rejects FP8.
-    weight_fp8 = x.new_empty(weight.shape, dtype=spec.weight.dtype)
+    groups, n, k = weight.shape
+    # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
+    # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
+    # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
+    w = spec.weight
+    qws = [
+        tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None, margin=w.margin,
+                                             columnwise=a.input_requires_grad))
+        for g in range(groups)
+    ]
+    # Copied into one tensor each rather than stacked: torch.autocast's stack rejects FP8.
+    weight_fp8 = x.new_empty((groups, n, k), dtype=w.dtype)
+    weight_fp8_t = x.new_empty((groups, k, n) if a.input_requires_grad else (0,), dtype=w.dtype)
     for g, q in enumerate(qws):
         weight_fp8[g].copy_(q.data)
+        if a.input_requires_grad:
+            weight_fp8_t[g].copy_(q.data_t)
     weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias)
@@ -169,7 +182,7 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
         out,
         inp_fp8=qx.data,
         inp_scale_inv=qx.scale_inv.reshape(1),
-        weight_fp8=weight_fp8,
+        weight_fp8_t=weight_fp8_t,
         weight_scale_inv=weight_scale_inv,
         amax=torch.stack([qx.amax.reshape(()), weight_amax]) if records_amax else empty_f32.clone(),
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
@@ -214,7 +227,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(
         o.inp_fp8 if a.weight_requires_grad else None,
         o.inp_scale_inv,
-        o.weight_fp8 if a.input_requires_grad else None,
+        o.weight_fp8_t if a.input_requires_grad else None,
         o.weight_scale_inv,
         a.offs,
         o.grad_output_scale if a.delayed is not None else None,
@@ -232,7 +245,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
-    x_fp8, x_scale_inv, w_fp8, w_scale_inv, offs, grad_scale = ctx.saved_tensors
+    x_fp8, x_scale_inv, w_fp8_t, w_scale_inv, offs, grad_scale = ctx.saved_tensors
     c: _BwdContext = ctx.bwd
     g = grad_out.contiguous()
     quantizer = c.quantization.grad_output
@@ -243,9 +256,8 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     g_scale_inv = qg.scale_inv.reshape(1)
     dgrad = wgrad = dbias = None
     if c.input_requires_grad:
-        # Each expert's weight read columnwise: its transpose, exact with one scale per expert.
-        w_t = w_fp8.transpose(1, 2).contiguous()
-        dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_t, w_scale_inv, offs, c.input_dtype)
+        # Each expert's weight read columnwise: its transpose, with the expert's one scale.
+        dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
     if c.weight_requires_grad:
         wgrad = fp8_grouped_gemm_wgrad(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype)
     if c.bias_requires_grad:
