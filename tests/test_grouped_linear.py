@@ -6,7 +6,9 @@ opcheck of the op."""
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -248,8 +250,9 @@ def test_compile_fullgraph_changing_routing_no_recompile(recipe_name):
     assert counter.frame_count == 1
 
 
-def test_export_save_load():
-    module = _module("current")
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_export_save_load(recipe_name):
+    module = _module(recipe_name)
     x = torch.randn(T, K)
     m_splits = torch.tensor(routing("skewed", T, G))
     program = torch.export.export(module, (x, m_splits))
@@ -260,6 +263,22 @@ def test_export_save_load():
     for pattern in ROUTINGS:
         m_splits = torch.tensor(routing(pattern, T, G))
         assert torch.equal(loaded.module()(x, m_splits), module(x, m_splits)), pattern
+
+
+def test_copies_dtype_change_and_meta_init():
+    module = _module("delayed")
+    x, sizes = torch.randn(T, K), routing("skewed", T, G)
+    module(x, sizes)
+    for copy_ in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert torch.equal(copy_(x, sizes), module(x, sizes))
+    half = copy.deepcopy(module).to(torch.bfloat16)
+    assert half.weight.dtype == torch.bfloat16 and half.fp8_amax_history.dtype == torch.float32
+    assert half(x.bfloat16(), sizes).dtype == torch.bfloat16
+    with torch.device("meta"):
+        deferred = tl.GroupedLinear(G, K, N, recipe=tl.recipe.Float8CurrentScaling())
+    deferred.to_empty(device="cpu")
+    deferred.load_state_dict(_module("current").state_dict())
+    assert torch.equal(deferred(x, sizes), _module("current")(x, sizes))
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
