@@ -32,13 +32,13 @@ G, K, N, T = 4, 64, 48, 96
 MIN_SQNR_DB = {"out": 25.0, "dgrad": 20.0, "wgrad": 20.0, "dbias": 120.0}
 
 
-def _module(recipe_name, dtype=torch.float32, bias=True, seed=0):
+def _module(recipe_name, dtype=torch.float32, bias=True, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return tl.GroupedLinear(G, K, N, bias=bias, recipe=RECIPES[recipe_name](), dtype=dtype)
+    return tl.GroupedLinear(G, K, N, bias=bias, recipe=RECIPES[recipe_name](), dtype=dtype, device=device)
 
 
-def _splits(sizes, kind):
-    return sizes if kind == "list" else torch.tensor(sizes)
+def _splits(sizes, kind, device="cpu"):
+    return sizes if kind == "list" else torch.tensor(sizes, device=device)
 
 
 def _run(module, x, splits, grad):
@@ -53,7 +53,8 @@ def _reference_step(module, x, sizes, grad, per_expert_weight_scales):
     """The forward and backward GEMMs of the oracle on the reference-quantized operands, with their
     fp32 baselines: {name: (expected float64, baseline)}."""
     offs = offsets(sizes)
-    weight = module.weight.detach()
+    weight = module.weight.detach().cpu()
+    x, grad = x.cpu(), grad.cpu()
     xq, sx, _ = reference.quantize_current(x.detach().float(), E4M3)
     if per_expert_weight_scales:
         quantized = [reference.quantize_current(weight[g].float(), E4M3) for g in range(G)]
@@ -63,7 +64,7 @@ def _reference_step(module, x, sizes, grad, per_expert_weight_scales):
     wq = torch.stack([q for q, _, *_ in quantized])
     sw = torch.stack([s.reshape(()) for _, s, *_ in quantized])
     gq, sg, _ = reference.quantize_current(grad.float(), E5M2)
-    bias = None if module.bias is None else module.bias.detach().to(x.dtype)
+    bias = None if module.bias is None else module.bias.detach().cpu().to(x.dtype)
     out = reference_grouped.fp8_grouped_gemm(xq, sx, wq, sw, offs, torch.float64, bias)
     out_base = dequantized_grouped_fp32(xq, sx, wq, sw, offs, x.dtype, bias)
     wq_t = wq.transpose(1, 2).contiguous()
@@ -77,13 +78,14 @@ def _reference_step(module, x, sizes, grad, per_expert_weight_scales):
 @pytest.mark.parametrize("splits_kind", ["list", "tensor"])
 @pytest.mark.parametrize("pattern", ROUTINGS)
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_matches_per_expert_reference(recipe_name, pattern, splits_kind, dtype):
-    module = _module(recipe_name, dtype)
+def test_matches_per_expert_reference(recipe_name, pattern, splits_kind, dtype, device):
+    module = _module(recipe_name, dtype, device=device)
     sizes = routing(pattern, T, G)
-    x = torch.randn(T, K, dtype=dtype)
-    grad = torch.randn(T, N, dtype=dtype)
-    y, dx, dw, db = _run(module, x, _splits(sizes, splits_kind), grad)
+    x = torch.randn(T, K, dtype=dtype, device=device)
+    grad = torch.randn(T, N, dtype=dtype, device=device)
+    y, dx, dw, db = (t.cpu() for t in _run(module, x, _splits(sizes, splits_kind, device), grad))
     assert y.dtype == dx.dtype == dw.dtype == db.dtype == dtype
+    x, grad = x.cpu(), grad.cpu()
     expected = _reference_step(module, x, sizes, grad, per_expert_weight_scales=recipe_name == "current")
     bounds = reference_grouped.group_bounds(offsets(sizes), T)
     assert_grouped_close_to_reference(y, *expected["out"], bounds, what="out")
@@ -214,14 +216,14 @@ def test_delayed_state_records_one_history_per_role(recipe_name):
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_no_host_read_of_the_routing(recipe_name):
-    module = _module(recipe_name)
-    x = torch.randn(T, K, requires_grad=True)
-    module(x, torch.tensor(routing("uniform", T, G))).sum().backward()  # the first step's just-in-time scales
-    m_splits = torch.tensor(routing("skewed", T, G))
+def test_no_host_read_of_the_routing(recipe_name, device):
+    module = _module(recipe_name, device=device)
+    x = torch.randn(T, K, requires_grad=True, device=device)
+    module(x, torch.tensor(routing("uniform", T, G), device=device)).sum().backward()  # first step: just in time
+    m_splits = torch.tensor(routing("skewed", T, G), device=device)
     with host_reads_of(m_splits) as reads:
         y = module(x, m_splits)
-        y.backward(torch.randn(T, N))
+        y.backward(torch.randn(T, N, device=device))
     assert reads == []
     # The detector sees the host read of the high-precision path.
     module.recipe = None
