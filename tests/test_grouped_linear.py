@@ -308,11 +308,13 @@ def test_loads_transformer_engine_per_expert_layout():
 
 
 def test_init_like_nn_linear_per_expert():
+    """The same random numbers as G nn.Linear layers built one after the other."""
     torch.manual_seed(0)
     module = tl.GroupedLinear(G, K, N)
-    bound = 1 / K**0.5
-    assert module.weight.abs().max() <= bound and module.bias.abs().max() <= bound
-    assert not torch.equal(module.weight[0], module.weight[1])
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(K, N) for _ in range(G)]
+    for g, linear in enumerate(linears):
+        assert torch.equal(module.weight[g], linear.weight) and torch.equal(module.bias[g], linear.bias), g
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))

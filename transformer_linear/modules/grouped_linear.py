@@ -89,7 +89,8 @@ class GroupedLinear(nn.Module):
         self.reset_fp8_state()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialization, expert by expert."""
+        """nn.Linear's initialization, expert by expert: the random numbers of ``num_gemms`` nn.Linear layers
+        built one after the other."""
         with torch.no_grad():
             for g in range(self.num_gemms):
                 nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
