@@ -198,6 +198,10 @@ def test_block_recipes_raise_at_construction(recipe):
         tl.GroupedLinear(G, K, N, recipe=recipe)
     with pytest.raises(NotImplementedError, match=type(recipe).__name__):
         tl.grouped_linear(torch.randn(T, K), torch.randn(G, N, K), offsets([T, 0, 0, 0]), recipe=recipe)
+    # An autocast recipe is checked where the forward meets it.
+    module = tl.GroupedLinear(G, K, N)
+    with tl.autocast(recipe=recipe), pytest.raises(NotImplementedError, match=type(recipe).__name__):
+        module(torch.randn(T, K), [T, 0, 0, 0])
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
