@@ -168,6 +168,29 @@ def test_compile_experts_without_graph_breaks(arch, recipe_name):
         torch.testing.assert_close(p.grad, dict(eager.named_parameters())[name].grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("arch", MODELS)
+def test_compile_whole_model_fullgraph(arch, recipe_name):
+    """The converted model (tl.Linear projections and FP8 experts) trains under torch.compile(fullgraph=True):
+    no graph break anywhere (fullgraph=True raises at one), losses and gradients as eager's."""
+    model = tl.convert_to_fp8(MODELS[arch](), recipe=RECIPES[recipe_name]())
+    eager = copy.deepcopy(model)
+    batches = _batches()[:2]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for ids in batches:
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        expected = eager(ids, labels=ids).loss
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("arch", MODELS)
 def test_generate(arch):
     model = tl.convert_to_fp8(MODELS[arch](), recipe=tl.recipe.Float8CurrentScaling()).eval()
