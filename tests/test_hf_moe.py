@@ -191,6 +191,18 @@ def test_compile_whole_model_fullgraph(arch, recipe_name):
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("recipe_name", RECIPES)
+@pytest.mark.parametrize("arch", MODELS)
+def test_export(arch, recipe_name):
+    model = tl.convert_to_fp8(MODELS[arch](), recipe=RECIPES[recipe_name]()).eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    program = torch.export.export(model, (ids,), kwargs={"use_cache": False})
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "transformer_linear.grouped_linear_fwd.default" in targets, sorted(targets)
+    expected = model(ids, use_cache=False).logits
+    assert torch.equal(program.module()(ids, use_cache=False).logits, expected)
+
+
 @pytest.mark.parametrize("arch", MODELS)
 def test_generate(arch):
     model = tl.convert_to_fp8(MODELS[arch](), recipe=tl.recipe.Float8CurrentScaling()).eval()
