@@ -21,6 +21,9 @@ from transformer_linear import distributed, recipe  # noqa: E402
 from transformer_linear.modules.autocast import autocast, fp8_autocast  # noqa: E402
 from transformer_linear.modules.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
+from transformer_linear.modules.grouped_linear import GroupedLinear  # noqa: E402
+from transformer_linear.modules.grouped_linear_ops import grouped_linear  # noqa: E402
+from transformer_linear.modules.hf_experts import register_hf_experts  # noqa: E402
 from transformer_linear.modules.linear import Linear  # noqa: E402
 from transformer_linear.modules.quantized_init import (  # noqa: E402
     clear_high_precision_init_val,
@@ -34,13 +37,16 @@ from transformer_linear.modules.quantized_init import (  # noqa: E402
 from transformer_linear.recipe.quantization import TensorQuantizer  # noqa: E402
 
 __all__ += [
+    "GroupedLinear",
     "Linear",
     "autocast",
     "convert_to_fp8",
     "load_fp8_state",
     "distributed",
     "fp8_autocast",
+    "grouped_linear",
     "recipe",
+    "register_hf_experts",
     "selective_checkpoint_contexts",
     "TensorQuantizer",
     "clear_high_precision_init_val",

@@ -35,7 +35,7 @@ from transformer_linear.modules.convert import ConversionPlan, conversion_plan
 from transformer_linear.numerics import monitor_report
 from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
-from transformer_linear.numerics.report import CompareReport, TrainReport
+from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, TrainReport
 from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
 from transformer_linear.numerics.sources import Workload, hf_workload, parse_shape, user_workload
 from transformer_linear.numerics.verdict import FILTERED, NOISE_FLOOR_CHOICES, Gate, Verdict, floor_runs, judge
@@ -76,6 +76,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--recipes", default="delayed,current",
                    help=f"comma-separated, from: {', '.join(available_names())} (default delayed,current)")
     p.add_argument("--layers", metavar="REGEX", help="report only layers whose name matches (re.search)")
+    p.add_argument("--min-expert-tokens", type=int, default=MIN_EXPERT_TOKENS,
+                   help="mixture-of-experts models: an expert with fewer tokens in every observed step is flagged too "
+                   f"few to judge in the per-expert table (default {MIN_EXPERT_TOKENS})")
     p.add_argument("--max-gap", type=float, default=1.0, help="allowed |loss gap| in percent, either way (default 1)")
     p.add_argument("--noise-floor", default="auto", choices=NOISE_FLOOR_CHOICES,
                    help="high-precision runs that measure the noise floor: auto = a bf16 autocast run where bf16 is "
@@ -194,7 +197,8 @@ def _narrow(report: Optional[CompareReport], pattern: Optional[re.Pattern]) -> O
     if pattern is None or report is None:
         return report
     layers = [s for s in report.layers if pattern.search(s.name)]
-    return CompareReport(report.recipes, layers, report.reference_loss, report.loss, report.loss_label)
+    return CompareReport(report.recipes, layers, report.reference_loss, report.loss, report.loss_label,
+                         report.min_expert_tokens)
 
 
 @dataclass
@@ -220,7 +224,9 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
         f"Model: {workload.description}. {args.steps} steps of AdamW (lr {args.lr}), seed {args.seed}, "
         f"device {args.device}{', compiled' if args.compile else ''}; {seconds:.0f} s so far.",
         "",
-        f"Converted to tl.Linear: {len(plan.converted) + len(plan.existing)} layers. Left in high precision:{kept}",
+        f"Converted to tl.Linear: {len(plan.converted) + len(plan.existing)} layers"
+        + (f"; experts on the FP8 grouped GEMMs: {len(plan.experts)} modules" if plan.experts else "")
+        + f". Left in high precision:{kept}",
         "",
         f"## Final loss (mean of the last {train.window} steps)",
         "",
@@ -282,6 +288,8 @@ def _check_args(args: argparse.Namespace) -> tuple[Optional[re.Pattern], list[st
     for name in ("steps", "seeds", "window"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.min_expert_tokens < 0:
+        raise UsageError(f"--min-expert-tokens must be non-negative, got {args.min_expert_tokens}")
     for name in ("max_gap", "noise_factor"):
         if not getattr(args, name) >= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(args, name)}")
@@ -304,7 +312,7 @@ def run_compare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     workload = _on_device(_workload(args), device)
     plan = conversion_plan(workload.model)
-    if not plan.converted and not plan.existing:
+    if not plan.converted and not plan.existing and not plan.experts:
         raise UsageError(f"the model ({type(workload.model).__name__}) has no nn.Linear layers: nothing to compare")
     _probe(workload)
     floors, note = floor_runs(args.noise_floor, args.seeds, device)
@@ -314,7 +322,8 @@ def run_compare(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in workload.model.parameters())
     left = plan.left_in_high_precision()
     print(f"transformer_linear compare: {workload.description}; {n_params:,} params; "
-          f"{len(plan.converted) + len(plan.existing)} layers to FP8, {len(left)} left in high precision; "
+          f"{len(plan.converted) + len(plan.existing)} layers and {len(plan.experts)} experts modules to FP8, "
+          f"{len(left)} left in high precision; "
           f"{args.steps} steps x {runs} runs (reference, {len(floors)} noise floor, {len(recipes)} FP8; "
           f"+1 per recipe with the suggested filter if a layer is risky) on {device}; {note}")
     for name, why in left.items():
@@ -337,7 +346,8 @@ def run_compare(args: argparse.Namespace) -> int:
     specs = [RunSpec("reference")]
     specs += [RunSpec(f.label, autocast_dtype=f.autocast_dtype, perturb_seed=f.perturb_seed) for f in floors]
     specs += [RunSpec(label, recipe) for label, (_, recipe) in zip(labels, recipes)]
-    common = dict(loss_fn=workload.loss_fn, lr=args.lr, progress=bars, compile=args.compile, on_run=finished)
+    common = dict(loss_fn=workload.loss_fn, lr=args.lr, progress=bars, compile=args.compile, on_run=finished,
+                  min_expert_tokens=args.min_expert_tokens)
     run_into(train, workload.model, specs, batches, observe_at=observed_steps(args.steps), **common)
     if outcome.risky:
         keep = keep_high_precision(outcome.risky)

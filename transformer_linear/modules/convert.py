@@ -22,6 +22,14 @@ import torch
 from torch import nn
 
 from transformer_linear.modules import tensor_parallel
+from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.hf_experts import (
+    DEFAULT_EXPERTS_IMPLEMENTATION,
+    ExpertsFP8State,
+    attach_fp8_states,
+    is_hf_experts,
+    register_hf_experts,
+)
 from transformer_linear.modules.linear import Linear
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.scaling import FP8_STATES
@@ -127,13 +135,19 @@ class ConversionPlan:
         existing: layers that already are ``tl.Linear``.
         high_precision: other matmul weights that stay in high precision
             (``nn.MultiheadAttention``'s fused in_proj, convolutions, 2-D
-            parameters of custom modules), by qualified name, with the reason.
+            parameters of custom modules, a MoE router's weight), by
+            qualified name, with the reason.
+        experts: ``transformers`` experts modules (Mixtral, Qwen-MoE, ...)
+            whose projections run as FP8 grouped GEMMs (the
+            ``transformer_linear`` experts implementation); those
+            ``module_filter_fn`` rejects are in ``skipped``.
     """
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     existing: list[str] = field(default_factory=list)
     high_precision: dict[str, str] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)
 
     def left_in_high_precision(self) -> dict[str, str]:
         """Everything that does not run in FP8 after the conversion: skipped layers and other weights."""
@@ -156,8 +170,10 @@ def _other_high_precision(model: nn.Module) -> dict[str, str]:
                         "this weight directly, so it stays in high precision"
                     )
             continue
-        if isinstance(module, (nn.Linear, Linear, *_NOT_MATMUL)) or is_conv1d(module):
+        if isinstance(module, (nn.Linear, Linear, *_NOT_MATMUL, ExpertsFP8State)) or is_conv1d(module):
             continue
+        if is_hf_experts(module):
+            continue  # the plan's ``experts`` (or ``skipped``)
         if isinstance(module, nn.modules.conv._ConvNd):
             out[fqn] = f"{type(module).__name__}: a convolution (convert_to_fp8 converts Linear layers only)"
             continue
@@ -187,6 +203,11 @@ def conversion_plan(model: nn.Module, module_filter_fn: Optional[FilterFn] = Non
             plan.skipped[fqn] = reason
         elif isinstance(module, Linear):
             plan.existing.append(fqn)
+        if is_hf_experts(module):
+            if module_filter_fn is None or module_filter_fn(module, fqn):
+                plan.experts.append(fqn)
+            else:
+                plan.skipped[fqn] = "module_filter_fn returned False (the experts run in high precision)"
     plan.high_precision.update(_other_high_precision(model))
     return plan
 
@@ -217,7 +238,7 @@ def _fp8_entries(source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) ->
 
 
 def load_fp8_state(model: nn.Module, source: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> list[str]:
-    """Restore the delayed-scaling state of ``model``'s ``tl.Linear`` layers.
+    """Restore the delayed-scaling state of ``model``'s ``tl.Linear`` layers (and experts' :class:`ExpertsFP8State`).
 
     Args:
         model: a converted model.
@@ -233,9 +254,12 @@ def load_fp8_state(model: nn.Module, source: Union[str, os.PathLike, Mapping[str
     """
     _check_model("load_fp8_state", model)
     entries = _fp8_entries(source)
+    if not isinstance(source, Mapping):
+        rename = _checkpoint_key_renamer(model)
+        entries = {rename(k): v for k, v in entries.items()}
     restored = []
     for fqn, layer in model.named_modules():
-        if not isinstance(layer, Linear):
+        if not isinstance(layer, (Linear, ExpertsFP8State)):
             continue
         prefix = f"{fqn}." if fqn else ""
         own = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
@@ -243,6 +267,20 @@ def load_fp8_state(model: nn.Module, source: Union[str, os.PathLike, Mapping[str
             layer.load_state_dict(own, strict=False)
             restored.append(fqn)
     return restored
+
+
+def _checkpoint_key_renamer(model: nn.Module) -> Callable[[str], str]:
+    """Checkpoint key -> the model's key, as ``from_pretrained`` renames them (transformers writes some models'
+    checkpoints in their original layout: Mixtral's ``mlp`` is ``block_sparse_moe`` in the file)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping  # optional dependency
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:
+        return lambda key: key
+    if not hasattr(model, "config") or not hasattr(model, "base_model_prefix"):
+        return lambda key: key  # not a transformers model
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return lambda key: apply_renamings(key, renamings)
 
 
 def _checkpoint_dir(model: nn.Module) -> Optional[Path]:
@@ -270,6 +308,15 @@ def convert_to_fp8(
     weight directly, as ``nn.MultiheadAttention`` does); see
     :func:`conversion_plan` for what is converted and skipped.
 
+    ``transformers`` mixture-of-experts models (experts modules built with
+    ``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, ...) run
+    their experts in FP8 too: each experts module gets an
+    :class:`~transformer_linear.modules.hf_experts.ExpertsFP8State` per
+    projection (the recipe, and delayed scaling's state), and the model's
+    ``config._experts_implementation`` becomes ``"transformer_linear"`` (registered
+    in ``ExpertsInterface`` here), which runs the projections as FP8 grouped
+    GEMMs on the experts' own 3-D weights. The router stays in high precision.
+
     Args:
         model: the model; if it is itself a convertible layer the converted module is returned.
         recipe: the converted layers' recipe; None follows ``tl.autocast``.
@@ -286,8 +333,13 @@ def convert_to_fp8(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: a missing ``fp8_state`` file, or entries of the wrong shape.
+        NotImplementedError: the model has experts and ``recipe`` has block
+            scales (MXFP8, Float8BlockScaling, ...), which the grouped GEMMs do
+            not take yet; keep the experts in high precision with a
+            ``module_filter_fn`` that rejects them.
     """
     _check_model("convert_to_fp8", model)
+    experts = _experts_to_convert(model, module_filter_fn, recipe)
 
     def convert(module: nn.Module) -> nn.Module:
         if is_conv1d(module):
@@ -309,7 +361,37 @@ def convert_to_fp8(
             if _skip_reason(child, child_fqn, module_filter_fn) is None:
                 done[id(child)] = convert(child)
                 setattr(module, name, done[id(child)])
+    if experts:
+        _run_experts_in_fp8(experts, recipe)
     source = _checkpoint_dir(model) if isinstance(fp8_state, str) and fp8_state == "auto" else fp8_state
     if source is not None:
         load_fp8_state(model, source)
     return model
+
+
+def _experts_to_convert(model: nn.Module, module_filter_fn: Optional[FilterFn], recipe: Optional[Recipe]) -> list[nn.Module]:
+    """The ``transformers`` experts modules :func:`convert_to_fp8` runs in FP8 (checked before anything changes)."""
+    experts = [
+        module
+        for fqn, module in model.named_modules()
+        if is_hf_experts(module) and (module_filter_fn is None or module_filter_fn(module, fqn))
+    ]
+    if experts and recipe is not None:
+        try:
+            check_grouped_quantization("convert_to_fp8", recipe)
+        except NotImplementedError as e:
+            raise NotImplementedError(
+                f"{e}. The model's mixture-of-experts layers ({type(experts[0]).__name__}) run on the grouped GEMMs; "
+                "keep them in high precision with a module_filter_fn that returns False for them"
+            ) from None
+    return experts
+
+
+def _run_experts_in_fp8(experts: list[nn.Module], recipe: Optional[Recipe]) -> None:
+    """Give each experts module its FP8 state modules and select the ``transformer_linear`` implementation."""
+    register_hf_experts(DEFAULT_EXPERTS_IMPLEMENTATION)
+    for module in experts:
+        if not any(isinstance(child, ExpertsFP8State) for child in module.children()):
+            attach_fp8_states(module, recipe)
+        # The config is shared with the model (a sub-config for composite models): one assignment selects it.
+        module.config._experts_implementation = DEFAULT_EXPERTS_IMPLEMENTATION

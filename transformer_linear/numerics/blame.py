@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformer_linear import reference
 from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.linear import Linear
-from transformer_linear.numerics.report import LayerStats
+from transformer_linear.numerics.report import LayerStats, worst_experts
 from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
@@ -273,6 +273,7 @@ def worst_over_steps(observations: Sequence[LayerStats]) -> list[LayerStats]:
                 weight=_worst_ranges([s.weight for s in group]),
                 grad_output=_worst_ranges([s.grad_output for s in group]),
                 steps=sorted({step for s in group for step in s.steps}),
+                experts=worst_experts([s.experts for s in group if s.experts]),
             )
         )
     return rows

@@ -15,9 +15,11 @@ from torch import nn
 
 from transformer_linear.modules.autocast import autocast
 from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
+from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.hf_experts import ExpertsFP8State, is_hf_experts
 from transformer_linear.modules.linear import Linear
-from transformer_linear.numerics import blame, verdict
-from transformer_linear.numerics.report import CompareReport, LayerStats, TrainReport
+from transformer_linear.numerics import blame, experts, verdict
+from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, LayerStats, TrainReport
 from transformer_linear.recipe import Recipe, available_names, from_name
 
 LossFn = Callable[..., torch.Tensor]
@@ -109,8 +111,14 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
     ``module_filter_fn(layer, fqn)`` is False stay in high precision.
     Run the copy under ``tl.autocast(enabled=False)`` so an enclosing
     autocast does not reach the high-precision layers.
+
+    ``transformers`` experts modules (mixture of experts) run their
+    projections as grouped GEMMs under ``recipe`` (``convert_to_fp8``'s
+    ExpertsFP8State); under a recipe the grouped GEMMs do not take (block
+    scales) they stay in high precision.
     """
     copied = convert_to_fp8(copy.deepcopy(model))
+    grouped = recipe is not None and _grouped_gemms_take(recipe)
     for fqn, module in copied.named_modules():
         if isinstance(module, Linear):
             keep = recipe is not None and (module_filter_fn is None or module_filter_fn(module, fqn))
@@ -118,13 +126,32 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
             module.delay_wgrad_compute = False
             module.fuse_wgrad_accumulation = False
             module.reset_fp8_state()
+        elif is_hf_experts(module):
+            keep = grouped and (module_filter_fn is None or module_filter_fn(module, fqn))
+            for state in module.children():
+                if isinstance(state, ExpertsFP8State):
+                    state.recipe = recipe if keep else None
+                    state.reset_fp8_state()
     return copied
+
+
+def _check_min_expert_tokens(where: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: 'min_expert_tokens' must be a non-negative integer, got {value!r}")
+
+
+def _grouped_gemms_take(recipe: Recipe) -> bool:
+    try:
+        check_grouped_quantization("compare", recipe)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _linear_names(model: nn.Module) -> list[str]:
     """The layers compare reports on: every Linear-like layer convert_to_fp8 handles."""
     plan = conversion_plan(model)
-    names = [n for n, _ in model.named_modules() if n in set(plan.converted) | set(plan.existing)]
+    names = [n for n, _ in model.named_modules() if n in set(plan.converted) | set(plan.existing) | set(plan.experts)]
     if not names:
         raise ValueError(
             f"the model ({type(model).__name__}) has no nn.Linear layers (nor Conv1D or tl.Linear): nothing to compare"
@@ -135,6 +162,11 @@ def _linear_names(model: nn.Module) -> list[str]:
 def _fp8_layers(run_model: nn.Module) -> dict[str, Linear]:
     """The run copy's layers that run in FP8 (module_filter_fn may keep some in high precision)."""
     return {n: m for n, m in run_model.named_modules() if isinstance(m, Linear) and m.recipe is not None}
+
+
+def _fp8_experts(run_model: nn.Module) -> dict[str, ExpertsFP8State]:
+    """The run copy's experts projections that run in FP8, by the name of their ExpertsFP8State."""
+    return {n: m for n, m in run_model.named_modules() if isinstance(m, ExpertsFP8State) and m.recipe is not None}
 
 
 def _loss_step(model: nn.Module, inputs: tuple, loss_fn: LossFn, seed: int, autocast_dtype: Optional[torch.dtype] = None) -> float:
@@ -157,31 +189,37 @@ def _loss_step(model: nn.Module, inputs: tuple, loss_fn: LossFn, seed: int, auto
 
 
 def _observed_step(
-    model: nn.Module, recipe: Any, label: str, inputs: tuple, loss_fn: LossFn, seed: int, step: Optional[int]
+    model: nn.Module, recipe: Any, label: str, inputs: tuple, loss_fn: LossFn, seed: int, step: Optional[int],
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
 ) -> tuple[float, float, list[LayerStats]]:
-    """A training step of ``model`` with its FP8 layers observed (numerics/blame.py).
+    """A training step of ``model`` with its FP8 layers observed (numerics/blame.py; experts projections:
+    numerics/experts.py).
 
     First the same weights run the batch with every layer in high precision
     (the end-to-end reference), then the FP8 step itself, whose gradients
     stay in ``.grad`` for the optimizer.
 
     Returns:
-        (FP8 loss, high-precision loss, one :class:`LayerStats` per FP8 layer).
+        (FP8 loss, high-precision loss, one :class:`LayerStats` per FP8 layer and experts projection).
     """
     layers = _fp8_layers(model)
-    every = [m for m in model.modules() if isinstance(m, Linear)]
+    grouped = _fp8_experts(model)
+    every = [m for m in model.modules() if isinstance(m, (Linear, ExpertsFP8State))]
     own = [m.recipe for m in every]
     for m in every:
         m.recipe = None
     try:
-        with blame.Recorder(layers, state=False) as hp:
+        with blame.Recorder(layers, state=False) as hp, experts.GroupedRecorder(grouped, state=False) as hp_grouped:
             hp_loss = _loss_step(model, inputs, loss_fn, seed)
     finally:
         for m, r in zip(every, own):
             m.recipe = r
-    with blame.Recorder(layers, state=True) as fp8:
+    with blame.Recorder(layers, state=True) as fp8, experts.GroupedRecorder(grouped, state=True) as fp8_grouped:
         loss = _loss_step(model, inputs, loss_fn, seed)
-    return loss, hp_loss, blame.observe_layers(layers, recipe, label, fp8.calls, hp.calls, step)
+    stats = blame.observe_layers(layers, recipe, label, fp8.calls, hp.calls, step)
+    stats += experts.observe_experts(grouped, recipe, label, fp8_grouped.calls, hp_grouped.calls, step,
+                                     min_expert_tokens)
+    return loss, hp_loss, stats
 
 
 def compare(
@@ -192,6 +230,7 @@ def compare(
     reference_dtype: torch.dtype = torch.float32,
     calibration_steps: int = 1,
     module_filter_fn: Optional[FilterFn] = None,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
 ) -> CompareReport:
     """Compare each FP8 recipe with the model's own nn.Linear layers, layer by layer.
 
@@ -218,9 +257,14 @@ def compare(
         calibration_steps: passes that fill delayed scaling's amax history.
         module_filter_fn: ``fn(layer, fqn) -> bool``; layers where it is
             False stay in high precision (and are left out of the report).
+        min_expert_tokens: a mixture-of-experts expert with fewer tokens is
+            flagged too few to judge (numerics/experts.py).
 
     Returns:
         A :class:`CompareReport` (prints as a table, ``to_json``, ``plot``).
+        ``transformers`` experts modules report one row per projection
+        (``<experts>.gate_up_proj``, ``<experts>.down_proj``) with one
+        :class:`ExpertStats` per expert.
 
     Raises:
         ValueError: no Linear layers, or the model fails on ``example_inputs``.
@@ -228,6 +272,7 @@ def compare(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compare: 'model' must be an nn.Module, got {type(model).__name__}")
+    _check_min_expert_tokens("compare", min_expert_tokens)
     _linear_names(model)
     recipe_list = resolve_recipes(recipes)
     loss_fn = loss_fn or _default_loss
@@ -244,11 +289,14 @@ def compare(
             with autocast(enabled=False):
                 for _ in range(calibration_steps):
                     _loss_step(run_model, inputs, loss_fn, 0)
-                losses[label], ref_loss, stats = _observed_step(run_model, recipe, label, inputs, loss_fn, 0, None)
+                losses[label], ref_loss, stats = _observed_step(
+                    run_model, recipe, label, inputs, loss_fn, 0, None, min_expert_tokens
+                )
         except (RuntimeError, ValueError, IndexError) as e:
             raise ValueError(f"compare: the model failed on example_inputs: {e}") from e
         layers += stats
-    return CompareReport([label for label, _ in recipe_list], layers, ref_loss, losses)
+    return CompareReport([label for label, _ in recipe_list], layers, ref_loss, losses,
+                         min_expert_tokens=min_expert_tokens)
 
 
 @dataclass(frozen=True)
@@ -312,6 +360,7 @@ def train_run(
     observe_at: Iterable[int] = (),
     progress: Optional[Callable[[int, float], None]] = None,
     compile: bool = False,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
 ) -> RunResult:
     """Train a copy of ``model`` as ``spec`` says with AdamW on ``batches``.
 
@@ -338,7 +387,8 @@ def train_run(
         for step, inputs in enumerate(batches):
             inputs = _as_tuple(inputs)
             if step in observe:
-                loss, _, stats = _observed_step(run_model, spec.recipe, spec.label, inputs, loss_fn, step, step)
+                loss, _, stats = _observed_step(run_model, spec.recipe, spec.label, inputs, loss_fn, step, step,
+                                                min_expert_tokens)
                 observations += stats
             else:
                 loss = _loss_step(step_model, inputs, loss_fn, step, spec.autocast_dtype)
@@ -353,7 +403,7 @@ def _progress_tick(progress: Callable[[str, int, int, float], None], label: str,
     progress(label, step, steps, loss)
 
 
-def _summarise(report: TrainReport, recipes: list[str]) -> CompareReport:
+def _summarise(report: TrainReport, recipes: list[str], min_expert_tokens: int = MIN_EXPERT_TOKENS) -> CompareReport:
     """The worst figures of each recipe's layers over its observed steps, with the final losses."""
     labels = [r for r in recipes if r in report.observations]
     rows = blame.worst_over_steps([s for r in labels for s in report.observations[r]])
@@ -363,6 +413,7 @@ def _summarise(report: TrainReport, recipes: list[str]) -> CompareReport:
         report.final_loss(report.reference),
         {r: report.final_loss(r) for r in labels},
         loss_label=f"final loss (mean of the last {report.window} steps)",
+        min_expert_tokens=min_expert_tokens,
     )
 
 
@@ -377,6 +428,7 @@ def run_into(
     progress: Optional[Callable[[str, int, int, float], None]] = None,
     compile: bool = False,
     on_run: Optional[Callable[[TrainReport], None]] = None,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
 ) -> TrainReport:
     """Train each run of ``specs`` (:func:`train_run`) and add its curve and observations to ``report``.
 
@@ -385,11 +437,11 @@ def run_into(
     observe_at = list(observe_at)
     for spec in specs:
         tick = None if progress is None else functools.partial(_progress_tick, progress, spec.label, len(batches))
-        result = train_run(model, spec, batches, loss_fn, lr, observe_at, tick, compile)
+        result = train_run(model, spec, batches, loss_fn, lr, observe_at, tick, compile, min_expert_tokens)
         report.loss_curves[spec.label] = result.curve
         if result.observations:
             report.observations[spec.label] = result.observations
-            report.final = _summarise(report, list(report.observations))
+            report.final = _summarise(report, list(report.observations), min_expert_tokens)
         if on_run is not None:
             on_run(report)
     return report
@@ -410,6 +462,7 @@ def train_compare(
     window: int = 10,
     compile: bool = False,
     on_run: Optional[Callable[[TrainReport], None]] = None,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
 ) -> TrainReport:
     """Train the same model from the same init in high precision, beside it the noise-floor runs, and with each recipe.
 
@@ -437,11 +490,14 @@ def train_compare(
         window: the final loss is the mean of the last ``window`` steps.
         compile: run the steps through ``torch.compile`` (observed steps run eagerly).
         on_run: called with the report so far after each finished run.
+        min_expert_tokens: a mixture-of-experts expert with fewer tokens (in
+            every observed step) is flagged too few to judge.
 
     Returns:
         A :class:`TrainReport`; its ``final`` holds each recipe's layers' worst
         figures over the observed steps.
     """
+    _check_min_expert_tokens("train_compare", min_expert_tokens)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"train_compare: 'steps' must be >= 1, got {steps}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -455,4 +511,5 @@ def train_compare(
     specs += [RunSpec(f.label, autocast_dtype=f.autocast_dtype, perturb_seed=f.perturb_seed) for f in floors]
     specs += [RunSpec(label, recipe, module_filter_fn) for label, recipe in recipe_list]
     report = TrainReport(steps, {}, floor_runs=[f.label for f in floors], floor_note=note, window=min(window, steps))
-    return run_into(report, model, specs, batches, loss_fn, lr, observed_steps(steps, stats_every), progress, compile, on_run)
+    return run_into(report, model, specs, batches, loss_fn, lr, observed_steps(steps, stats_every), progress, compile, on_run,
+                    min_expert_tokens)

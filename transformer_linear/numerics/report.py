@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from transformer_linear.numerics import plots
 
@@ -30,6 +30,60 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+MIN_EXPERT_TOKENS = 16
+"""An expert that received fewer tokens than this in an observed step is flagged ``too_few_tokens``: its
+SQNRs come from too few rows to judge (numerics/experts.py)."""
+
+
+@dataclass
+class ExpertStats:
+    """One expert of a mixture-of-experts projection under one recipe: its own FP8 error.
+
+    ``output_sqnr`` and ``dgrad_sqnr`` cover the expert's rows of the grouped output and input gradient,
+    ``wgrad_sqnr`` its weight's gradient, each against high precision on the same input and grad_output
+    (dB; NaN for an expert without tokens). ``too_few_tokens``: fewer than the comparison's
+    ``min_expert_tokens`` (default :data:`MIN_EXPERT_TOKENS`) tokens, too few to judge.
+    """
+
+    expert: int
+    tokens: int
+    output_sqnr: float
+    dgrad_sqnr: float
+    wgrad_sqnr: float
+    too_few_tokens: bool = False
+
+    SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr")
+
+
+def _nanmin(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return min(finite) if finite else math.nan
+
+
+def worst_experts(observations: Sequence[Sequence[ExpertStats]]) -> list[ExpertStats]:
+    """Per expert, the worst figures over several observations of one projection (one list per step).
+
+    The SQNRs are the worst over the steps in which the expert had enough tokens to judge (over all steps
+    when it never had); ``tokens`` is its fewest; ``too_few_tokens`` holds when it had too few in every step.
+    """
+    by_expert: dict[int, list[ExpertStats]] = {}
+    for step in observations:
+        for e in step:
+            by_expert.setdefault(e.expert, []).append(e)
+    out = []
+    for expert, group in sorted(by_expert.items()):
+        judged = [e for e in group if not e.too_few_tokens] or group
+        out.append(
+            ExpertStats(
+                expert,
+                min(e.tokens for e in group),
+                *(_nanmin([getattr(e, f) for e in judged]) for f in ExpertStats.SQNR_FIELDS),
+                too_few_tokens=all(e.too_few_tokens for e in group),
+            )
+        )
+    return out
+
+
 @dataclass
 class LayerStats:
     """One Linear layer under one recipe: its FP8 error and how its tensors fit the FP8 range.
@@ -43,7 +97,9 @@ class LayerStats:
     and ``grad_output`` hold amax, scale, underflow and saturation under the
     scales the run used (delayed scaling's from its own history). ``steps``
     are the training steps observed (a row that sums up several holds the
-    worst figure of each).
+    worst figure of each). A mixture-of-experts projection (``<experts
+    module>.gate_up_proj``, ...) is one row over all its experts, with one
+    :class:`ExpertStats` per expert in ``experts`` (empty for Linear layers).
     """
 
     name: str
@@ -61,6 +117,7 @@ class LayerStats:
     e2e_dgrad_sqnr: float = math.nan
     e2e_wgrad_sqnr: float = math.nan
     steps: list[int] = field(default_factory=list)
+    experts: list[ExpertStats] = field(default_factory=list)
 
     SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr", "e2e_output_sqnr", "e2e_dgrad_sqnr", "e2e_wgrad_sqnr")
     MAX_REL_FIELDS = ("output_max_rel", "dgrad_max_rel", "wgrad_max_rel")
@@ -77,6 +134,8 @@ class CompareReport:
         loss: each recipe's loss.
         loss_label: what the losses are (one step on the same weights, or
             the end of a training run).
+        min_expert_tokens: experts with fewer tokens are flagged too few to
+            judge (the per-expert table of mixture-of-experts projections).
     """
 
     recipes: list[str]
@@ -84,6 +143,7 @@ class CompareReport:
     reference_loss: float
     loss: dict[str, float]
     loss_label: str = "loss of one step on the same weights and batch"
+    min_expert_tokens: int = MIN_EXPERT_TOKENS
 
     def for_recipe(self, recipe: str) -> list[LayerStats]:
         return [s for s in self.layers if s.recipe == recipe]
@@ -105,6 +165,24 @@ class CompareReport:
             ])
         return rows
 
+    _EXPERT_COLUMNS = ("recipe", "projection", "expert", "tokens", "out dB", "dX dB", "dW dB", "judged")
+
+    def _expert_rows(self) -> list[list[str]]:
+        """The per-expert table's cells: one row per (recipe, projection, expert)."""
+        rows = []
+        for s in self.layers:
+            for e in s.experts:
+                judged = f"no: < {self.min_expert_tokens} tokens" if e.too_few_tokens else "yes"
+                rows.append([s.recipe, s.name, str(e.expert), str(e.tokens), _fmt(e.output_sqnr), _fmt(e.dgrad_sqnr),
+                             _fmt(e.wgrad_sqnr), judged])
+        return rows
+
+    def _experts_note(self) -> str:
+        return (
+            "Per expert of each mixture-of-experts projection: SQNR (dB) of its rows of the output and dX and of "
+            f"its dW; experts with fewer than {self.min_expert_tokens} tokens are not judged (too few rows)."
+        )
+
     def _loss_line(self) -> str:
         losses = ", ".join(f"{r} {_fmt(v, 5)}" for r, v in self.loss.items())
         return f"{self.loss_label}: high precision {_fmt(self.reference_loss, 5)}; {losses}"
@@ -118,13 +196,29 @@ class CompareReport:
             return " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
         header = line(self._COLUMNS)
-        return "\n".join([header, "-" * len(header), *(line(r) for r in rows), self._loss_line()])
+        out = [header, "-" * len(header), *(line(r) for r in rows), self._loss_line()]
+        expert_rows = self._expert_rows()
+        if expert_rows:
+            cols = self._EXPERT_COLUMNS
+            widths = [max([len(cols[i])] + [len(r[i]) for r in expert_rows]) for i in range(len(cols))]
+            header = " ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))
+            out += ["", self._experts_note(), header, "-" * len(header)]
+            out += [" ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                    for r in expert_rows]
+        return "\n".join(out)
 
     def markdown(self) -> str:
         """The same table in markdown (for issues and pull requests)."""
         out = ["| " + " | ".join(self._COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * (len(self._COLUMNS) - 2)]
         out += ["| " + " | ".join(r) + " |" for r in self._rows()]
-        return "\n".join(out) + "\n\n" + self._loss_line()
+        text = "\n".join(out) + "\n\n" + self._loss_line()
+        expert_rows = self._expert_rows()
+        if expert_rows:
+            cols = self._EXPERT_COLUMNS
+            table = ["| " + " | ".join(cols) + " |", "|" + "---|" * 2 + "---:|" * (len(cols) - 3) + "---|"]
+            table += ["| " + " | ".join(r) + " |" for r in expert_rows]
+            text += "\n\n" + self._experts_note() + "\n\n" + "\n".join(table)
+        return text
 
     def __str__(self) -> str:
         return self.table()
@@ -136,6 +230,7 @@ class CompareReport:
                 "loss_label": self.loss_label,
                 "reference_loss": self.reference_loss,
                 "loss": self.loss,
+                "min_expert_tokens": self.min_expert_tokens,
                 "layers": [asdict(s) for s in self.layers],
             }
         )

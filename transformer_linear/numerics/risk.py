@@ -70,11 +70,15 @@ def risky_layers(report: CompareReport, thresholds: RiskThresholds = RiskThresho
 
 
 def keep_high_precision(names: Iterable[str]) -> Callable[[nn.Module, str], bool]:
-    """A ``module_filter_fn`` for ``convert_to_fp8`` that leaves the named layers in high precision."""
+    """A ``module_filter_fn`` for ``convert_to_fp8`` that leaves the named layers in high precision.
+
+    A mixture-of-experts projection (``model.layers.0.mlp.experts.down_proj``) keeps its experts module
+    (``model.layers.0.mlp.experts``, the unit the filter sees) in high precision.
+    """
     keep = frozenset(names)
 
     def module_filter_fn(module: nn.Module, fqn: str) -> bool:
-        return fqn not in keep
+        return fqn not in keep and not any(name.startswith(fqn + ".") for name in keep)
 
     return module_filter_fn
 
@@ -84,5 +88,5 @@ def filter_source(names: Iterable[str]) -> str:
     listed = "".join(f"    {n!r},\n" for n in sorted(names))
     return (
         f"KEEP_HIGH_PRECISION = {{\n{listed}}}\n"
-        "tl.convert_to_fp8(model, recipe, module_filter_fn=lambda module, fqn: fqn not in KEEP_HIGH_PRECISION)"
+        "tl.convert_to_fp8(model, recipe, module_filter_fn=tl.numerics.keep_high_precision(KEEP_HIGH_PRECISION))"
     )

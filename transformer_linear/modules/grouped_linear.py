@@ -1,0 +1,230 @@
+"""``tl.GroupedLinear``: the experts of a mixture-of-experts layer, one FP8 grouped GEMM per direction.
+
+Transformer Engine's call convention (``transformer_engine.pytorch.GroupedLinear(num_gemms,
+in_features, out_features, bias=True, ...)``, ``forward(inp, m_splits)``). The weights are one 3-D
+Parameter ``weight`` of shape (num_gemms, out_features, in_features) and ``bias`` (num_gemms,
+out_features), the layout of ``torch._grouped_mm`` and of Hugging Face transformers' experts; a
+checkpoint in Transformer Engine's layout (``weight0`` ... ``weight{G-1}``, ``bias0`` ...) loads too.
+
+Delayed scaling keeps one amax history per role for the whole module (input, weight over all
+experts, grad_output), in the buffers and state a ``tl.Linear`` has (delayed_scaling.py); every
+expert's weight is then quantized with the one weight scale. Current scaling gives each expert's
+weight a scale of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.grouped_linear_ops import (
+    GroupedLinearFwdArgs,
+    check_grouped_linear_args,
+    check_grouped_quantization,
+    grouped_linear_fwd,
+    high_precision_grouped_linear,
+    output_dtype,
+)
+from transformer_linear.recipe import Recipe, amax_reduction
+from transformer_linear.recipe.delayed_scaling import DelayedScalingState
+
+__all__ = ["GroupedLinear"]
+
+
+class GroupedLinear(nn.Module):
+    """``num_gemms`` Linear layers (experts) applied to consecutive row groups of one input.
+
+    Args:
+        num_gemms: the number of experts (groups).
+        in_features: size of each input sample.
+        out_features: size of each output sample.
+        bias: learn an additive bias per expert.
+        recipe: this module's recipe; ``None`` follows ``tl.autocast`` (no recipe: high precision).
+            Recipes with block scales raise NotImplementedError (the grouped weight-gradient GEMM
+            takes one scale per tensor).
+        device: where to allocate the parameters.
+        dtype: the parameters' dtype (float32, bfloat16 or float16).
+
+    Raises:
+        ValueError: ``num_gemms`` below 1 or negative feature counts.
+        NotImplementedError: a recipe the grouped GEMMs do not support.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        recipe: Optional[Recipe] = None,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        for name, value, least in (("num_gemms", num_gemms, 1), ("in_features", in_features, 0),
+                                   ("out_features", out_features, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"GroupedLinear: '{name}' must be an integer >= {least}, got {value!r}")
+        if recipe is not None:
+            check_grouped_quantization("GroupedLinear", recipe)
+        self.num_gemms = num_gemms
+        self.in_features = in_features
+        self.out_features = out_features
+        self.recipe = recipe
+        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty((num_gemms, out_features, in_features), **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty((num_gemms, out_features), **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.delayed_scaling_state = DelayedScalingState()
+        """The module's delayed-scaling state: one history per role for every expert."""
+        self.reset_parameters()
+        self.reset_fp8_state()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, expert by expert: the random numbers of ``num_gemms`` nn.Linear layers
+        built one after the other."""
+        with torch.no_grad():
+            for g in range(self.num_gemms):
+                nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+                if self.bias is not None:
+                    bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+                    nn.init.uniform_(self.bias[g], -bound, bound)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, recipe={self.recipe}"
+        )
+
+    # ------------------------------------------------------------------
+    # delayed-scaling state and checkpoints
+    # ------------------------------------------------------------------
+
+    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
+        """Start the delayed-scaling state fresh (as ``tl.Linear.reset_fp8_state``)."""
+        self.delayed_scaling_state.reset(self, amax_history_len)
+
+    def finish_amax_reductions(self) -> None:
+        """Apply the amax reductions still in flight to the delayed-scaling state."""
+        self.delayed_scaling_state.finish_reductions(self)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        _stack_per_expert_keys(state_dict, prefix, self.num_gemms)
+        load_module = functools.partial(
+            super()._load_from_state_dict, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs,
+        )
+        self.delayed_scaling_state.load(self, state_dict, prefix, missing_keys, load_module)
+
+    def _apply(self, fn, recurse=True):
+        with self.delayed_scaling_state.float32_buffers(self):
+            super()._apply(fn, recurse)
+        return self
+
+    # ------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------
+
+    def forward(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
+        """Apply expert g to rows ``sum(m_splits[:g]):sum(m_splits[:g+1])`` of ``inp``.
+
+        Args:
+            inp: (..., in_features), the tokens sorted by expert (leading dims flattened, as
+                Transformer Engine does).
+            m_splits: the tokens of each expert: a list of ``num_gemms`` ints summing to total_tokens, or an
+                integer tensor of ``num_gemms`` entries on inp's device. A tensor's values are never read on
+                the host (with a recipe): no device sync, and under ``torch.compile`` a routing change
+                does not recompile; its sum is then not checked, and rows past it come out as 0.
+
+        Returns:
+            (..., out_features).
+
+        Raises:
+            TypeError: a wrong dtype or device of ``inp`` or ``m_splits``.
+            ValueError: a wrong shape of ``inp``, a wrong length of ``m_splits``, or (a list) a wrong sum.
+        """
+        if not isinstance(inp, Tensor):
+            raise TypeError(f"GroupedLinear: argument 'inp' must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"GroupedLinear: argument 'inp' must have shape (..., {self.in_features}), "
+                             f"got {list(inp.shape)}")
+        x2d = inp.reshape(-1, self.in_features) if inp.dim() != 2 else inp
+        out = self._forward(x2d, self._offs(x2d, m_splits))
+        if inp.dim() == 2:
+            return out
+        return torch.ops.aten._unsafe_view.default(out, [*inp.shape[:-1], self.out_features])
+
+    def _forward(self, inp: Tensor, offs: Tensor) -> Tensor:
+        """The forward on 2-D tokens."""
+        check_grouped_linear_args("GroupedLinear", inp, self.weight, offs, self.bias)
+        recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        if recipe is None:
+            return high_precision_grouped_linear(inp, self.weight, offs, self.bias)
+        spec = check_grouped_quantization("GroupedLinear", recipe)
+        grad = torch.is_grad_enabled()
+        bias = self.bias
+        args = GroupedLinearFwdArgs(
+            inp=inp,
+            weight=self.weight,
+            bias=bias,
+            offs=offs,
+            input_requires_grad=grad and inp.requires_grad,
+            weight_requires_grad=grad and self.weight.requires_grad,
+            bias_requires_grad=grad and bias is not None and bias.requires_grad,
+            quantization=spec,
+            delayed=self.delayed_scaling_state.op_args(self, spec.history) if spec.history is not None else None,
+            out_dtype=output_dtype(inp),
+        )
+        if args.delayed is not None:
+            return self.delayed_scaling_state.forward(self, args, grouped_linear_fwd).out
+        return grouped_linear_fwd(args).out
+
+    def _offs(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
+        """The (num_gemms,) int32 cumulative row ends of ``m_splits``, made on inp's device."""
+        where = "GroupedLinear"
+        if isinstance(m_splits, Tensor):
+            if m_splits.dtype not in (torch.int32, torch.int64) or m_splits.dim() != 1:
+                raise TypeError(f"{where}: argument 'm_splits' must be a 1-D int32 or int64 tensor (or a list of "
+                                f"ints), got shape {list(m_splits.shape)} {m_splits.dtype}")
+            if m_splits.device != inp.device:
+                raise TypeError(f"{where}: argument 'm_splits' is on {m_splits.device}, expected {inp.device}")
+            if m_splits.shape[0] != self.num_gemms:
+                raise ValueError(f"{where}: argument 'm_splits' must have {self.num_gemms} entries (num_gemms), "
+                                 f"got {m_splits.shape[0]}")
+            return torch.cumsum(m_splits, 0, dtype=torch.int32)
+        if not isinstance(m_splits, (list, tuple)) or not all(
+            isinstance(m, int) and not isinstance(m, bool) for m in m_splits
+        ):
+            raise TypeError(f"{where}: argument 'm_splits' must be a list of ints or an integer tensor, "
+                            f"got {m_splits!r}")
+        if len(m_splits) != self.num_gemms:
+            raise ValueError(f"{where}: argument 'm_splits' must have {self.num_gemms} entries (num_gemms), "
+                             f"got {len(m_splits)}")
+        if any(m < 0 for m in m_splits) or sum(m_splits) != inp.shape[0]:
+            raise ValueError(f"{where}: argument 'm_splits' must be non-negative and sum to the {inp.shape[0]} "
+                             f"tokens of 'inp', got {list(m_splits)}")
+        ends, total = [], 0
+        for m in m_splits:
+            total += m
+            ends.append(total)
+        return torch.tensor(ends, dtype=torch.int32, device=inp.device)
+
+
+def _stack_per_expert_keys(state_dict: dict, prefix: str, num_gemms: int) -> None:
+    """Transformer Engine's layout (``weight0`` ... , ``bias0`` ...) stacked into ``weight`` / ``bias``, in
+    place in load_state_dict's own copy of the state dict."""
+    for name in ("weight", "bias"):
+        keys = [f"{prefix}{name}{g}" for g in range(num_gemms)]
+        if prefix + name in state_dict or not all(k in state_dict for k in keys):
+            continue
+        state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])

@@ -1,0 +1,382 @@
+"""The grouped (mixture-of-experts) Linear as a custom op with autograd: ``grouped_linear_fwd``, and the
+functional form :func:`grouped_linear`.
+
+Forward quantizes the tokens of every expert once (the recipe's input quantizer), each expert's weight
+with its own scale (under delayed scaling the state's one weight scale, shared by the experts) into the
+rowwise data and the transpose, and runs one grouped FP8 GEMM (ops.grouped). It returns the FP8 copies,
+so autograd saves those. Backward quantizes grad_output once; the input gradient is the grouped GEMM of
+it with each expert's FP8 weight read columnwise (the transpose forward wrote), the weight
+gradient is the grouped weight-gradient GEMM (dY_gᵀ X_g per expert), the bias gradient each group's
+column sums. No value of ``offs`` is read on the host: there is no device sync, and a routing change
+does not recompile.
+
+The grouped weight-gradient GEMM takes one scale per tensor, so only quantizers with one scale per
+tensor (DelayedScaling, CurrentScaling, a CustomRecipe of such quantizers) run here;
+:func:`check_grouped_quantization` says so, naming the recipe.
+"""
+
+# No ``from __future__ import annotations``: args_op reads the op schema from the field annotations.
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_linear import ops
+from transformer_linear.formats.dtypes import FP8_DTYPES
+from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.linear_args import args_op
+from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad
+from transformer_linear.recipe import Recipe
+from transformer_linear.recipe.delayed_scaling import (
+    DelayedScalingArgs,
+    ForwardScales,
+    forward_scales,
+    quantize_and_record_grad_output,
+)
+from transformer_linear.recipe.quantization import QuantizationSpec, check_recipe, quantization_spec, tensorwise_result
+
+__all__ = [
+    "GroupedLinearFwdArgs",
+    "GroupedLinearFwdOutputs",
+    "check_grouped_quantization",
+    "group_sums",
+    "grouped_linear",
+    "grouped_linear_fwd",
+]
+
+
+@dataclasses.dataclass(slots=True)
+class GroupedLinearFwdArgs:
+    """Everything ``grouped_linear_fwd`` needs; one field = one op argument (a config: one per leaf)."""
+
+    inp: Tensor
+    """(total_tokens, in_features): the tokens of every expert, expert by expert."""
+    weight: Tensor
+    """(num_gemms, out_features, in_features): one weight per expert."""
+    bias: Optional[Tensor]
+    """(num_gemms, out_features) or None."""
+    offs: Tensor
+    """(num_gemms,) int32 cumulative row ends (torch._grouped_mm's)."""
+    input_requires_grad: bool
+    weight_requires_grad: bool
+    bias_requires_grad: bool
+    quantization: QuantizationSpec
+    """The quantizers of input, weight and grad_output (quantization.py)."""
+    delayed: Optional[DelayedScalingArgs]
+    """The module's delayed-scaling state where the quantizers take their scales from it, else None."""
+    out_dtype: torch.dtype
+
+
+class GroupedLinearFwdOutputs(NamedTuple):
+    """What ``grouped_linear_fwd`` returns (unused slots are empty tensors); only ``out`` has a gradient."""
+
+    out: Tensor
+    """(total_tokens, out_features); rows past offs[-1] are 0."""
+    inp_fp8: Tensor
+    """(total_tokens, in_features) FP8: what wgrad reads (rowwise: the grouped wgrad contracts over rows)."""
+    inp_scale_inv: Tensor
+    weight_fp8_t: Tensor
+    """(num_gemms, in_features, out_features) FP8: each expert's weight transposed, what dgrad reads (empty
+    when the input needs no gradient)."""
+    weight_scale_inv: Tensor
+    """(num_gemms,): one per expert."""
+    amax: Tensor
+    """(2,) amaxes of [input, weight (over all experts)] for the delayed-scaling update, else empty."""
+    grad_output_scale: Tensor
+    """Delayed scaling: grad_output's scale as of this forward (negated: backward computes one just in time)."""
+    fwd_scales: Tensor
+    """Delayed scaling: the scales this forward used for [input, weight, grad_output]."""
+
+
+_FwdOutputs = tuple[(Tensor,) * len(GroupedLinearFwdOutputs._fields)]
+
+
+def check_grouped_quantization(where: str, recipe: Recipe) -> QuantizationSpec:
+    """The quantizers of ``recipe``, checked to be ones the grouped GEMMs take.
+
+    Raises:
+        TypeError: not a recipe (check_recipe).
+        NotImplementedError: a quantizer with block scales or a non-FP8 dtype: the grouped
+            weight-gradient GEMM takes one scale per tensor (the message names the recipe).
+    """
+    check_recipe(where, recipe)
+    spec = quantization_spec(recipe)
+    for role in ("input", "weight", "grad_output"):
+        q = getattr(spec, role)
+        if q.blockwise or q.dtype not in FP8_DTYPES:
+            raise NotImplementedError(
+                f"{where}: recipe {type(recipe).__name__} quantizes the {role} with {q.gemm_scaling} scales of "
+                f"{q.dtype}; the grouped GEMMs take FP8 with one scale per tensor only (the grouped weight-gradient "
+                "GEMM supports no block scales yet): use DelayedScaling or Float8CurrentScaling"
+            )
+    return spec
+
+
+def group_sums(g: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
+    """(G, N) column sums of each group's rows of ``g`` (a bias gradient), in ``dtype``, summed in fp32.
+
+    Each row's group is found on the device (searchsorted over offs): no host read. Rows past
+    offs[-1] fall in an extra group that is dropped.
+    """
+    groups = offs.shape[0]
+    rows = torch.arange(g.shape[0], device=g.device, dtype=offs.dtype)
+    group_of_row = torch.searchsorted(offs, rows, right=True)
+    sums = g.new_zeros((groups + 1, g.shape[1]), dtype=torch.float32)
+    sums.index_add_(0, group_of_row, g.to(torch.float32))
+    return sums[:groups].to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------
+
+
+@args_op("transformer_linear::grouped_linear_fwd", GroupedLinearFwdArgs, _FwdOutputs, result=GroupedLinearFwdOutputs)
+def grouped_linear_fwd(a: GroupedLinearFwdArgs) -> GroupedLinearFwdOutputs:
+    """out[rows of g] = x[rows of g] W_gᵀ + b_g with FP8 operands, one grouped GEMM."""
+    x = a.inp.contiguous()
+    scales = None
+    if a.delayed is not None:
+        spec = a.quantization
+        weight_2d = a.weight.reshape(-1, a.weight.shape[2])
+        scales = forward_scales(a.delayed, x, weight_2d, spec.input.dtype, spec.input.margin)
+    return _fp8_fwd(a, x, scales)
+
+
+def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> GroupedLinearFwdOutputs:
+    """The FP8 forward; made of custom ops and metadata-only ops given the scales, so it is its own fake.
+
+    ``scales``: the delayed-scaling state's (forward_scales), None where each quantizer computes its own
+    (then each expert's weight gets its own scale).
+    """
+    spec = a.quantization
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
+    weight = a.weight.contiguous()
+    groups, n, k = weight.shape
+    # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
+    # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
+    # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
+    w = spec.weight
+    qws = [
+        tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None, margin=w.margin,
+                                             columnwise=a.input_requires_grad))
+        for g in range(groups)
+    ]
+    # Copied into one tensor each rather than stacked: torch.autocast's stack rejects FP8.
+    weight_fp8 = x.new_empty((groups, n, k), dtype=w.dtype)
+    weight_fp8_t = x.new_empty((groups, k, n) if a.input_requires_grad else (0,), dtype=w.dtype)
+    for g, q in enumerate(qws):
+        weight_fp8[g].copy_(q.data)
+        if a.input_requires_grad:
+            weight_fp8_t[g].copy_(q.data_t)
+    weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias)
+    records_amax = spec.input.records_amax and spec.weight.records_amax and scales is not None
+    weight_amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
+    return GroupedLinearFwdOutputs(
+        out,
+        inp_fp8=qx.data,
+        inp_scale_inv=qx.scale_inv.reshape(1),
+        weight_fp8_t=weight_fp8_t,
+        weight_scale_inv=weight_scale_inv,
+        amax=torch.stack([qx.amax.reshape(()), weight_amax]) if records_amax else empty_f32.clone(),
+        grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
+        fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
+    )
+
+
+@grouped_linear_fwd.op.register_fake
+def _(*values):
+    a = grouped_linear_fwd.unflatten(values)
+    x = a.inp.contiguous()
+    scales = None
+    if a.delayed is not None:
+        # The delayed-scaling state is read only where the op really runs: stand-ins here.
+        scales = ForwardScales(*(x.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
+    return tuple(_fp8_fwd(a, x, scales))
+
+
+# ---------------------------------------------------------------------------
+# autograd
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _BwdContext:
+    """What backward needs from forward besides the saved tensors."""
+
+    input_requires_grad: bool
+    weight_requires_grad: bool
+    bias_requires_grad: bool
+    quantization: QuantizationSpec
+    delayed: Optional[DelayedScalingArgs]
+    input_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    bias_dtype: Optional[torch.dtype]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = grouped_linear_fwd.unflatten(inputs)
+    o = GroupedLinearFwdOutputs(*output)
+    ctx.mark_non_differentiable(*o[1:])
+    ctx.save_for_backward(
+        o.inp_fp8 if a.weight_requires_grad else None,
+        o.inp_scale_inv,
+        o.weight_fp8_t if a.input_requires_grad else None,
+        o.weight_scale_inv,
+        a.offs,
+        o.grad_output_scale if a.delayed is not None else None,
+    )
+    ctx.bwd = _BwdContext(
+        input_requires_grad=a.input_requires_grad,
+        weight_requires_grad=a.weight_requires_grad,
+        bias_requires_grad=a.bias_requires_grad,
+        quantization=a.quantization,
+        delayed=a.delayed,
+        input_dtype=a.inp.dtype,
+        weight_dtype=a.weight.dtype,
+        bias_dtype=a.bias.dtype if a.bias is not None else None,
+    )
+
+
+def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
+    x_fp8, x_scale_inv, w_fp8_t, w_scale_inv, offs, grad_scale = ctx.saved_tensors
+    c: _BwdContext = ctx.bwd
+    g = grad_out.contiguous()
+    quantizer = c.quantization.grad_output
+    if c.delayed is not None:
+        qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
+    else:
+        qg = quantizer.quantize(g)
+    g_scale_inv = qg.scale_inv.reshape(1)
+    dgrad = wgrad = dbias = None
+    if c.input_requires_grad:
+        # Each expert's weight read columnwise: its transpose, with the expert's one scale.
+        dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
+    if c.weight_requires_grad:
+        wgrad = fp8_grouped_gemm_wgrad(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype)
+    if c.bias_requires_grad:
+        dbias = group_sums(g, offs, c.bias_dtype)
+    return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)
+
+
+grouped_linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# the functional form
+# ---------------------------------------------------------------------------
+
+
+def high_precision_grouped_linear(inp: Tensor, weight: Tensor, offs: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """The grouped Linear without FP8: one ``F.linear`` per group, rows past offs[-1] zero.
+
+    Reads ``offs`` on the host (a device sync on a GPU): the group sizes become Python ints.
+    """
+    ends = [0, *(int(e) for e in offs.tolist())]
+    outs = []
+    for g in range(weight.shape[0]):
+        outs.append(F.linear(inp[ends[g] : ends[g + 1]], weight[g], None if bias is None else bias[g]))
+    rest = inp.shape[0] - ends[-1]
+    if rest:
+        outs.append(inp.new_zeros((rest, weight.shape[1])))
+    return torch.cat(outs) if outs else inp.new_zeros((0, weight.shape[1]))
+
+
+def check_grouped_linear_args(where: str, inp: object, weight: object, offs: object, bias: object) -> None:
+    """The shapes, dtypes and devices of a grouped Linear's arguments (no value is read).
+
+    Raises:
+        TypeError: a non-tensor, a wrong dtype, or tensors on different devices (meta among CPU included).
+        ValueError: a wrong rank or shape.
+    """
+    for name, t in (("inp", inp), ("weight", weight), ("offs", offs), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != inp.device:
+            raise TypeError(f"{where}: argument '{name}' is on {t.device}, expected {inp.device} (that of 'inp')")
+    for name, t in (("inp", inp), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{where}: argument '{name}' must be float32, bfloat16 or float16, got {t.dtype}")
+    if weight.dim() != 3:
+        raise ValueError(f"{where}: argument 'weight' must be 3-D (num_gemms, out_features, in_features), "
+                         f"got shape {list(weight.shape)}")
+    if inp.dim() != 2 or inp.shape[1] != weight.shape[2]:
+        raise ValueError(f"{where}: argument 'inp' must have shape (total_tokens, {weight.shape[2]}), "
+                         f"got {list(inp.shape)}")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != weight.shape[0]:
+        raise ValueError(f"{where}: argument 'offs' must be a ({weight.shape[0]},) int32 tensor of cumulative row "
+                         f"ends, got shape {list(offs.shape)} {offs.dtype}")
+    if bias is not None and list(bias.shape) != [weight.shape[0], weight.shape[1]]:
+        raise ValueError(f"{where}: argument 'bias' must have shape {[weight.shape[0], weight.shape[1]]}, "
+                         f"got {list(bias.shape)}")
+
+
+def output_dtype(inp: Tensor) -> torch.dtype:
+    """The input's dtype, or the enclosing torch.autocast dtype."""
+    device_type = inp.device.type
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if autocast else inp.dtype
+
+
+def grouped_linear(
+    inp: Tensor,
+    weight: Tensor,
+    offs: Tensor,
+    bias: Optional[Tensor] = None,
+    recipe: Optional[Recipe] = None,
+) -> Tensor:
+    """The grouped (mixture-of-experts) Linear, functional, with ``torch._grouped_mm``'s contract.
+
+    ``out[offs[g-1]:offs[g]] = inp[offs[g-1]:offs[g]] @ weight[g]ᵀ + bias[g]``; rows past ``offs[-1]``
+    are 0. With a recipe (this one, else an active ``tl.autocast``'s) the GEMMs run in FP8 (each
+    expert's weight with a scale of its own) and ``offs`` is never read on the host; without one the
+    groups run as ``F.linear`` calls, reading ``offs`` on the host. A recipe whose scales come from an
+    amax history (DelayedScaling) needs the state a module keeps: use :class:`tl.GroupedLinear`.
+
+    Args:
+        inp: (total_tokens, in_features), the tokens sorted by expert.
+        weight: (num_gemms, out_features, in_features).
+        offs: (num_gemms,) int32 cumulative row ends (empty groups allowed).
+        bias: (num_gemms, out_features) or None.
+        recipe: the FP8 recipe, or None (follow ``tl.autocast``).
+
+    Returns:
+        (total_tokens, out_features) in inp's dtype (or the torch.autocast dtype).
+
+    Raises:
+        TypeError: a non-tensor, a wrong dtype or device, or a recipe that is none.
+        ValueError: a wrong shape; a DelayedScaling recipe (it needs a module's state).
+        NotImplementedError: a recipe with block scales (see check_grouped_quantization).
+    """
+    check_grouped_linear_args("grouped_linear", inp, weight, offs, bias)
+    recipe = recipe if recipe is not None else get_fp8_recipe()
+    if recipe is None:
+        return high_precision_grouped_linear(inp, weight, offs, bias)
+    spec = check_grouped_quantization("grouped_linear", recipe)
+    if spec.scale_from_history:
+        raise ValueError(
+            f"grouped_linear: recipe {type(recipe).__name__} takes its scales from an amax history, which the "
+            "functional form does not keep: use tl.GroupedLinear (or Float8CurrentScaling)"
+        )
+    grad = torch.is_grad_enabled()
+    args = GroupedLinearFwdArgs(
+        inp=inp,
+        weight=weight,
+        bias=bias,
+        offs=offs,
+        input_requires_grad=grad and inp.requires_grad,
+        weight_requires_grad=grad and weight.requires_grad,
+        bias_requires_grad=grad and bias is not None and bias.requires_grad,
+        quantization=spec,
+        delayed=None,
+        out_dtype=output_dtype(inp),
+    )
+    return grouped_linear_fwd(args).out
