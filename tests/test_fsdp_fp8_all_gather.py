@@ -164,12 +164,21 @@ def _assert_same_training(rank, world, on, off, what, autocast_recipe=None):
         assert_bitwise_equal(p_on.full_tensor(), p_off.full_tensor(), f"{what}: {pname} after {STEPS} steps")
 
 
-def _parity_rank(rank, world, name, param_dtype, out):
+def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None):
     r = RECIPES[name]
     on = _sharded(r, True, param_dtype, out=out)
     assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
+    if compile_backend is not None:
+        # Per layer, as FSDP2 models are compiled: its hooks (and the all-gathers) run outside the graphs,
+        # which take the gathered FP8 weight as a traceable tensor subclass.
+        torch._dynamo.utils.counters.clear()
+        for layer in (on[0], on[2]):
+            layer.compile(backend=compile_backend, fullgraph=True)
     off = _sharded(r, False, param_dtype, out=out)
-    _assert_same_training(rank, world, on, off, f"{name}, param_dtype={param_dtype}, out={out}")
+    _assert_same_training(rank, world, on, off, f"{name}, param_dtype={param_dtype}, out={out}, {compile_backend}")
+    if compile_backend is not None:
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs >= 2, f"torch.compile built {graphs} graphs, expected one per layer at least"
     # The checkpoint holds the high-precision master, as a plain tensor.
     for key, t in on.state_dict().items():
         if key.endswith("weight"):
@@ -242,6 +251,10 @@ class TestFP8AllGather:
     @pytest.mark.parametrize("name", ["current", "delayed"])
     def test_bf16_mixed_precision_policy(self, name):
         run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed", "block"])
+    def test_compiled_layers(self, name):
+        run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
 
     def test_uneven_shards(self):
         run_ranks(_parity_rank, "current", None, OUT - 1, world_size=WORLD, timeout=TIMEOUT)

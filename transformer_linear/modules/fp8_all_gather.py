@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 _WEIGHT_COLUMN = FP8_STATE_COLUMNS["weight"]
+_CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
 
 # Ops whose result is still the shard (views, copies, FSDP2's chunking and padding): the rest unwrap.
 _OPS_KEEPING_SHARD = {
@@ -320,8 +321,15 @@ class GatheredFP8Weight(torch.Tensor):
         )
 
     def __init__(self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> None:
-        self.cached_weight = cached_weight
+        # One attribute per CachedWeight field: what __tensor_flatten__ names (torch.compile reads them).
+        for name in _CACHED_FIELDS:
+            setattr(self, name, getattr(cached_weight, name))
         self.quantizer = quantizer
+
+    @property
+    def cached_weight(self) -> CachedWeight:
+        """The gathered quantized weight, as the Linear's forward op takes it."""
+        return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})
 
     def __repr__(self) -> str:
         return f"GatheredFP8Weight(shape={list(self.shape)}, dtype={self.dtype}, quantizer={self.quantizer})"
@@ -341,14 +349,12 @@ class GatheredFP8Weight(torch.Tensor):
         )
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        fields = [f.name for f in dataclasses.fields(CachedWeight) if getattr(self.cached_weight, f.name) is not None]
-        return fields, (self.quantizer, self.dtype)
+        return [name for name in _CACHED_FIELDS if getattr(self, name) is not None], (self.quantizer, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "GatheredFP8Weight":
         quantizer, dtype = meta
-        fields = {f.name: inner_tensors.get(f.name) for f in dataclasses.fields(CachedWeight)}
-        return GatheredFP8Weight(CachedWeight(**fields), quantizer, dtype)
+        return GatheredFP8Weight(CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS}), quantizer, dtype)
 
 
 def _gathered_of(t: Tensor) -> "GatheredFP8Weight":
