@@ -194,6 +194,19 @@ def _autocast_rank(rank, world, name):
     _assert_same_training(rank, world, on, off, f"{name} under tl.autocast", autocast_recipe=r)
 
 
+def _quantized_init_rank(rank, world):
+    """quantized_model_init layers gathered in FP8: the stored copy goes (FSDP2's gathered FP8 weight takes
+    its place); training is bitwise the same recipe's without either."""
+    r = RECIPES["current"]
+    with tl.quantized_model_init(recipe=r):
+        on = _sharded(None, True)
+    assert all(m.quantized_init is not None and m._quantized_weight is None for m in (on[0], on[2]))
+    off = _sharded(None, False)
+    _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
+    tl.requantize_weights(on)  # what register_requantize_hook runs after a step: nothing to store
+    assert on[0]._quantized_weight is None
+
+
 def _checkpoint_rank(rank, world, path):
     import torch.distributed.checkpoint as dcp
 
@@ -262,6 +275,9 @@ class TestFP8AllGather:
     @pytest.mark.parametrize("name", ["current", "block"])
     def test_recipe_for_autocast_layers(self, name):
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
+
+    def test_composes_with_quantized_model_init(self):
+        run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
 
     def test_checkpoint_resume(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), world_size=WORLD, timeout=TIMEOUT)

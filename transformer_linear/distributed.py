@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from transformer_linear.modules import quantized_init
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
 from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
@@ -175,6 +176,7 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
             FP8AllGatherWeight(weight.detach(), spec.weight, spec.history), requires_grad=weight.requires_grad
         )
         layer._register_state_dict_hook(_plain_weight_in_state_dict)
+        quantized_init.requantize(layer)  # a quantized_model_init layer drops its stored copy
 
 
 def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

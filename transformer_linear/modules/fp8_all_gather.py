@@ -54,6 +54,7 @@ __all__ = [
     "check_shardable",
     "checked_cached_weight",
     "gathered_weight",
+    "is_fp8_all_gathered",
     "weight_for_op",
 ]
 
@@ -362,6 +363,11 @@ def _gathered_of(t: Tensor) -> "GatheredFP8Weight":
     if not isinstance(local, GatheredFP8Weight):
         raise TypeError(f"fsdp_post_all_gather: 'out' must be the GatheredFP8Weight built before, got {type(t).__name__}")
     return local
+
+
+def is_fp8_all_gathered(weight: Tensor) -> bool:
+    """Whether ``weight`` (a parameter, or an FSDP2 DTensor shard of one) is an :class:`FP8AllGatherWeight`."""
+    return isinstance(getattr(weight, "_local_tensor", weight), FP8AllGatherWeight)
 
 
 def gathered_weight(weight: Tensor) -> Optional[GatheredFP8Weight]:
