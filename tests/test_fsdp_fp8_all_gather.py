@@ -188,6 +188,29 @@ def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None):
             assert_bitwise_equal(full, off.state_dict()[key].full_tensor(), f"saved {key}")
 
 
+class _Checkpointed(nn.Module):
+    """``inner`` under activation checkpointing (non-reentrant): recomputed in backward, where FSDP2 gathers
+    the weight again."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_rank(rank, world, name):
+    def build(fp8_all_gather):
+        model = _mlp(RECIPES[name])
+        mesh = _mesh()
+        for i in (0, 2):
+            model[i] = tl.distributed.fully_shard(_Checkpointed(model[i]), mesh=mesh, fp8_all_gather=fp8_all_gather)
+        return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+
+    _assert_same_training(rank, world, build(True), build(False), f"{name} under activation checkpointing")
+
+
 def _autocast_rank(rank, world, name):
     r = RECIPES[name]
     on, off = _sharded(None, r), _sharded(None, False)
@@ -275,6 +298,10 @@ class TestFP8AllGather:
     @pytest.mark.parametrize("name", ["current", "block"])
     def test_recipe_for_autocast_layers(self, name):
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed"])
+    def test_activation_checkpointing(self, name):
+        run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     def test_composes_with_quantized_model_init(self):
         run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
