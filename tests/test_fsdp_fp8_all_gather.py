@@ -20,7 +20,8 @@ from torch import nn
 import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.formats.dtypes import FP8_DTYPES
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight, check_shardable
+from transformer_linear.recipe.quantization import quantization_spec
 
 WORLD = 2
 TIMEOUT = 180.0
@@ -311,3 +312,27 @@ class TestFP8AllGather:
 
     def test_errors(self):
         run_ranks(_errors_rank, world_size=WORLD, timeout=TIMEOUT)
+
+
+# Whether a weight of `rows` rows shards over `world` ranks without a block straddling two (no ranks needed).
+_SHARDABLE = [
+    ("current", 255, 2, True),  # one scale per tensor: anywhere (uneven shards are padded)
+    ("delayed", 7, 4, True),
+    ("block", 256, 2, True),  # 128 rows a rank: whole 128x128 blocks
+    ("block", 384, 2, False),  # 192 rows a rank
+    ("block", 256, 1, True),  # nothing sharded
+    ("block", 257, 2, False),  # uneven
+    ("mxfp8", 64, 2, True),  # 32 rows a rank: whole 1x32 blocks of the columnwise copy
+    ("mxfp8", 32, 2, False),
+    ("rowwise", 256, 2, False),  # the columnwise copy scales whole columns
+]
+
+
+@pytest.mark.parametrize("name, rows, world, ok", _SHARDABLE)
+def test_check_shardable(name, rows, world, ok):
+    quantizer = quantization_spec(recipe.from_name(name)).weight
+    if ok:
+        check_shardable(quantizer, rows, world)
+    else:
+        with pytest.raises(ValueError, match=f"a weight of {rows} rows over {world} ranks"):
+            check_shardable(quantizer, rows, world)
