@@ -18,6 +18,11 @@ What is reduced across ranks
   scale computed "just in time"; reducing them would add a collective per
   GEMM and buy nothing, since gradients are reduced in high precision.
 
+FP8 all-gather (``fully_shard(fp8_all_gather=True)``, modules/fp8_all_gather.py)
+adds one reduction: a per-tensor-scaled weight's shard amax is all-reduced
+(MAX) over the FSDP2 shard group before each forward all-gather, so every
+rank quantizes its shard with the whole weight's scale.
+
 The group is a per-module knob (:func:`set_amax_reduction_group`); by default
 it is the default process group when one is initialised with more than one
 rank, and nothing otherwise. How and when the reduction runs (in the
