@@ -21,6 +21,7 @@ import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight, check_shardable
+from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe.quantization import quantization_spec
 
 WORLD = 2
@@ -336,3 +337,26 @@ def test_check_shardable(name, rows, world, ok):
     else:
         with pytest.raises(ValueError, match=f"a weight of {rows} rows over {world} ranks"):
             check_shardable(quantizer, rows, world)
+
+
+def test_shard_is_the_plain_weight_to_other_ops():
+    quantizer = quantization_spec(RECIPES["current"]).weight
+    weight = torch.randn(4, 8)
+    shard = FP8AllGatherWeight(weight.clone(), quantizer)
+    # Views and copies (FSDP2's chunking and padding) keep the subclass; arithmetic reads the plain tensor.
+    assert type(shard.view(-1)) is FP8AllGatherWeight and type(torch.chunk(shard, 2)[0]) is FP8AllGatherWeight
+    doubled = shard * 2
+    assert type(doubled) is torch.Tensor
+    assert_bitwise_equal(doubled, weight * 2, "shard * 2")
+
+
+@pytest.mark.parametrize("use", ["add", "radd", "sum", "matmul"])
+def test_gathered_weight_raises_outside_the_linear(use):
+    quantizer = quantization_spec(RECIPES["current"]).weight
+    q = quantizer.quantize(torch.randn(4, 8))
+    gathered = GatheredFP8Weight(CachedWeight(q.data, None, q.scale_inv, None, q.amax.reshape(())), quantizer, torch.float32)
+    assert type(gathered.detach()) is GatheredFP8Weight  # what nn.Parameter does to it
+    uses = {"add": lambda: gathered + 1, "radd": lambda: torch.ones(4, 8) + gathered, "sum": gathered.sum,
+            "matmul": lambda: torch.ones(2, 8) @ gathered.t()}
+    with pytest.raises(RuntimeError, match="holds only its quantized form"):
+        uses[use]()

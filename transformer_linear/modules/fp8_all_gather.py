@@ -337,13 +337,16 @@ class GatheredFP8Weight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        this = args[0]
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
+        this = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, GatheredFP8Weight))
+        # FSDP2's own handling of the unsharded parameter: nn.Parameter's detach, its as_strided to the
+        # weight's shape; the same weight again.
+        same = func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
             func in (torch.ops.aten.as_strided.default, torch.ops.aten.view.default)
             and list(args[1]) == list(this.shape)
-        ):
+        )
+        if same and args[0] is this:
             return GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype)
-        raise TypeError(
+        raise RuntimeError(  # not a TypeError: Tensor's operators would turn that into NotImplemented
             f"a tl.Linear weight all-gathered in FP8 by fully_shard(fp8_all_gather=True) holds only its quantized "
             f"form ({this.quantizer}); {func} cannot read it. Run the layer under its recipe, or shard with "
             "fp8_all_gather=False"
