@@ -213,6 +213,30 @@ def _checkpointed_rank(rank, world, name):
     _assert_same_training(rank, world, build(True), build(False), f"{name} under activation checkpointing")
 
 
+def _deferred_init_rank(rank, world):
+    """Built on the meta device, sharded, then materialized (FSDP2's deferred init): the shards stay
+    FP8AllGatherWeight through to_empty, and training matches the high-precision gather bitwise."""
+    r = RECIPES["current"]
+
+    def build(fp8_all_gather):
+        with torch.device("meta"):
+            model = nn.Sequential(tl.Linear(IN, HIDDEN, recipe=r), nn.ReLU(), tl.Linear(HIDDEN, OUT, recipe=r))
+        mesh = _mesh()
+        for layer in (model[0], model[2]):
+            tl.distributed.fully_shard(layer, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for layer in (model[0], model[2]):
+            layer.reset_parameters()
+            layer.reset_fp8_state()
+        return model
+
+    on = build(True)
+    assert isinstance(on[2].weight.to_local(), FP8AllGatherWeight)
+    _assert_same_training(rank, world, on, build(False), "deferred init")
+
+
 def _autocast_rank(rank, world, name):
     r = RECIPES[name]
     on, off = _sharded(None, r), _sharded(None, False)
@@ -304,6 +328,10 @@ class TestFP8AllGather:
     @pytest.mark.parametrize("name", ["current", "delayed"])
     def test_activation_checkpointing(self, name):
         run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.filterwarnings("ignore:DTensor random operators")
+    def test_deferred_init_on_meta_device(self):
+        run_ranks(_deferred_init_rank, world_size=WORLD, timeout=TIMEOUT)
 
     def test_composes_with_quantized_model_init(self):
         run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
