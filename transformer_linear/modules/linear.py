@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.checks import check_linear_devices
-from transformer_linear.modules import quantized_init, tensor_parallel
+from transformer_linear.modules import fp8_all_gather, quantized_init, tensor_parallel
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.modules.linear_ops import WgradQueue, compute_wgrad, linear_fwd
@@ -173,6 +173,11 @@ class Linear(nn.Module):
     def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """The forward with explicit (possibly local-shard) parameters."""
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        if recipe is None and fp8_all_gather.gathered_weight(weight) is not None:
+            raise RuntimeError(
+                "Linear: the weight was all-gathered in FP8 (fully_shard(fp8_all_gather=True)) and holds only its "
+                f"quantized form; run the layer under a recipe quantizing it as {weight.quantizer}"
+            )
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return F.linear(inp, weight, bias)
         check_linear_devices(inp, weight, bias, getattr(self.weight, "main_grad", None))
@@ -215,7 +220,12 @@ class Linear(nn.Module):
         out_dtype = torch.get_autocast_dtype(device_type) if autocast else inp.dtype
         fp8 = recipe is not None
         quantization = quantization_spec(recipe) if fp8 else NO_QUANTIZATION
-        if fp8 and getattr(self, "_quantized_weight", None) is not None:
+        gathered = fp8_all_gather.gathered_weight(weight)
+        if gathered is not None:
+            # FSDP2 all-gathered the weight quantized: its GEMM operands as they are, the gradient to it.
+            cached_weight = fp8_all_gather.checked_cached_weight(gathered, quantization.weight)
+            weight = fp8_all_gather.weight_for_op(gathered)
+        elif fp8 and getattr(self, "_quantized_weight", None) is not None:
             cached_weight = quantized_init.stored_weight(self, weight, quantization.weight)
         else:
             cached_weight = self._weight_cache if fp8 and is_first_microbatch is False else None

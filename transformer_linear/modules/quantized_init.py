@@ -15,6 +15,10 @@ master inside its optimizer; here the master is the Parameter, so no tensor subc
 optimizer step (instead of one per forward), and the weight is rounded to the recipe's format after
 every step, exactly what the forward of the high-precision-weight Linear does too.
 
+Under FSDP2 with ``fully_shard(fp8_all_gather=True)`` the stored copy is dropped: the weight exists
+unsharded only in the quantized form FSDP2 gathers (quantized from the updated shard at each all-gather),
+which the forward reads in its place; the layer's recipe is then this context's.
+
 A layer's weight scale is computed from the weight itself when it is quantized (current scaling), also
 under delayed scaling, whose history still records the weight's amax.
 """
@@ -28,6 +32,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from transformer_linear.modules.fp8_all_gather import is_fp8_all_gathered
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec
@@ -138,6 +143,11 @@ def requantize(layer: nn.Module) -> None:
     if config is None:
         return
     weight = layer.weight
+    if is_fp8_all_gathered(weight):
+        # FSDP2 gathers it quantized (fp8_all_gather.py): each all-gather quantizes the updated shard, and
+        # the forward reads that; nothing to keep here.
+        layer._quantized_weight = None
+        return
     if weight.device.type == "meta":
         layer._quantized_weight = None
         return

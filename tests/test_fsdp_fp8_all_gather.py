@@ -1,0 +1,390 @@
+"""FSDP2 all-gathering tl.Linear weights in FP8 (``tl.distributed.fully_shard(fp8_all_gather=...)``), on 2
+gloo ranks (CPU): the bytes FSDP2 all-gathers against its fp32 / bf16 all-gather, that what is gathered is
+FP8 and what the forward reads is the gathered FP8 weight, bitwise parity of losses, gradients and weights
+with the same recipe gathered in high precision, the saved state, and the errors.
+
+The weights have 256 rows, so each rank holds 128: whole 128x128 blocks (Float8BlockScaling) and 1x32
+blocks in either direction (MXFP8); the uneven model (255 rows) checks FSDP2's padding of per-tensor
+scaled shards.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
+from tolerances import assert_bitwise_equal
+from torch import nn
+
+import transformer_linear as tl
+from transformer_linear import recipe
+from transformer_linear.formats.dtypes import FP8_DTYPES
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight, check_shardable
+from transformer_linear.modules.linear_args import CachedWeight
+from transformer_linear.recipe.quantization import quantization_spec
+
+WORLD = 2
+TIMEOUT = 180.0
+STEPS = 5
+IN, HIDDEN, OUT = 128, 256, 256
+
+RECIPES = {
+    "current": recipe.from_name("current"),
+    "delayed": recipe.from_name("delayed", amax_history_len=4),
+    "block": recipe.from_name("block"),
+    "mxfp8": recipe.from_name("mxfp8"),
+}
+# The bounds on the bytes gathered against FSDP2's bf16 / fp32 all-gather: FP8 data is 1 byte an element
+# against 2 and 4; scales and the (high-precision) biases take the rest. MXFP8's 1x32 blocks are not
+# square, so its columnwise copy (what dgrad reads) is not the rowwise one transposed and is gathered too:
+# 2 bytes an element plus E8M0 scales, about what bf16 gathers (measured: 1.03x bf16, 0.52x fp32).
+MAX_RATIO_VS_BF16 = {"mxfp8": 1.05}
+MAX_RATIO_VS_FP32 = {"mxfp8": 0.55}
+DEFAULT_MAX_RATIO_VS_BF16 = 0.55
+DEFAULT_MAX_RATIO_VS_FP32 = 0.3
+
+
+# ---------------------------------------------------------------------------
+# helpers (module level: they run in spawned ranks)
+# ---------------------------------------------------------------------------
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _mlp(layer_recipe, hidden=HIDDEN, out=OUT):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        tl.Linear(IN, hidden, recipe=layer_recipe), nn.ReLU(), tl.Linear(hidden, out, recipe=layer_recipe)
+    )
+
+
+def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=OUT):
+    """The MLP with each Linear and the root sharded (FSDP2's usual nesting)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _mlp(layer_recipe, hidden, out)
+    kwargs = {"mesh": _mesh(), "fp8_all_gather": fp8_all_gather}
+    if param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        tl.distributed.fully_shard(layer, **kwargs)
+    return tl.distributed.fully_shard(model, **kwargs)
+
+
+def _batches(rank, world, steps=STEPS, rows=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, IN, generator=g) * 3).chunk(world)[rank] for _ in range(steps)]
+
+
+def _train(model, batches, autocast_recipe=None):
+    """AdamW steps; the losses and the local gradient shards of each step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for x in batches:
+        opt.zero_grad()
+        with tl.autocast(enabled=autocast_recipe is not None, recipe=autocast_recipe):
+            loss = model(x).square().sum()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+class _GatherCounter:
+    """Counts the bytes FSDP2 all-gathers (every call of its all-gather collective) and records the dtypes
+    of what ``FP8AllGatherWeight.fsdp_pre_all_gather`` returns."""
+
+    def __enter__(self):
+        self.bytes, self.fp8_gathers, self.data_dtypes = 0, 0, []
+        self._all_gather, self._pre = dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather
+
+        def all_gather(output_tensor, input_tensor, *args, **kwargs):
+            self.bytes += input_tensor.numel() * input_tensor.element_size()
+            return self._all_gather(output_tensor, input_tensor, *args, **kwargs)
+
+        @functools.wraps(self._pre)  # FSDP2 reads its signature
+        def pre_all_gather(weight, *args, **kwargs):
+            gathered, metadata = self._pre(weight, *args, **kwargs)
+            self.fp8_gathers += 1
+            self.data_dtypes.append(gathered[0].dtype)
+            return gathered, metadata
+
+        dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = self._all_gather, self._pre
+
+
+def _gathered_bytes(name, fp8_all_gather, param_dtype=None):
+    """Bytes all-gathered by one training step (forward and backward), and the counter."""
+    model = _sharded(RECIPES[name], fp8_all_gather, param_dtype)
+    seen = []
+    for layer in (model[0], model[2]):
+        layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+    (x,) = _batches(dist.get_rank(), dist.get_world_size(), steps=1)
+    with _GatherCounter() as counter:
+        model(x).square().sum().backward()
+    return counter, seen
+
+
+def _bytes_rank(rank, world, name):
+    fp8, seen = _gathered_bytes(name, True)
+    fp8_bf16, _ = _gathered_bytes(name, True, torch.bfloat16)
+    fp32, seen_off = _gathered_bytes(name, False)
+    bf16, _ = _gathered_bytes(name, False, torch.bfloat16)
+    # Forward and backward gather each of the 2 weights (the root holds no parameter of its own).
+    assert fp8.fp8_gathers == 4, f"{fp8.fp8_gathers} FP8 all-gathers, expected 4"
+    bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in FP8_DTYPES]
+    assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8"
+    assert fp32.fp8_gathers == 0 and bf16.fp8_gathers == 0
+    assert seen == [GatheredFP8Weight] * 2, f"the forward read {seen}, expected the gathered FP8 weight"
+    assert GatheredFP8Weight not in seen_off
+    ratio_bf16, ratio_fp32 = fp8_bf16.bytes / bf16.bytes, fp8.bytes / fp32.bytes
+    max_bf16 = MAX_RATIO_VS_BF16.get(name, DEFAULT_MAX_RATIO_VS_BF16)
+    max_fp32 = MAX_RATIO_VS_FP32.get(name, DEFAULT_MAX_RATIO_VS_FP32)
+    assert ratio_bf16 <= max_bf16, f"FP8 all-gather {fp8_bf16.bytes} B vs bf16 {bf16.bytes} B: {ratio_bf16:.3f}"
+    assert ratio_fp32 <= max_fp32, f"FP8 all-gather {fp8.bytes} B vs fp32 {fp32.bytes} B: {ratio_fp32:.3f}"
+    return fp32.bytes, bf16.bytes, fp8.bytes, fp8_bf16.bytes
+
+
+def _assert_same_training(rank, world, on, off, what, autocast_recipe=None):
+    batches = _batches(rank, world)
+    losses_on, grads_on = _train(on, batches, autocast_recipe)
+    losses_off, grads_off = _train(off, batches, autocast_recipe)
+    for step, (l_on, l_off, g_on, g_off) in enumerate(zip(losses_on, losses_off, grads_on, grads_off)):
+        assert_bitwise_equal(l_on, l_off, f"{what}: loss of step {step}")
+        for (pname, _), a, b in zip(on.named_parameters(), g_on, g_off):
+            assert_bitwise_equal(a, b, f"{what}: gradient of {pname}, step {step}")
+    for (pname, p_on), p_off in zip(on.named_parameters(), off.parameters()):
+        assert_bitwise_equal(p_on.full_tensor(), p_off.full_tensor(), f"{what}: {pname} after {STEPS} steps")
+
+
+def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None):
+    r = RECIPES[name]
+    on = _sharded(r, True, param_dtype, out=out)
+    assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
+    if compile_backend is not None:
+        # Per layer, as FSDP2 models are compiled: its hooks (and the all-gathers) run outside the graphs,
+        # which take the gathered FP8 weight as a traceable tensor subclass.
+        torch._dynamo.utils.counters.clear()
+        for layer in (on[0], on[2]):
+            layer.compile(backend=compile_backend, fullgraph=True)
+    off = _sharded(r, False, param_dtype, out=out)
+    _assert_same_training(rank, world, on, off, f"{name}, param_dtype={param_dtype}, out={out}, {compile_backend}")
+    if compile_backend is not None:
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs >= 2, f"torch.compile built {graphs} graphs, expected one per layer at least"
+    # The checkpoint holds the high-precision master, as a plain tensor.
+    for key, t in on.state_dict().items():
+        if key.endswith("weight"):
+            assert type(t.to_local()) is torch.Tensor, f"{key}: the saved shard is a {type(t.to_local()).__name__}"
+            full = t.full_tensor()
+            assert type(full) is torch.Tensor and full.dtype == torch.float32, f"{key}: {type(full)} {full.dtype}"
+            assert_bitwise_equal(full, off.state_dict()[key].full_tensor(), f"saved {key}")
+
+
+class _Checkpointed(nn.Module):
+    """``inner`` under activation checkpointing (non-reentrant): recomputed in backward, where FSDP2 gathers
+    the weight again."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_rank(rank, world, name):
+    def build(fp8_all_gather):
+        model = _mlp(RECIPES[name])
+        mesh = _mesh()
+        for i in (0, 2):
+            model[i] = tl.distributed.fully_shard(_Checkpointed(model[i]), mesh=mesh, fp8_all_gather=fp8_all_gather)
+        return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+
+    _assert_same_training(rank, world, build(True), build(False), f"{name} under activation checkpointing")
+
+
+def _deferred_init_rank(rank, world):
+    """Built on the meta device, sharded, then materialized (FSDP2's deferred init): the shards stay
+    FP8AllGatherWeight through to_empty, and training matches the high-precision gather bitwise."""
+    r = RECIPES["current"]
+
+    def build(fp8_all_gather):
+        with torch.device("meta"):
+            model = nn.Sequential(tl.Linear(IN, HIDDEN, recipe=r), nn.ReLU(), tl.Linear(HIDDEN, OUT, recipe=r))
+        mesh = _mesh()
+        for layer in (model[0], model[2]):
+            tl.distributed.fully_shard(layer, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for layer in (model[0], model[2]):
+            layer.reset_parameters()
+            layer.reset_fp8_state()
+        return model
+
+    on = build(True)
+    assert isinstance(on[2].weight.to_local(), FP8AllGatherWeight)
+    _assert_same_training(rank, world, on, build(False), "deferred init")
+
+
+def _autocast_rank(rank, world, name):
+    r = RECIPES[name]
+    on, off = _sharded(None, r), _sharded(None, False)
+    _assert_same_training(rank, world, on, off, f"{name} under tl.autocast", autocast_recipe=r)
+
+
+def _quantized_init_rank(rank, world):
+    """quantized_model_init layers gathered in FP8: the stored copy goes (FSDP2's gathered FP8 weight takes
+    its place); training is bitwise the same recipe's without either."""
+    r = RECIPES["current"]
+    with tl.quantized_model_init(recipe=r):
+        on = _sharded(None, True)
+    assert all(m.quantized_init is not None and m._quantized_weight is None for m in (on[0], on[2]))
+    off = _sharded(None, False)
+    _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
+    tl.requantize_weights(on)  # what register_requantize_hook runs after a step: nothing to store
+    assert on[0]._quantized_weight is None
+
+
+def _checkpoint_rank(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    r = RECIPES["current"]
+    batches = _batches(rank, world)
+    model = _sharded(r, True)
+    _train(model, batches[:2])
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    resumed = _sharded(r, True)
+    state = resumed.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    resumed.load_state_dict(state)
+    assert isinstance(resumed[0].weight.to_local(), FP8AllGatherWeight)
+    losses, _ = _train(model, batches[2:])
+    losses_resumed, _ = _train(resumed, batches[2:])
+    for step, (a, b) in enumerate(zip(losses_resumed, losses)):
+        assert_bitwise_equal(a, b, f"resumed loss, step {step}")
+
+
+def _errors_rank(rank, world):
+    with pytest.raises(ValueError, match=r"256 rows over 2 ranks with \[1, 0\] blocks"):
+        _sharded(recipe.from_name("rowwise"), True)
+    with pytest.raises(ValueError, match=r"64 rows over 2 ranks with \[128, 128\] blocks"):
+        _sharded(RECIPES["block"], True, out=64)
+    with pytest.raises(ValueError, match="fp8_all_gather=True needs tl.Linear '<root>' to have a recipe"):
+        _sharded(None, True)
+    with pytest.raises(TypeError, match="fully_shard: 'recipe' must be one of"):
+        _sharded(None, "current")
+    model = _sharded(RECIPES["current"], True)
+    (x,) = _batches(rank, world, steps=1)
+    model[0].recipe = None
+    with pytest.raises(RuntimeError, match="holds only its quantized form"):
+        model(x)
+    model = _sharded(RECIPES["current"], True)
+    model[0].recipe = RECIPES["block"]
+    with pytest.raises(ValueError, match="the forward's recipe quantizes it as"):
+        model(x)
+
+
+# ---------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------
+
+
+class TestFP8AllGather:
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_gathers_fp8_bytes(self, name):
+        fp32, bf16, fp8, fp8_bf16 = run_ranks(_bytes_rank, name, world_size=WORLD, timeout=TIMEOUT)[0]
+        print(f"{name}: fp32 {fp32} B, bf16 {bf16} B, FP8 {fp8} B (bf16 params: {fp8_bf16} B)")
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_training_bitwise_matches_high_precision_gather(self, name):
+        run_ranks(_parity_rank, name, None, OUT, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed"])
+    def test_bf16_mixed_precision_policy(self, name):
+        run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed", "block"])
+    def test_compiled_layers(self, name):
+        run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
+
+    def test_uneven_shards(self):
+        run_ranks(_parity_rank, "current", None, OUT - 1, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "block"])
+    def test_recipe_for_autocast_layers(self, name):
+        run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", ["current", "delayed"])
+    def test_activation_checkpointing(self, name):
+        run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.filterwarnings("ignore:DTensor random operators")
+    def test_deferred_init_on_meta_device(self):
+        run_ranks(_deferred_init_rank, world_size=WORLD, timeout=TIMEOUT)
+
+    def test_composes_with_quantized_model_init(self):
+        run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
+
+    def test_checkpoint_resume(self, tmp_path):
+        run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), world_size=WORLD, timeout=TIMEOUT)
+
+    def test_errors(self):
+        run_ranks(_errors_rank, world_size=WORLD, timeout=TIMEOUT)
+
+
+# Whether a weight of `rows` rows shards over `world` ranks without a block straddling two (no ranks needed).
+_SHARDABLE = [
+    ("current", 255, 2, True),  # one scale per tensor: anywhere (uneven shards are padded)
+    ("delayed", 7, 4, True),
+    ("block", 256, 2, True),  # 128 rows a rank: whole 128x128 blocks
+    ("block", 384, 2, False),  # 192 rows a rank
+    ("block", 256, 1, True),  # nothing sharded
+    ("block", 257, 2, False),  # uneven
+    ("mxfp8", 64, 2, True),  # 32 rows a rank: whole 1x32 blocks of the columnwise copy
+    ("mxfp8", 32, 2, False),
+    ("rowwise", 256, 2, False),  # the columnwise copy scales whole columns
+]
+
+
+@pytest.mark.parametrize("name, rows, world, ok", _SHARDABLE)
+def test_check_shardable(name, rows, world, ok):
+    quantizer = quantization_spec(recipe.from_name(name)).weight
+    if ok:
+        check_shardable(quantizer, rows, world)
+    else:
+        with pytest.raises(ValueError, match=f"a weight of {rows} rows over {world} ranks"):
+            check_shardable(quantizer, rows, world)
+
+
+def test_shard_is_the_plain_weight_to_other_ops():
+    quantizer = quantization_spec(RECIPES["current"]).weight
+    weight = torch.randn(4, 8)
+    shard = FP8AllGatherWeight(weight.clone(), quantizer)
+    # Views and copies (FSDP2's chunking and padding) keep the subclass; arithmetic reads the plain tensor.
+    assert type(shard.view(-1)) is FP8AllGatherWeight and type(torch.chunk(shard, 2)[0]) is FP8AllGatherWeight
+    doubled = shard * 2
+    assert type(doubled) is torch.Tensor
+    assert_bitwise_equal(doubled, weight * 2, "shard * 2")
+
+
+@pytest.mark.parametrize("use", ["add", "radd", "sum", "matmul"])
+def test_gathered_weight_raises_outside_the_linear(use):
+    quantizer = quantization_spec(RECIPES["current"]).weight
+    q = quantizer.quantize(torch.randn(4, 8))
+    gathered = GatheredFP8Weight(CachedWeight(q.data, None, q.scale_inv, None, q.amax.reshape(())), quantizer, torch.float32)
+    assert type(gathered.detach()) is GatheredFP8Weight  # what nn.Parameter does to it
+    uses = {"add": lambda: gathered + 1, "radd": lambda: torch.ones(4, 8) + gathered, "sum": gathered.sum,
+            "matmul": lambda: torch.ones(2, 8) @ gathered.t()}
+    with pytest.raises(RuntimeError, match="holds only its quantized form"):
+        uses[use]()

@@ -1,0 +1,412 @@
+"""FP8 all-gather under FSDP2: a ``tl.Linear``'s weight shard is quantized before FSDP2 gathers it.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) lets a parameter's local shard be a tensor subclass with
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``: what the first returns is all-gathered instead of the
+shard, and the second builds the unsharded parameter from the gathered tensors. :class:`FP8AllGatherWeight`
+is that shard (torchao's ``WeightWithDynamicFloat8CastTensor`` is the model): the high-precision master,
+which the optimizer updates and ``state_dict`` saves, that quantizes itself with the layer's weight
+quantizer when FSDP2 gathers it. The unsharded parameter is a :class:`GatheredFP8Weight`, a tensor of the
+weight's shape and dtype holding only the quantized weight (a ``CachedWeight``: data and scale_inv of
+every usage backward reads), which ``tl.Linear`` hands to its GEMMs as it is, without casting again.
+
+Nothing here branches on the recipe; the quantizer says what one weight is made of:
+
+* One scale per tensor (``block_shape == []``): the scale must be the one the whole weight gets, so the
+  amax of each shard is all-reduced (MAX) over the shard group and the scale computed from it, or, where
+  the quantizer takes its scale from the layer's delayed-scaling history, read from the layer's state
+  (identical on all ranks). The gathered data is then bitwise the whole weight quantized. Only the data
+  is gathered (1 byte per element); the scale travels as FSDP2 metadata; the transposed copy a GPU GEMM
+  wants is made after the gather (a transpose of FP8 data with one scale is exact).
+* Block scales: each shard's blocks are the whole weight's only where no block straddles a shard
+  boundary. FSDP2 shards dim 0, so the rows per shard must be a multiple of the rows a block spans (in
+  either usage the quantizer produces); otherwise ``fsdp_pre_all_gather`` raises (see
+  :func:`check_shardable`). Data and block scales are gathered; a square block's columnwise copy is
+  the rowwise one transposed, a non-square block's is gathered too.
+
+Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
+the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
+move on after each forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from transformer_linear import ops
+from transformer_linear._handles import NO_HANDLE
+from transformer_linear.formats import layout
+from transformer_linear.modules.linear_args import CachedWeight
+from transformer_linear.recipe import HistoryConfig
+from transformer_linear.recipe.delayed_scaling import delayed_scaling_flush
+from transformer_linear.recipe.quantization import TensorQuantizer
+from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS, no_amax_yet
+from transformer_linear.reference import compute_scale, fp8_max
+
+__all__ = [
+    "FP8AllGatherWeight",
+    "GatheredFP8Weight",
+    "check_shardable",
+    "checked_cached_weight",
+    "gathered_weight",
+    "is_fp8_all_gathered",
+    "weight_for_op",
+]
+
+_WEIGHT_COLUMN = FP8_STATE_COLUMNS["weight"]
+_CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
+
+# Ops whose result is still the shard (views, copies, FSDP2's chunking and padding): the rest unwrap.
+_OPS_KEEPING_SHARD = {
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (FSDP2's pre-backward all-gather, or a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, where: str = "fully_shard") -> None:
+    """Raise unless ``quantizer``'s blocks of a weight of ``rows`` rows never straddle an FSDP2 shard.
+
+    FSDP2 gives each of ``world_size`` ranks ceil(rows / world_size) rows (dim 0). One scale per tensor
+    shards anywhere (the scale is made whole-tensor by an amax all-reduce). A block spans ``bm`` rows of
+    the rowwise usage, and a non-square block's columnwise copy (blocks along the weight's rows) ``bk``
+    rows, the whole column (``bk == 0``) never fitting a shard.
+
+    Raises:
+        ValueError: naming the weight's rows, the block and the world size.
+    """
+    if not quantizer.blockwise or world_size == 1:
+        return
+    bm, bk = quantizer.block_shape
+    spans = [bm] if bm == bk else [bm, bk]
+    per_shard, even = -(-rows // world_size), rows % world_size == 0
+    if 0 in spans or not even or any(per_shard % span for span in spans):
+        raise ValueError(
+            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with "
+            f"{list(quantizer.block_shape)} blocks: each rank's rows must be a whole number of the blocks' rows "
+            f"({'the whole column' if 0 in spans else max(spans)}) so that no block straddles two shards; "
+            "use fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
+        )
+
+
+class _ShardQuantization(NamedTuple):
+    """The per-tensor scale a forward's all-gather used, which backward's all-gather reuses."""
+
+    scale: Tensor
+    amax: Tensor
+
+
+class _GatherMetadata(NamedTuple):
+    """What ``fsdp_pre_all_gather`` passes to ``fsdp_post_all_gather`` besides the gathered tensors."""
+
+    rows: int
+    """The whole weight's rows (the gathered ones include FSDP2's padding of uneven shards)."""
+    scale_inv: Optional[Tensor]
+    """One scale per tensor: its scale_inv (the same on all ranks); None for block scales (gathered)."""
+    amax: Optional[Tensor]
+    """One scale per tensor: the whole weight's amax (delayed scaling records it)."""
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A ``tl.Linear``'s high-precision weight (shard) that FSDP2 all-gathers quantized.
+
+    To every op but FSDP2's all-gather it is the plain tensor it wraps (the optimizer updates that tensor,
+    ``state_dict`` saves it); views and copies stay wrapped so that FSDP2's sharding keeps the subclass.
+
+    Args:
+        tensor: the high-precision weight (or shard).
+        quantizer: the layer's weight quantizer (its recipe's), fixed at wrap time: every all-gather of the
+            parameter must produce the same tensors.
+        history: the recipe's amax-history config where the quantizer takes its scale from the layer's
+            delayed-scaling state (``QuantizationSpec.history``), else None.
+    """
+
+    @staticmethod
+    def __new__(
+        cls, tensor: Tensor, quantizer: TensorQuantizer, history: Optional[HistoryConfig] = None
+    ) -> "FP8AllGatherWeight":
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: Tensor, quantizer: TensorQuantizer, history: Optional[HistoryConfig] = None) -> None:
+        if quantizer.scale_from_history and history is None:
+            raise ValueError("FP8AllGatherWeight: a quantizer with 'scale_from_history' needs the recipe's 'history'")
+        self._tensor = tensor
+        self.quantizer = quantizer
+        self.history = history
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self._tensor!r}, quantizer={self.quantizer})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        configs = []
+
+        def unwrap(t: "FP8AllGatherWeight") -> Tensor:
+            configs.append((t.quantizer, t.history))
+            return t._tensor
+
+        args, kwargs = pytree.tree_map_only(FP8AllGatherWeight, unwrap, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _OPS_KEEPING_SHARD:
+            return out
+        return pytree.tree_map_only(Tensor, lambda t: FP8AllGatherWeight(t, *configs[0]), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_tensor"], (self.quantizer, self.history)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, config, outer_size, outer_stride) -> "FP8AllGatherWeight":
+        return FP8AllGatherWeight(inner_tensors["_tensor"], *config)
+
+    # ------------------------------------------------------------------
+    # FSDP2 extension points
+    # ------------------------------------------------------------------
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
+    ) -> tuple[tuple[Tensor, ...], _GatherMetadata]:
+        """Quantize this shard; return what to all-gather (FP8 data, block scales) and the metadata."""
+        quantizer = self.quantizer
+        group = mesh.get_group(mesh.ndim - 1)
+        world_size = dist.get_world_size(group)
+        rows, cols = int(outer_size[0]), int(outer_size[1])
+        check_shardable(quantizer, rows, world_size, "fsdp_pre_all_gather")
+        shard = self._tensor
+        param_dtype = getattr(mp_policy, "param_dtype", None)
+        if param_dtype is not None:
+            shard = shard.to(param_dtype)  # what the forward would quantize without FP8 all-gather
+        shard = shard.contiguous()
+        padded_rows = -(-rows // world_size)
+        with torch.no_grad():
+            if quantizer.blockwise:
+                square = quantizer.block_shape[0] == quantizer.block_shape[1]
+                q = quantizer.quantize(shard, rowwise=True, columnwise=not square)
+                gathered = [q.data, q.scale_inv]
+                if not square:
+                    # The columnwise copy (cols, shard rows) gathers along its columns: transposed to rows.
+                    gathered += [q.data_t.t().contiguous(), q.scale_inv_t.t().contiguous()]
+                return tuple(gathered), _GatherMetadata(rows, None, None)
+            scaling = _shard_scale(quantizer, self.history, shard, module, group)
+            q = quantizer.quantize(shard, rowwise=True, columnwise=False, scale=scaling.scale)
+            data = q.data
+            if data.shape[0] != padded_rows:
+                # An uneven shard is padded to the first shard's rows, as FSDP2 pads the high-precision one.
+                data = torch.cat([data, data.new_zeros(padded_rows - data.shape[0], cols)])
+            return (data,), _GatherMetadata(rows, q.scale_inv.reshape(1), scaling.amax.reshape(()))
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: _GatherMetadata,
+        param_dtype: torch.dtype,
+        *,
+        out: Optional[Tensor] = None,
+    ) -> Optional[tuple["GatheredFP8Weight", tuple[Tensor, ...]]]:
+        """The unsharded weight from the gathered tensors: views of them, and the copies made here
+        (the transposed usages, the per-tensor scale), which FSDP2 frees on reshard and
+        reallocates before the next gather (``out`` given: refilled in place)."""
+        quantizer = self.quantizer
+        data = all_gather_outputs[0][: metadata.rows]
+        if quantizer.blockwise:
+            scale_inv = all_gather_outputs[1]
+            if len(all_gather_outputs) == 4:
+                data_t_src, scale_inv_t_src = all_gather_outputs[2].t(), all_gather_outputs[3].t()
+            else:
+                data_t_src, scale_inv_t_src = data.t(), scale_inv.t()
+            amax = None
+        else:
+            scale_inv = metadata.scale_inv
+            data_t_src = data.t() if layout.needs_columnwise(data.device) else None
+            scale_inv_t_src = None
+            amax = metadata.amax
+        if out is not None:
+            cached = _gathered_of(out).cached_weight
+            refills = [(cached.weight_fp8_t, data_t_src), (cached.weight_scale_inv_t, scale_inv_t_src)]
+            if not quantizer.blockwise:
+                refills += [(cached.weight_scale_inv, scale_inv), (cached.weight_amax, amax)]
+            for dst, src in refills:
+                if dst is not None:
+                    # Backward's saved tensors are these: refilled with what the forward read (FSDP2 refills
+                    # its own gathered buffers the same way), so their version stays.
+                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+                        dst.copy_(src)
+            return None
+
+        def owned_copy(t: Optional[Tensor]) -> Optional[Tensor]:
+            return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+        cached = CachedWeight(
+            weight_fp8=data,
+            weight_fp8_t=owned_copy(data_t_src),
+            weight_scale_inv=scale_inv if quantizer.blockwise else owned_copy(scale_inv),
+            weight_scale_inv_t=owned_copy(scale_inv_t_src),
+            weight_amax=owned_copy(amax),
+        )
+        owned = [cached.weight_fp8_t, cached.weight_scale_inv_t]
+        if not quantizer.blockwise:
+            owned += [cached.weight_scale_inv, cached.weight_amax]
+        return GatheredFP8Weight(cached, quantizer, param_dtype), tuple(t for t in owned if t is not None)
+
+
+def _shard_scale(
+    quantizer: TensorQuantizer, history: Optional[HistoryConfig], shard: Tensor, module: nn.Module, group: Any
+) -> _ShardQuantization:
+    """The whole weight's per-tensor scale and amax, from this shard; what the forward's gather used, in
+    backward."""
+    if _in_backward():
+        used: Optional[_ShardQuantization] = getattr(module, "_fp8_all_gather_scale", None)
+        if used is not None:
+            return used
+    amax = ops.amax(shard).reshape(1).float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    fallback: Any = 1.0
+    if quantizer.scale_from_history:
+        # The layer's delayed-scaling state: its scale for the weight, as the forward would read it
+        # (reductions in flight applied), or, before any amax was recorded, one from the weight's own
+        # amax (first_step_just_in_time), bitwise what the forward op would compute.
+        state = module.delayed_scaling_state.op_args(module, history)
+        if state.reduction_handle != NO_HANDLE:
+            delayed_scaling_flush(module.fp8_amax_history, state.scale, state.reduction_handle)
+        fallback = state.scale[_WEIGHT_COLUMN : _WEIGHT_COLUMN + 1]
+        just_in_time = state.just_in_time and bool(no_amax_yet(state.amax_history, state.scale)[_WEIGHT_COLUMN])
+        if not just_in_time:
+            used = _ShardQuantization(fallback.clone(), amax)
+            module._fp8_all_gather_scale = used
+            return used
+    scale = compute_scale(amax, fp8_max(quantizer.dtype), quantizer.margin, fallback=fallback)
+    used = _ShardQuantization(scale, amax)
+    module._fp8_all_gather_scale = used
+    return used
+
+
+class GatheredFP8Weight(torch.Tensor):
+    """The unsharded weight FSDP2 gathered in FP8: the weight's shape and dtype, only its quantized form.
+
+    ``tl.Linear`` reads :attr:`cached_weight` (the GEMMs' operands) and gives the weight gradient to this
+    parameter through :func:`weight_for_op`; any other use raises (there is no high-precision weight).
+    """
+
+    @staticmethod
+    def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "GatheredFP8Weight":
+        data = cached_weight.weight_fp8
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
+        )
+
+    def __init__(self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> None:
+        # One attribute per CachedWeight field: what __tensor_flatten__ names (torch.compile reads them).
+        for name in _CACHED_FIELDS:
+            setattr(self, name, getattr(cached_weight, name))
+        self.quantizer = quantizer
+
+    @property
+    def cached_weight(self) -> CachedWeight:
+        """The gathered quantized weight, as the Linear's forward op takes it."""
+        return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})
+
+    def __repr__(self) -> str:
+        return f"GatheredFP8Weight(shape={list(self.shape)}, dtype={self.dtype}, quantizer={self.quantizer})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        this = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, GatheredFP8Weight))
+        # FSDP2's own handling of the unsharded parameter: nn.Parameter's detach, its as_strided to the
+        # weight's shape; the same weight again.
+        same = func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) or (
+            func in (torch.ops.aten.as_strided.default, torch.ops.aten.view.default)
+            and list(args[1]) == list(this.shape)
+        )
+        if same and args[0] is this:
+            return GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype)
+        raise RuntimeError(  # not a TypeError: Tensor's operators would turn that into NotImplemented
+            f"a tl.Linear weight all-gathered in FP8 by fully_shard(fp8_all_gather=True) holds only its quantized "
+            f"form ({this.quantizer}); {func} cannot read it. Run the layer under its recipe, or shard with "
+            "fp8_all_gather=False"
+        )
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return [name for name in _CACHED_FIELDS if getattr(self, name) is not None], (self.quantizer, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "GatheredFP8Weight":
+        quantizer, dtype = meta
+        return GatheredFP8Weight(CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS}), quantizer, dtype)
+
+
+def _gathered_of(t: Tensor) -> "GatheredFP8Weight":
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(local, GatheredFP8Weight):
+        raise TypeError(f"fsdp_post_all_gather: 'out' must be the GatheredFP8Weight built before, got {type(t).__name__}")
+    return local
+
+
+def is_fp8_all_gathered(weight: Tensor) -> bool:
+    """Whether ``weight`` (a parameter, or an FSDP2 DTensor shard of one) is an :class:`FP8AllGatherWeight`."""
+    return isinstance(getattr(weight, "_local_tensor", weight), FP8AllGatherWeight)
+
+
+def gathered_weight(weight: Tensor) -> Optional[GatheredFP8Weight]:
+    """``weight`` if FSDP2 gathered it in FP8 (a :class:`GatheredFP8Weight`), else None."""
+    return weight if isinstance(weight, GatheredFP8Weight) else None
+
+
+def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer) -> CachedWeight:
+    """``weight``'s quantized form, for a forward whose recipe quantizes the weight with ``quantizer``.
+
+    Raises:
+        ValueError: ``quantizer`` is not the one the weight was gathered with.
+    """
+    if quantizer != weight.quantizer:
+        raise ValueError(
+            f"Linear: the weight was all-gathered in FP8 as {weight.quantizer} (fully_shard(fp8_all_gather=...)); "
+            f"the forward's recipe quantizes it as {quantizer}"
+        )
+    return weight.cached_weight
+
+
+class _WeightForOp(torch.autograd.Function):
+    """A plain stand-in of the gathered weight for ``linear_fwd`` (which reads only its shape and dtype
+    when given the quantized weight), passing the weight gradient back to the gathered parameter."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor) -> Tensor:
+        return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def weight_for_op(weight: GatheredFP8Weight) -> Tensor:
+    """What ``linear_fwd`` takes as its weight in place of the gathered one (its gradient reaches ``weight``)."""
+    return _WeightForOp.apply(weight)
+
+
