@@ -21,12 +21,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from transformer_linear import reference
 from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics.report import LayerStats, worst_experts
 from transformer_linear.numerics.stats import max_relative_error, quantizer_range_stats, sqnr
+from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
 
@@ -47,23 +49,30 @@ class Recorder:
 
     A layer called several times in a step is recorded at its last call: its
     input, its state before that call, and the first grad_output backward
-    delivers (the last call's, as backward runs in reverse).
+    delivers (the last call's, as backward runs in reverse). Subclasses record
+    other calls by overriding ``call_type`` and :meth:`record_args`.
     """
 
-    def __init__(self, layers: dict[str, Linear], state: bool) -> None:
-        self.calls = {name: LayerCall() for name in layers}
+    call_type: type = LayerCall
+
+    def __init__(self, layers: dict[str, nn.Module], state: bool) -> None:
+        self.calls = {name: self.call_type() for name in layers}
         self._handles = []
         for name, layer in layers.items():
             self._handles.append(layer.register_forward_pre_hook(self._pre_hook(name, state)))
             self._handles.append(layer.register_forward_hook(self._hook(name)))
 
+    def record_args(self, call: Any, args: tuple) -> None:
+        """Keep what replaying the call needs of its positional arguments (a Linear's: its input)."""
+        call.input = args[0].detach().clone()
+
     def _pre_hook(self, name: str, state: bool):
-        def hook(module: Linear, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple) -> None:
             call = self.calls[name]
-            call.input = args[0].detach().clone()
+            self.record_args(call, args)
             call.grad_output = None
             if state:
-                call.state = {k: module._buffers[k].clone() for k in _STATE_KEYS}
+                call.state = {k: module._buffers[k].clone() for k in STATE_KEYS}
 
         return hook
 
@@ -73,7 +82,7 @@ class Recorder:
             if call.grad_output is None:
                 call.grad_output = grad.detach().clone()
 
-        def hook(module: Linear, args: tuple, output: torch.Tensor) -> None:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             if output.requires_grad:
                 output.register_hook(keep_grad)
 
@@ -88,7 +97,6 @@ class Recorder:
         self._handles = []
 
 
-_STATE_KEYS = tuple(key for state in FP8_STATES.values() for key in (state.history_key, state.scale_key))
 
 
 @dataclass
@@ -115,7 +123,7 @@ def _replay_fp8(layer: Linear, recipe: Any, call: LayerCall) -> _Results:
 
     The layer's own state is put back afterwards.
     """
-    saved = {k: layer._buffers[k] for k in (*_STATE_KEYS, "fp8_fwd_scale")}
+    saved = {k: layer._buffers[k] for k in (*STATE_KEYS, FWD_SCALE_KEY)}
     own_recipe = layer.recipe
     try:
         for k, v in (call.state or {}).items():

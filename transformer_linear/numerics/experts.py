@@ -24,7 +24,7 @@ import torch
 
 from transformer_linear.modules.grouped_linear_ops import high_precision_grouped_linear
 from transformer_linear.modules.hf_experts import ExpertsFP8State
-from transformer_linear.numerics.blame import range_stats_for, scales_in_state
+from transformer_linear.numerics.blame import Recorder, range_stats_for, scales_in_state
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, ExpertStats, LayerStats
 from transformer_linear.numerics.stats import max_relative_error, sqnr
 from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
@@ -51,49 +51,17 @@ class GroupedCall:
     state: Optional[dict[str, torch.Tensor]] = None
 
 
-class GroupedRecorder:
+class GroupedRecorder(Recorder):
     """Hooks that record a :class:`GroupedCall` per experts projection for one step (a context manager);
     as blame.Recorder, a projection called several times is recorded at its last call."""
 
-    def __init__(self, states: dict[str, ExpertsFP8State], state: bool) -> None:
-        self.calls = {name: GroupedCall() for name in states}
-        self._handles = []
-        for name, module in states.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, state)))
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+    call_type = GroupedCall
 
-    def _pre_hook(self, name: str, state: bool):
-        def hook(module: ExpertsFP8State, args: tuple) -> None:
-            inp, weight, offs, *rest = args
-            bias = rest[0] if rest else None
-            call = self.calls[name]
-            call.input, call.weight, call.offs = inp.detach().clone(), weight.detach().clone(), offs.clone()
-            call.bias = None if bias is None else bias.detach().clone()
-            call.grad_output = None
-            if state:
-                call.state = {k: module._buffers[k].clone() for k in STATE_KEYS}
-
-        return hook
-
-    def _hook(self, name: str):
-        def keep_grad(grad: torch.Tensor) -> None:
-            call = self.calls[name]
-            if call.grad_output is None:
-                call.grad_output = grad.detach().clone()
-
-        def hook(module: ExpertsFP8State, args: tuple, output: torch.Tensor) -> None:
-            if output.requires_grad:
-                output.register_hook(keep_grad)
-
-        return hook
-
-    def __enter__(self) -> "GroupedRecorder":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def record_args(self, call: GroupedCall, args: tuple) -> None:
+        inp, weight, offs, *rest = args
+        bias = rest[0] if rest else None
+        call.input, call.weight, call.offs = inp.detach().clone(), weight.detach().clone(), offs.clone()
+        call.bias = None if bias is None else bias.detach().clone()
 
 
 @dataclass
