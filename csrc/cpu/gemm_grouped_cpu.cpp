@@ -44,15 +44,17 @@ constexpr int64_t kTileCols = 256;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-// The scale_inv of element (row, k) of one operand: block (row / rows, k / cols) of a row-major
-// grid with grid_cols columns, float32 or E8M0 bits.
+// The scale_inv of element (row, k) of one operand: block (row / rows, col0 + k / cols) of a
+// row-major grid with grid_cols columns, float32 or E8M0 bits (col0: a group's first token block
+// in a grouped columnwise copy's grid, else 0).
 struct ScaleSource {
   const void* data;
   bool e8m0;
   int64_t rows, cols, grid_cols;
+  int64_t col0 = 0;
 
   float at(int64_t row, int64_t k) const {
-    const int64_t index = (row / rows) * grid_cols + k / cols;
+    const int64_t index = (row / rows) * grid_cols + col0 + k / cols;
     return e8m0 ? fp8::float_from_e8m0_bits(static_cast<const uint8_t*>(data)[index])
                 : static_cast<const float*>(data)[index];
   }
@@ -103,7 +105,25 @@ std::vector<Problem> problems(const GroupedGemmParams& p, const std::vector<int6
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t r0 = starts[g], rows = starts[g + 1] - r0;
     Problem q{};
-    if (p.wgrad) {
+    if (p.token_blocks) {
+      // d[g] (n, k) = grad_t[:, tokens of g] @ x_t[:, tokens of g]^T: both row-major along the
+      // tokens; group g's token blocks start at its first token, in scale column r0 / block + g.
+      if (rows == 0 || p.n == 0 || p.k == 0) continue;
+      q.a = Operand{a + r0, p.total, 1, p.a.dtype};
+      q.b = Operand{b + r0, p.total, 1, p.b.dtype};
+      q.m = p.n;
+      q.n = p.k;
+      q.k = rows;
+      q.a_row0 = 0;
+      q.sa = scale_source(p.a_scale_inv, p.a_block, 0);
+      q.sb = scale_source(p.b_scale_inv, p.b_block, 0);
+      const int64_t col0 = (p.token_block == kWhole ? 0 : r0 / p.token_block) + g;
+      q.sa.col0 = col0;
+      q.sb.col0 = col0;
+      q.d_offset = g * p.n * p.k;
+      q.ldd = p.k;
+      q.bias_offset = -1;
+    } else if (p.wgrad) {
       // d[g] (n, k) = grad_g^T (n x rows) @ x_g (rows x k): A = grad^T, B = x^T, both column-major.
       // A group without rows has been zeroed (fp8_grouped_gemm).
       if (rows == 0 || p.n == 0 || p.k == 0) continue;
@@ -263,7 +283,8 @@ void fp8_grouped_gemm(const GroupedGemmParams& p) {
   KernelSet ks = gemm::kernels_for(current_isa());
   // Sub-panels start at multiples of the K-block: it must keep whole k-groups of the packing.
   const int64_t g = k_block(p);
-  if (g < p.k && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
+  const int64_t contraction = p.wgrad ? p.total : p.k;
+  if (g < contraction && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
   gemm_block::PromoteFn promote = gemm_block::promote_generic;
   const Isa isa = current_isa();
   if (isa == Isa::kAvx2) {
