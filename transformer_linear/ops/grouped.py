@@ -21,6 +21,7 @@ from transformer_linear import _C
 from transformer_linear.formats.checks import check_scale_values
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.formats.grouped_scaling import (
+    GROUPED_GEMM_SCALINGS,
     WHOLE,
     check_grouped_gemm_args,
     check_grouped_wgrad_args,
@@ -92,6 +93,7 @@ def fp8_grouped_gemm(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
+    scalings: Optional[tuple[str, str]] = None,
 ) -> torch.Tensor:
     """One FP8 GEMM per group: out[rows of g] = a[rows of g] @ b[g]ᵀ, scaled [+ bias[g]].
 
@@ -108,6 +110,9 @@ def fp8_grouped_gemm(
             offs[g-1]:offs[g]; empty groups are allowed; rows past offs[-1] come out as 0.
         out_dtype: torch.float32, torch.bfloat16 or torch.float16.
         bias: (G, N) of out_dtype, or None.
+        scalings: the (a, b) ScalingTypes (a key of GROUPED_GEMM_SCALINGS) where the caller knows them
+            (a Linear's quantizers do); None reads them from the scales' shapes, which symbolic sizes
+            (torch.compile with dynamic weight shapes) can leave undecided.
 
     Returns:
         (total_tokens, N) of out_dtype.
@@ -118,10 +123,15 @@ def fp8_grouped_gemm(
             values (CPU: the kernel checks them where it reads them).
     """
     check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
-    scalings = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
-    return _fp8_grouped_gemm_op(
-        a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(scalings.a_block), list(scalings.b_block)
-    )
+    if scalings is None:
+        resolved = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
+        a_block, b_block = resolved.a_block, resolved.b_block
+    elif tuple(scalings) in GROUPED_GEMM_SCALINGS:
+        a_block, b_block = GROUPED_GEMM_SCALINGS[tuple(scalings)]
+    else:
+        raise ValueError(f"fp8_grouped_gemm: argument 'scalings' must be one of {list(GROUPED_GEMM_SCALINGS)}, "
+                         f"got {scalings!r}")
+    return _fp8_grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(a_block), list(b_block))
 
 
 @torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
