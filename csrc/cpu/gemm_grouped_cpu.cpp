@@ -6,12 +6,14 @@
 // sum over one K-block is promoted into the fp32 total with the two block scales. The work items
 // are (group, tile of rows, tile of columns) over every group at once, so a skewed routing (one
 // group holding most rows) still spreads over every thread, and an empty group costs nothing.
-// Each item packs its own A and B panels per KC chunk and keeps its fp32 total on the thread.
+// Each item packs its B panel once per KC chunk for all of its rows and keeps its fp32 totals on
+// the thread.
 //
 // Two forms share the driver. Forward (m-grouped): group g multiplies its rows of `a` by b[g].
 // Weight gradient (k-grouped): group g contracts its rows, d[g] = grad_g^T x_g, which is a GEMM of
 // the transposed views (a column-major operand for the packing routines, which take any strides).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -38,8 +40,6 @@ using gemm::store_tile;
 using gemm::sub_operand;
 
 constexpr int64_t kWhole = std::numeric_limits<int64_t>::max();
-// Columns of one work item's tile (a multiple of nr is used): its fp32 total is mc x this.
-constexpr int64_t kTileCols = 256;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
@@ -77,8 +77,10 @@ struct Problem {
   int64_t bias_offset;  // -1: no bias
 };
 
+// A chunk of one group's rows (all of them unless several threads need more items, or the
+// fp32 totals would pass their budget) times one tile of columns.
 struct WorkItem {
-  int64_t problem, i0, j0;
+  int64_t problem, i0, rows, j0;
 };
 
 // offs read once, where the kernel uses it: group g is rows [starts[g], starts[g + 1]).
@@ -185,76 +187,110 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
   const int64_t g = k_block(p);
 
   double flops = 0;
-  for (const Problem& q : probs) flops += 2.0 * q.m * q.n * std::max<int64_t>(q.k, 1);
+  int64_t rows_total = 0;
+  for (const Problem& q : probs) {
+    flops += 2.0 * q.m * q.n * std::max<int64_t>(q.k, 1);
+    rows_total += q.m;
+  }
   constexpr double kMinParallelFlops = 1 << 22;
   const int threads = flops < kMinParallelFlops ? 1 : get_num_threads();
 
-  // Tiles: mc rows (a multiple of mr) x kTileCols columns (a multiple of nr), narrowed while
-  // there are fewer work items than threads.
-  const int64_t mt = round_up(std::min<int64_t>(ks.mc, 128), mr);
-  int64_t nt = round_up(std::min<int64_t>(kTileCols, p.wgrad ? p.k : p.n), nr);
+  // The loops of the dense GEMM (gemm_cpu.cpp), per group: each KC chunk of a column tile of b[g]
+  // is packed once per work item and serves every row block of it; each row block of `a` is packed
+  // once per column tile (which is the whole N up to NC). Repacking b[g] per small row tile would
+  // cost as much as the skewed groups' GEMMs. The fp32 totals of an item (rows x nt) stay within a
+  // budget; items get fewer rows only so that every thread has some (a skewed group is split).
+  const int64_t n_all = p.wgrad ? p.k : p.n;  // the columns of every problem
+  int64_t nt = round_up(std::min<int64_t>(std::max<int64_t>(ks.nc / nr * nr, nr), n_all), nr);
+  const int64_t mt = std::max<int64_t>(round_up(std::min<int64_t>(ks.mc, 512), mr), mr);
+  constexpr int64_t kTotalsBudget = int64_t{4} << 20;  // floats: 16 MiB
+  int64_t chunk = std::max<int64_t>(mt, kTotalsBudget / nt / mt * mt);
+  if (threads > 1) chunk = std::min(chunk, std::max<int64_t>(mt, round_up(ceil_div(rows_total, 4 * threads), mt)));
   const auto count_items = [&](int64_t cols) {
     int64_t items = 0;
-    for (const Problem& q : probs) items += ceil_div(q.m, mt) * ceil_div(q.n, cols);
+    for (const Problem& q : probs) items += ceil_div(q.m, chunk) * ceil_div(q.n, cols);
     return items;
   };
   while (nt > nr && count_items(nt) < threads) nt = round_up(nt / 2, nr);
   std::vector<WorkItem> items;
   items.reserve(count_items(nt));
   for (int64_t w = 0; w < static_cast<int64_t>(probs.size()); ++w) {
-    for (int64_t i0 = 0; i0 < probs[w].m; i0 += mt) {
-      for (int64_t j0 = 0; j0 < probs[w].n; j0 += nt) items.push_back(WorkItem{w, i0, j0});
+    for (int64_t i0 = 0; i0 < probs[w].m; i0 += chunk) {
+      for (int64_t j0 = 0; j0 < probs[w].n; j0 += nt) {
+        items.push_back(WorkItem{w, i0, std::min(chunk, probs[w].m - i0), j0});
+      }
     }
   }
+  // The largest items first, each thread claiming the next: a descheduled thread or a skewed
+  // group holds the others up by one item at most.
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
+    return x.rows * probs[x.problem].k > y.rows * probs[y.problem].k;
+  });
+  int64_t rows_max = 0;
+  for (const WorkItem& item : items) rows_max = std::max(rows_max, item.rows);
+  const int64_t item_count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
 
-  parallel_for(threads, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, item_count)));
+  parallel_for(workers, workers, 1, [&](int64_t, int64_t) {
     const int64_t kc_max = ks.kc;
     Buffer a_buffer = aligned_buffer(ceil_div(mt, mr) * ks.panel_bytes(kc_max, mr));
     Buffer b_buffer = aligned_buffer(ceil_div(nt, nr) * ks.panel_bytes(kc_max, nr));
-    std::vector<float> totals(mt * nt);
+    std::vector<float> totals(static_cast<size_t>(round_up(rows_max, mr) * nt));
     alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-    alignas(64) float sa[64];
-    alignas(64) float sb[64];
-    for (int64_t w = w0; w < w1; ++w) {
+    // The scales of one KC chunk, looked up once per chunk rather than per micro-tile: the
+    // rows of a row block (and the columns of the tile) for each promotion step, 0 past the edge.
+    const int64_t steps_max = std::max<int64_t>(1, ceil_div(ks.kc, std::min<int64_t>(g, ks.kc)));
+    const int64_t mt_pad = round_up(mt, mr), nt_pad = round_up(nt, nr);
+    std::vector<float> sa_table(static_cast<size_t>(steps_max * mt_pad));
+    std::vector<float> sb_table(static_cast<size_t>(steps_max * nt_pad));
+    for (int64_t w = next++; w < item_count; w = next++) {
       const WorkItem& item = items[w];
       const Problem& q = probs[item.problem];
-      const int64_t mb = std::min(mt, q.m - item.i0), nb = std::min(nt, q.n - item.j0);
+      const int64_t rows = item.rows, nb = std::min(nt, q.n - item.j0);
       // Partial sums are promoted every `step` k: each K-block, or every KC chunk when one block
-      // covers K (tensorwise, rowwise, the weight gradient).
+      // covers K (tensorwise, rowwise, the tensorwise weight gradient).
       const int64_t step = g >= q.k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
       const int64_t kc = ks.kc / step * step;
       if (q.k == 0) std::fill(totals.begin(), totals.end(), 0.0f);
       for (int64_t pc = 0; pc < q.k; pc += kc) {
         const int64_t kb = std::min(kc, q.k - pc);
         const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
-        ks.pack_a(sub_operand(q.a, item.i0, pc), mb, kb, mr, a_buffer.get());
         ks.pack_b(sub_operand(q.b, item.j0, pc), nb, kb, nr, b_buffer.get());
-        if (ks.prepare) ks.prepare();
-        for (int64_t jr = 0; jr < nb; jr += nr) {
-          const uint8_t* b_panel = b_buffer.get() + (jr / nr) * b_panel_bytes;
-          for (int64_t ir = 0; ir < mb; ir += mr) {
-            const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
-            for (int64_t s0 = 0; s0 < kb; s0 += step) {
-              // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
-              // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
-              ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
-                       b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
-              const int64_t kk = pc + s0;
-              for (int i = 0; i < mr; ++i) {
-                const int64_t row = item.i0 + ir + i;
-                sa[i] = row < item.i0 + mb ? q.sa.at(q.a_row0 + row, kk) : 0.0f;
+        const int64_t steps = ceil_div(kb, step);
+        std::fill(sb_table.begin(), sb_table.end(), 0.0f);
+        for (int64_t t = 0; t < steps; ++t) {
+          for (int64_t j = 0; j < nb; ++j) sb_table[t * nt_pad + j] = q.sb.at(item.j0 + j, pc + t * step);
+        }
+        for (int64_t ic = 0; ic < rows; ic += mt) {
+          const int64_t mb = std::min(mt, rows - ic);
+          const int64_t i0 = item.i0 + ic;  // the block's first row in the group
+          ks.pack_a(sub_operand(q.a, i0, pc), mb, kb, mr, a_buffer.get());
+          std::fill(sa_table.begin(), sa_table.end(), 0.0f);
+          for (int64_t t = 0; t < steps; ++t) {
+            for (int64_t i = 0; i < mb; ++i) sa_table[t * mt_pad + i] = q.sa.at(q.a_row0 + i0 + i, pc + t * step);
+          }
+          if (ks.prepare) ks.prepare();
+          for (int64_t jr = 0; jr < nb; jr += nr) {
+            const uint8_t* b_panel = b_buffer.get() + (jr / nr) * b_panel_bytes;
+            for (int64_t ir = 0; ir < mb; ir += mr) {
+              const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+              float* acc = totals.data() + (ic + ir) * nt + jr;
+              for (int64_t t = 0; t < steps; ++t) {
+                // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
+                // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
+                const int64_t s0 = t * step;
+                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+                promote(part, nr, sa_table.data() + t * mt_pad + ir, sb_table.data() + t * nt_pad + jr, mr, nr,
+                        pc == 0 && t == 0, acc, nt);
               }
-              for (int j = 0; j < nr; ++j) {
-                const int64_t col = item.j0 + jr + j;
-                sb[j] = col < item.j0 + nb ? q.sb.at(col, kk) : 0.0f;
-              }
-              promote(part, nr, sa, sb, mr, nr, pc == 0 && s0 == 0, totals.data() + ir * nt + jr, nt);
             }
           }
         }
       }
       const T* tile_bias = q.bias_offset >= 0 ? bias + q.bias_offset + item.j0 : nullptr;
-      store_tile<Out>(totals.data(), nt, mb, nb, 1.0f, tile_bias, false,
+      store_tile<Out>(totals.data(), nt, rows, nb, 1.0f, tile_bias, false,
                       d + q.d_offset + item.i0 * q.ldd + item.j0, q.ldd);
     }
   });
