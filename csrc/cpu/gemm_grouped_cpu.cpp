@@ -252,6 +252,7 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
       // covers K (tensorwise, rowwise, the tensorwise weight gradient).
       const int64_t step = g >= q.k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
       const int64_t kc = ks.kc / step * step;
+      const bool whole_k = g >= q.k;
       if (q.k == 0) std::fill(totals.begin(), totals.end(), 0.0f);
       for (int64_t pc = 0; pc < q.k; pc += kc) {
         const int64_t kb = std::min(kc, q.k - pc);
@@ -276,6 +277,18 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
             for (int64_t ir = 0; ir < mb; ir += mr) {
               const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
               float* acc = totals.data() + (ic + ir) * nt + jr;
+              if (whole_k) {
+                // One scale over all of K: the micro-kernel accumulates the chunks' sums in place
+                // (as the dense GEMM does), and the last chunk's tile is scaled once on its way in.
+                const float* c_in = pc == 0 ? nullptr : acc;
+                if (pc + kb < q.k) {
+                  ks.micro(kb, a_panel, b_panel, c_in, nt, acc, nt);
+                } else {
+                  ks.micro(kb, a_panel, b_panel, c_in, nt, part, nr);
+                  promote(part, nr, sa_table.data() + ir, sb_table.data() + jr, mr, nr, true, acc, nt);
+                }
+                continue;
+              }
               for (int64_t t = 0; t < steps; ++t) {
                 // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
                 // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
