@@ -176,9 +176,79 @@ int64_t k_block(const GroupedGemmParams& p) {
   return g == kWhole ? kWhole : std::max<int64_t>(1, g);
 }
 
+// Folding (as the block GEMM, gemm_block_cpu.cpp): power-of-two scales multiply the decoded
+// operands exactly while packing, so the panels are a plain GEMM's and the micro-kernel sums all of
+// K with no promotion per K-block. Exponents one folded panel needs: (KC / K-block + 1) x rows.
+constexpr int64_t kMaxFoldExps = 16 * 64;
+
+// The K-block of each operand's scales, clamped to the problem's K.
+int64_t a_bk(const Problem& q) { return std::min(q.sa.cols, std::max<int64_t>(q.k, 1)); }
+int64_t b_bk(const Problem& q) { return std::min(q.sb.cols, std::max<int64_t>(q.k, 1)); }
+
+// Whether scale `index` of `src` is a power of two 2^e (its exponent in *e) whose products with
+// every nonzero finite value of `fp8` are normal floats (e4m3 magnitudes lie in [2^-9, 2^9),
+// e5m2 in [2^-16, 2^16)), as the block GEMM requires for folding.
+bool fold_exponent(const ScaleSource& src, int64_t index, DType fp8, int* e) {
+  const int lo = fp8 == DType::kFloat8E4M3 ? -117 : -110;
+  const int hi = fp8 == DType::kFloat8E4M3 ? 118 : 111;
+  if (src.e8m0) {
+    *e = static_cast<int>(static_cast<const uint8_t*>(src.data)[index]) - fp8::kE8M0Bias;
+  } else {
+    const uint32_t bits = fp8::bits_of(static_cast<const float*>(src.data)[index]);
+    const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
+    if ((bits & 0x7fffffu) != 0 || biased == 0 || biased >= 255) return false;
+    *e = static_cast<int>(biased) - fp8::kE8M0Bias;
+  }
+  return *e >= lo && *e <= hi;
+}
+
+// The exponent of a scale foldable() accepted.
+int32_t scale_exponent(const ScaleSource& src, int64_t index) {
+  if (src.e8m0) return static_cast<int32_t>(static_cast<const uint8_t*>(src.data)[index]) - fp8::kE8M0Bias;
+  return static_cast<int32_t>(fp8::bits_of(static_cast<const float*>(src.data)[index]) >> 23) - fp8::kE8M0Bias;
+}
+
+// Whether every scale of both operands folds, and the blocks suit the packing (KC chunks and
+// packing groups never cross a K-block).
+bool foldable(const GroupedGemmParams& p, const KernelSet& ks, int64_t contraction) {
+  if (ks.prepare) return false;
+  for (const BlockLayout* l : {&p.a_block, &p.b_block}) {
+    if (!(l->cols >= contraction || (ks.kc % l->cols == 0 && l->cols % ks.k_align == 0))) return false;
+  }
+  const int64_t min_bk = std::max<int64_t>(1, std::min({p.a_block.cols, p.b_block.cols, contraction}));
+  if ((ceil_div(ks.kc, min_bk) + 1) * std::max(ks.mr, ks.nr) > kMaxFoldExps) return false;
+  const auto all_fold = [](const TensorDesc& scale, const BlockLayout& l, int64_t grids, DType fp8) {
+    const ScaleSource src = scale_source(scale, l, 0);
+    int e;
+    for (int64_t index = 0; index < grids * l.grid_rows * l.grid_cols; ++index) {
+      if (!fold_exponent(src, index, fp8, &e)) return false;
+    }
+    return true;
+  };
+  const bool b_per_group = !p.wgrad;
+  return all_fold(p.a_scale_inv, p.a_block, 1, p.a.dtype) &&
+         all_fold(p.b_scale_inv, p.b_block, b_per_group ? p.groups : 1, p.b.dtype);
+}
+
+// Fold the scales of panel rows [row0, row0 + min(r, rows)) (their scale-grid rows) into one packed
+// panel of the K chunk [pc, pc + kb); rows past the edge are zeros and keep exponent 0.
+void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, uint8_t* panel, const ScaleSource& src,
+                int64_t row0, int64_t rows, int r, int64_t pc, int64_t kb, int64_t block_k) {
+  int32_t exps[kMaxFoldExps];
+  const int64_t first = pc / block_k, blocks = ceil_div(pc + kb, block_k) - first;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int i = 0; i < r; ++i) {
+      const int64_t row = row0 + i;
+      const int64_t index = (row / src.rows) * src.grid_cols + src.col0 + ((first + b) * block_k) / src.cols;
+      exps[b * r + i] = i < rows ? scale_exponent(src, index) : 0;
+    }
+  }
+  fold(panel, ks.elem_bytes, kb, r, ks.k_align, exps, block_k);
+}
+
 template <typename Out>
 void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const KernelSet& ks,
-         gemm_block::PromoteFn promote) {
+         gemm_block::PromoteFn promote, gemm_block::FoldFn fold) {
   using T = typename Out::storage;
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
@@ -250,9 +320,11 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
       const int64_t rows = item.rows, nb = std::min(nt, q.n - item.j0);
       // Partial sums are promoted every `step` k: each K-block, or every KC chunk when one block
       // covers K (tensorwise, rowwise, the tensorwise weight gradient).
-      const int64_t step = g >= q.k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
+      // Folded (power-of-two scales multiplied into the packed panels): unit scales, one sum over K.
+      const bool folded = fold != nullptr;
+      const bool whole_k = folded || g >= q.k;
+      const int64_t step = whole_k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
       const int64_t kc = ks.kc / step * step;
-      const bool whole_k = g >= q.k;
       if (q.k == 0) std::fill(totals.begin(), totals.end(), 0.0f);
       for (int64_t pc = 0; pc < q.k; pc += kc) {
         const int64_t kb = std::min(kc, q.k - pc);
@@ -261,7 +333,13 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
         const int64_t steps = ceil_div(kb, step);
         std::fill(sb_table.begin(), sb_table.end(), 0.0f);
         for (int64_t t = 0; t < steps; ++t) {
-          for (int64_t j = 0; j < nb; ++j) sb_table[t * nt_pad + j] = q.sb.at(item.j0 + j, pc + t * step);
+          for (int64_t j = 0; j < nb; ++j) {
+            sb_table[t * nt_pad + j] = folded ? 1.0f : q.sb.at(item.j0 + j, pc + t * step);
+          }
+        }
+        for (int64_t jr = 0; folded && jr < nb; jr += nr) {
+          fold_panel(fold, ks, b_buffer.get() + (jr / nr) * b_panel_bytes, q.sb, item.j0 + jr, nb - jr, nr, pc, kb,
+                     b_bk(q));
         }
         for (int64_t ic = 0; ic < rows; ic += mt) {
           const int64_t mb = std::min(mt, rows - ic);
@@ -269,7 +347,13 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
           ks.pack_a(sub_operand(q.a, i0, pc), mb, kb, mr, a_buffer.get());
           std::fill(sa_table.begin(), sa_table.end(), 0.0f);
           for (int64_t t = 0; t < steps; ++t) {
-            for (int64_t i = 0; i < mb; ++i) sa_table[t * mt_pad + i] = q.sa.at(q.a_row0 + i0 + i, pc + t * step);
+            for (int64_t i = 0; i < mb; ++i) {
+              sa_table[t * mt_pad + i] = folded ? 1.0f : q.sa.at(q.a_row0 + i0 + i, pc + t * step);
+            }
+          }
+          for (int64_t ir = 0; folded && ir < mb; ir += mr) {
+            fold_panel(fold, ks, a_buffer.get() + (ir / mr) * a_panel_bytes, q.sa, q.a_row0 + i0 + ir, mb - ir, mr,
+                       pc, kb, a_bk(q));
           }
           if (ks.prepare) ks.prepare();
           for (int64_t jr = 0; jr < nb; jr += nr) {
@@ -335,14 +419,17 @@ void fp8_grouped_gemm(const GroupedGemmParams& p) {
   const int64_t contraction = p.wgrad ? p.total : p.k;
   if (g < contraction && (g % ks.k_align != 0 || g > ks.kc)) ks = gemm::generic_kernels();
   gemm_block::PromoteFn promote = gemm_block::promote_generic;
+  gemm_block::FoldFn fold = gemm_block::fold_generic;
   const Isa isa = current_isa();
   if (isa == Isa::kAvx2) {
     promote = gemm_block::promote_avx2();
+    fold = gemm_block::fold_avx2();
   } else if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
     promote = gemm_block::promote_avx512();
+    fold = gemm_block::fold_avx512();
   }
   dispatch_high_precision(p.d.dtype, "fp8_grouped_gemm: argument 'd'", [&](auto out_tag) {
-    run<decltype(out_tag)>(p, probs, ks, promote);
+    run<decltype(out_tag)>(p, probs, ks, promote, foldable(p, ks, contraction) ? fold : nullptr);
   });
 }
 
