@@ -172,7 +172,8 @@ def main() -> None:
     print(f"# {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")
     print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# CPU path: {cpu_path()}")
-    print(f"# {'thread CPU time' if args.cpu_time else 'wall time'}; load average {os.getloadavg()[0]:.1f} at the start")
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"# {clock}; load average {os.getloadavg()[0]:.1f} at the start")
     for pattern in args.routings:
         sizes = routing(pattern, g * args.tokens, g)
         print(f"\n### grouped GEMM, {pattern} routing {sizes}, K={k}, N={n}\n")

@@ -198,9 +198,9 @@ if not INTERPRETED:
 
     def test_bad_offs_values_are_named_by_the_kernel():
         grad_t, sg, x_t, sx, _ = grouped_copies(70, 16, 24, [20, 0, 50], 128)
+        decreasing = torch.tensor([30, 20, 70], dtype=torch.int32)
         with pytest.raises(ValueError, match="offs"):
-            ops_grouped.fp8_grouped_gemm_wgrad_blockwise(grad_t, sg, x_t, sx, torch.tensor([30, 20, 70], dtype=torch.int32),
-                                                         torch.float32, 128)
+            ops_grouped.fp8_grouped_gemm_wgrad_blockwise(grad_t, sg, x_t, sx, decreasing, torch.float32, 128)
 
     def test_triton_kernels_interpreted(tmp_path):
         pytest.importorskip("triton", reason="triton is in the 'test' extra")

@@ -2,16 +2,19 @@
 // parallel loop.
 //
 // Reuses the packing and register-tiled micro-kernels of the tensorwise GEMM (gemm_cpu.h) and
-// the per-K-block promotion of the block-scaled GEMM (gemm_block_cpu.h): the micro-kernel's fp32
-// sum over one K-block is promoted into the fp32 total with the two block scales. The work items
-// are (group, tile of rows, tile of columns) over every group at once, so a skewed routing (one
-// group holding most rows) still spreads over every thread, and an empty group costs nothing.
-// Each item packs its B panel once per KC chunk for all of its rows and keeps its fp32 totals on
-// the thread.
+// the per-K-block promotion and folding of the block-scaled GEMM (gemm_block_cpu.h): power-of-two
+// block scales fold into the packed panels, others are promoted (the micro-kernel's fp32 sum over
+// one K-block into the fp32 total, with the two block scales). The work items are (group, chunk of
+// its rows, tile of columns) over every group at once, the largest claimed first, so a skewed
+// routing (one group holding most rows) still spreads over every thread, and an empty group costs
+// nothing. Each item packs its B panel once per KC chunk for all of its rows (the dense GEMM's
+// loop order) and keeps its fp32 totals on the thread.
 //
 // Two forms share the driver. Forward (m-grouped): group g multiplies its rows of `a` by b[g].
 // Weight gradient (k-grouped): group g contracts its rows, d[g] = grad_g^T x_g, which is a GEMM of
-// the transposed views (a column-major operand for the packing routines, which take any strides).
+// the transposed views (a column-major operand for the packing routines, which take any strides),
+// or, from grouped columnwise copies, of row-major (n, tokens) and (k, tokens) operands whose
+// token blocks restart at the group's first token.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
