@@ -6,22 +6,25 @@ uniform one:
 * the grouped GEMM goal row: ``ops.fp8_grouped_gemm`` (tensorwise, one scale per expert) over G
   experts, against one dense FP8 GEMM (``ops.fp8_gemm``) of the same FLOPs (the goal: close to 1x),
   the fp32 per-expert loop of ``F.linear`` and ``torch._grouped_mm`` (fp32, where the CPU build runs it);
-* tl.GroupedLinear forward+backward (current and delayed scaling, ``m_splits`` a tensor) against a
-  loop of nn.Linear in fp32 (and bf16).
+* tl.GroupedLinear forward+backward (current and delayed scaling, Float8BlockScaling, MXFP8,
+  rowwise; ``m_splits`` a tensor) against a loop of nn.Linear in fp32 (and bf16).
 
 The variants are timed in interleaved rounds (bench_linear.py), so on a shared machine every one
 sees the same background load.
 
     python benchmarks/bench_grouped.py                          # 8 experts x 512 tokens, 2048 -> 1024
     python benchmarks/bench_grouped.py --threads 1 --iters 5
+    python benchmarks/bench_grouped.py --threads 1 --cpu-time  # the thread's CPU time: a shared machine's load aside
     python benchmarks/bench_grouped.py --experts 4 --tokens 256 --in-features 1024 --out-features 512
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -85,7 +88,7 @@ def gemm_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> No
     if _grouped_mm_works():
         w_t = w.transpose(1, 2).contiguous()
         steps["torch._grouped_mm fp32"] = lambda: torch._grouped_mm(x, w_t, offs=offs)
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s)
+    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
     grouped = seconds["FP8 grouped GEMM (tensorwise, per-expert scales)"]
     dense, loop = seconds["FP8 dense GEMM, same FLOPs"], seconds["fp32 per-expert F.linear loop"]
     flops = 2 * total * k * n
@@ -124,14 +127,17 @@ def linear_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> 
 
         name = f"nn.Linear loop {'fp32' if dtype == torch.float32 else 'bf16'}"
         steps[name] = _fwd_bwd(loop, x, list(sizes), grad, list(linears.parameters()))
-    for name, make in (("current", tl.recipe.Float8CurrentScaling), ("delayed", tl.recipe.DelayedScaling)):
+    recipes = (("current", tl.recipe.Float8CurrentScaling), ("delayed", tl.recipe.DelayedScaling),
+               ("Float8BlockScaling", tl.recipe.Float8BlockScaling), ("MXFP8", tl.recipe.MXFP8BlockScaling),
+               ("rowwise", tl.recipe.Float8RowwiseScaling))
+    for name, make in recipes:
         module = tl.GroupedLinear(groups, k, n, recipe=make())
         x = torch.randn(total, k, requires_grad=True)
         grad = torch.randn(total, n)
         steps[f"tl.GroupedLinear {name} (m_splits tensor)"] = _fwd_bwd(
             module, x, torch.tensor(sizes), grad, list(module.parameters())
         )
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s)
+    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
     fp32, bf16 = seconds["nn.Linear loop fp32"], seconds["nn.Linear loop bf16"]
     print("| variant | fwd+bwd ms | vs nn.Linear loop fp32 | vs nn.Linear loop bf16 |")
     print("|---|---:|---:|---:|")
@@ -151,16 +157,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-linear", action="store_true", help="skip the GroupedLinear fwd+bwd table")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the calling thread's CPU time (time.thread_time), with --threads 1 only")
     parser.add_argument(
         "--slow-call-s", type=float, default=10.0, help="a variant whose first call takes longer is timed from it alone"
     )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time and torch.get_num_threads() != 1:
+        parser.error("--cpu-time measures the calling thread only: give --threads 1")
+    args.clock = time.thread_time if args.cpu_time else time.perf_counter
     g, k, n = args.experts, args.in_features, args.out_features
     print(f"# {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")
     print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# CPU path: {cpu_path()}")
+    clock = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"# {clock}; load average {os.getloadavg()[0]:.1f} at the start")
     for pattern in args.routings:
         sizes = routing(pattern, g * args.tokens, g)
         print(f"\n### grouped GEMM, {pattern} routing {sizes}, K={k}, N={n}\n")

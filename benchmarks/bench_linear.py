@@ -101,20 +101,22 @@ def _fwd_bwd_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Cal
 
 
 def _time_interleaved(
-    steps: dict[str, Callable[[], None]], iters: int, warmup: int, slow_call_s: float
+    steps: dict[str, Callable[[], None]], iters: int, warmup: int, slow_call_s: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, float], set[str]]:
     """Median seconds of each step over ``iters`` rounds that run every step once, in turn.
 
     The first warm-up round is timed: a step slower than ``slow_call_s`` there (bf16 matmuls on a CPU
     without native bf16 take minutes) keeps that one time and sits out the other rounds. Returns
-    the times and the names timed from that one call.
+    the times and the names timed from that one call. ``clock``: wall time, or ``time.thread_time``
+    (the calling thread's CPU time: on a shared machine, what a one-thread step itself spent).
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     slow: set[str] = set()
     for name, step in steps.items():
-        start = time.perf_counter()
+        start = clock()
         step()
-        took = time.perf_counter() - start
+        took = clock() - start
         if took > slow_call_s:
             slow.add(name)
             times[name].append(took)
@@ -124,9 +126,9 @@ def _time_interleaved(
             step()
     for _ in range(iters):
         for name, step in fast.items():
-            start = time.perf_counter()
+            start = clock()
             step()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}, slow
 
 

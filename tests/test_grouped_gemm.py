@@ -299,6 +299,19 @@ if not INTERPRETED:
             op(ok["a"], ok["a_scale_inv"], ok["b"], ok["b_scale_inv"], ok["offs"], torch.float32, None,
                [1, 128], [128, 128])
 
+    @pytest.mark.parametrize("scaling", SCALINGS)
+    def test_scalings_given_by_the_caller(scaling):
+        """A caller that knows the scalings (a Linear's quantizers) passes them: the same result; a wrong
+        name is a ValueError listing the pairs."""
+        a, sa, b, sb = grouped_operands(40, 3, 16, 160, scaling)
+        offs = offsets([10, 0, 30])
+        pair = {"tensorwise": ("TensorWise", "TensorWise"), "rowwise": ("RowWise", "RowWise"),
+                "1x128_x_128x128": ("BlockWise1x128", "BlockWise128x128"), "mx": ("BlockWise1x32", "BlockWise1x32")}
+        got = ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offs, torch.float32, scalings=pair[scaling])
+        assert torch.equal(got, ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offs, torch.float32))
+        with pytest.raises(ValueError, match="scalings"):
+            ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offs, torch.float32, scalings=("RowWise", "TensorWise"))
+
     def _walk_arguments() -> dict[str, dict]:
         """Well-formed CPU arguments of each public function of ops_grouped."""
         a, sa, b, sb = grouped_operands(24, 3, 8, 128, "1x128_x_128x128")
@@ -309,6 +322,10 @@ if not INTERPRETED:
                                      bias=torch.zeros(3, 8)),
             "fp8_grouped_gemm_wgrad": dict(grad=grad, grad_scale_inv=s_grad, x=a, x_scale_inv=torch.ones(1),
                                            offs=offs, out_dtype=torch.float32),
+            "fp8_grouped_gemm_wgrad_blockwise": dict(
+                grad_t=grad.t().contiguous(), grad_t_scale_inv=torch.ones(8, 3).to(E8M0), x_t=a.t().contiguous(),
+                x_t_scale_inv=torch.ones(128, 3).to(E8M0), offs=offs, out_dtype=torch.float32, token_block=32,
+            ),
         }
 
     _WALK = [
@@ -395,6 +412,12 @@ if not INTERPRETED:
         pointers = {"grad_ptr": f"*{a_type}", "x_ptr": "*fp8e4nv", "d_ptr": f"*{out_type}", "sg_ptr": "*fp32",
                     "sx_ptr": "*fp32", "offs_ptr": "*i32"}
         kernel = module._grouped_wgrad_kernel
+        signature = {name: pointers.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
+        assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["ptx"]
+        consts = {"E8M0": e8m0, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_R": 32 if e8m0 else 64}
+        pointers = {"grad_ptr": f"*{a_type}", "x_ptr": "*fp8e4nv", "d_ptr": f"*{out_type}", "sg_ptr": scale,
+                    "sx_ptr": scale, "offs_ptr": "*i32"}
+        kernel = module._grouped_wgrad_blockwise_kernel
         signature = {name: pointers.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
         assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["ptx"]
 

@@ -24,7 +24,10 @@ from transformer_linear.modules.grouped_linear_ops import GroupedLinearFwdArgs, 
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.reference import grouped as reference_grouped
 
-RECIPES = {"current": tl.recipe.Float8CurrentScaling, "delayed": tl.recipe.DelayedScaling}
+TENSORWISE_RECIPES = {"current": tl.recipe.Float8CurrentScaling, "delayed": tl.recipe.DelayedScaling}
+BLOCK_RECIPES = {"block": tl.recipe.Float8BlockScaling, "mxfp8": tl.recipe.MXFP8BlockScaling,
+                 "rowwise": tl.recipe.Float8RowwiseScaling}
+RECIPES = {**TENSORWISE_RECIPES, **BLOCK_RECIPES}
 ROUTINGS = ["uniform", "skewed", "empty_groups"]
 G, K, N, T = 4, 64, 48, 96
 # FP8 (E4M3 forward, E5M2 gradients) against fp32: the SQNR every result must reach, in dB (dbias: fp32 sums of
@@ -77,7 +80,7 @@ def _reference_step(module, x, sizes, grad, per_expert_weight_scales):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits_kind", ["list", "tensor"])
 @pytest.mark.parametrize("pattern", ROUTINGS)
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(TENSORWISE_RECIPES))
 def test_matches_per_expert_reference(recipe_name, pattern, splits_kind, dtype, device):
     module = _module(recipe_name, dtype, device=device)
     sizes = routing(pattern, T, G)
@@ -95,6 +98,65 @@ def test_matches_per_expert_reference(recipe_name, pattern, splits_kind, dtype, 
         baseline = ((gq[start:end].float() * sg).t() @ (xq[start:end].float() * sx)).to(dtype)
         assert_close_to_reference(dw[g], wgrad[g], baseline, what=f"wgrad group {g}")
     expected_db = torch.stack([grad[s:e].double().sum(0) for s, e in bounds]).to(dtype)
+    assert_close_to_reference(db, expected_db, what="dbias")
+
+
+def _block_reference_step(module, x, sizes, grad):
+    """The block-scaled GEMMs of the oracle on operands the reference quantizes as the recipe's quantizers
+    say: rowwise input and grad_output, each expert's weight rowwise and columnwise, and the grouped
+    columnwise copies (token blocks restarting at each group) for wgrad. {name: (expected, baseline)}."""
+    spec = quantization_spec(module.recipe)
+    offs = offsets(sizes)
+    x, grad, weight = x.detach().cpu().float(), grad.cpu().float(), module.weight.detach().cpu().float()
+
+    def rowwise(q, t):
+        return reference.quantize_blockwise_ref(t, q.dtype, q.block_for(t.shape[1]), q.scale_dtype, q.power_2_scale,
+                                                q.e8m0_rounding)
+
+    def grouped_t(q, t):
+        block = 0 if q.block_shape[1] == 0 else q.block_shape[1]
+        return reference_grouped.quantize_grouped_columnwise(t, offs, q.dtype, block, q.power_2_scale, q.e8m0_rounding)
+
+    xq, sx = rowwise(spec.input, x)
+    gq, sg = rowwise(spec.grad_output, grad)
+    w_rows = [rowwise(spec.weight, weight[g]) for g in range(G)]
+    w_cols = [rowwise(spec.weight, weight[g].t().contiguous()) for g in range(G)]
+    wq, sw = torch.stack([q for q, _ in w_rows]), torch.stack([s for _, s in w_rows])
+    wq_t, sw_t = torch.stack([q for q, _ in w_cols]), torch.stack([s for _, s in w_cols])
+    bias = None if module.bias is None else module.bias.detach().cpu().to(x.dtype)
+    out = reference_grouped.fp8_grouped_gemm(xq, sx, wq, sw, offs, torch.float64, bias)
+    dgrad = reference_grouped.fp8_grouped_gemm(gq, sg, wq_t, sw_t, offs, torch.float64)
+    block = 0 if spec.input.block_shape[1] == 0 else spec.input.block_shape[1]
+    g_t, sg_t = grouped_t(spec.grad_output, grad)
+    x_t, sx_t = grouped_t(spec.input, x)
+    wgrad = reference_grouped.fp8_grouped_gemm_wgrad_blockwise(g_t, sg_t, x_t, sx_t, offs, torch.float64, block)
+    return {
+        "out": (out, dequantized_grouped_fp32(xq, sx, wq, sw, offs, torch.float32, bias)),
+        "dgrad": (dgrad, dequantized_grouped_fp32(gq, sg, wq_t, sw_t, offs, torch.float32)),
+        "wgrad": (wgrad, None),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ROUTINGS)
+@pytest.mark.parametrize("recipe_name", list(BLOCK_RECIPES))
+def test_block_recipes_match_per_expert_reference(recipe_name, pattern, dtype, device):
+    """Float8BlockScaling (1x128 x 128x128), MXFP8 (1x32) and rowwise scaling: forward, dgrad and the
+    block-scaled grouped wgrad against the oracle on the reference-quantized operands."""
+    module = _module(recipe_name, dtype, device=device)
+    sizes = routing(pattern, T, G)
+    x = torch.randn(T, K, dtype=dtype, device=device)
+    grad = torch.randn(T, N, dtype=dtype, device=device)
+    y, dx, dw, db = (t.cpu() for t in _run(module, x, _splits(sizes, "tensor", device), grad))
+    assert y.dtype == dx.dtype == dw.dtype == db.dtype == dtype
+    expected = _block_reference_step(module, x, sizes, grad)
+    bounds = reference_grouped.group_bounds(offsets(sizes), T)
+    for name, actual in (("out", y), ("dgrad", dx)):
+        reference_out, baseline = expected[name]
+        assert_grouped_close_to_reference(actual, reference_out, baseline.to(dtype), bounds, what=name)
+    for g in range(G):
+        assert_close_to_reference(dw[g], expected["wgrad"][0][g], what=f"wgrad group {g}")
+    expected_db = torch.stack([grad.cpu()[s:e].double().sum(0) for s, e in bounds]).to(dtype)
     assert_close_to_reference(db, expected_db, what="dbias")
 
 
@@ -191,20 +253,52 @@ def test_functional_form_refuses_delayed_scaling():
         tl.grouped_linear(torch.randn(T, K), w, offsets([T, 0, 0, 0]), recipe=tl.recipe.DelayedScaling())
 
 
-@pytest.mark.parametrize("recipe", [tl.recipe.Float8BlockScaling(), tl.recipe.MXFP8BlockScaling()],
-                         ids=["Float8BlockScaling", "MXFP8BlockScaling"])
-def test_block_recipes_raise_at_construction(recipe):
-    with pytest.raises(NotImplementedError, match=type(recipe).__name__):
+def _custom(quantizers):
+    return tl.recipe.CustomRecipe(lambda role: quantizers[role.removeprefix("linear_")])
+
+
+_TENSORWISE_Q = tl.TensorQuantizer(E4M3, [], torch.float32, False)
+_UNSUPPORTED = {
+    "mixed scalings": _custom({"input": _TENSORWISE_Q, "grad_output": _TENSORWISE_Q,
+                               "weight": tl.TensorQuantizer(E4M3, [128, 128], torch.float32, False)}),
+    "2-D input blocks": _custom({"input": tl.TensorQuantizer(E4M3, [128, 128], torch.float32, False),
+                                 "grad_output": tl.TensorQuantizer(E5M2, [1, 128], torch.float32, False),
+                                 "weight": tl.TensorQuantizer(E4M3, [128, 128], torch.float32, False)}),
+    "input and grad blocks differ": _custom({"input": tl.TensorQuantizer(E4M3, [1, 0], torch.float32, False),
+                                             "grad_output": tl.TensorQuantizer(E5M2, [1, 128], torch.float32, False),
+                                             "weight": tl.TensorQuantizer(E4M3, [1, 0], torch.float32, False)}),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNSUPPORTED))
+def test_unsupported_quantizers_raise_naming_the_recipe(case):
+    recipe = _UNSUPPORTED[case]
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
         tl.GroupedLinear(G, K, N, recipe=recipe)
-    with pytest.raises(NotImplementedError, match=type(recipe).__name__):
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
         tl.grouped_linear(torch.randn(T, K), torch.randn(G, N, K), offsets([T, 0, 0, 0]), recipe=recipe)
     # An autocast recipe is checked where the forward meets it.
     module = tl.GroupedLinear(G, K, N)
-    with tl.autocast(recipe=recipe), pytest.raises(NotImplementedError, match=type(recipe).__name__):
+    with tl.autocast(recipe=recipe), pytest.raises(NotImplementedError, match="CustomRecipe"):
         module(torch.randn(T, K), [T, 0, 0, 0])
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(BLOCK_RECIPES))
+def test_block_recipes_from_autocast_and_functional_form(recipe_name):
+    """tl.autocast and tl.grouped_linear run the block recipes too, as the module does."""
+    module = _module(recipe_name)
+    sizes = routing("skewed", T, G)
+    x = torch.randn(T, K)
+    want = module(x, sizes)
+    plain = tl.GroupedLinear(G, K, N)
+    plain.load_state_dict(module.state_dict())
+    with tl.autocast(recipe=RECIPES[recipe_name]()):
+        assert torch.equal(plain(x, sizes), want)
+    got = tl.grouped_linear(x, module.weight, offsets(sizes), module.bias, recipe=RECIPES[recipe_name]())
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe_name", list(TENSORWISE_RECIPES))
 def test_delayed_state_records_one_history_per_role(recipe_name):
     module = _module(recipe_name)
     x = torch.randn(T, K)
@@ -287,7 +381,7 @@ def test_copies_dtype_change_and_meta_init():
     assert torch.equal(deferred(x, sizes), _module("current")(x, sizes))
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("recipe_name", list(TENSORWISE_RECIPES))
 def test_state_dict_round_trip(recipe_name):
     module = _module(recipe_name)
     _run(module, torch.randn(T, K), routing("skewed", T, G), torch.randn(T, N))
@@ -389,13 +483,14 @@ def _allclose_on_fp8(monkeypatch):
 
 @pytest.mark.usefixtures("_allclose_on_fp8")
 @pytest.mark.parametrize("bias", [True, False])
-def test_opcheck(bias):
-    module = _module("current", bias=bias)
+@pytest.mark.parametrize("recipe_name", ["current", *BLOCK_RECIPES])
+def test_opcheck(recipe_name, bias):
+    module = _module(recipe_name, bias=bias)
     x = torch.randn(T, K, requires_grad=True)
     args = GroupedLinearFwdArgs(
         inp=x, weight=module.weight, bias=module.bias, offs=offsets(routing("skewed", T, G)),
         input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=bias,
-        quantization=quantization_spec(RECIPES["current"]()), delayed=None, out_dtype=torch.float32,
+        quantization=quantization_spec(RECIPES[recipe_name]()), delayed=None, out_dtype=torch.float32,
     )
     flat = grouped_linear_fwd.flatten(args)
     op = grouped_linear_fwd.op

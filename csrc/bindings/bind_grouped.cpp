@@ -18,6 +18,10 @@ void register_grouped(py::module_& m) {
   m.def("fp8_grouped_gemm_wgrad", &tl::fp8_grouped_gemm_wgrad, "grad"_a, "grad_scale_inv"_a, "x"_a,
         "x_scale_inv"_a, "offs"_a, "d"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
         "d[g] = (grad[rows of g].T @ x[rows of g]) * grad_scale_inv * x_scale_inv (tensorwise)");
+  m.def("fp8_grouped_gemm_wgrad_blockwise", &tl::fp8_grouped_gemm_wgrad_blockwise, "grad_t"_a,
+        "grad_t_scale_inv"_a, "x_t"_a, "x_t_scale_inv"_a, "offs"_a, "token_block"_a, "d"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "d[g] = block-scaled grad_t[:, tokens of g] @ x_t[:, tokens of g].T (grouped columnwise copies)");
 }
 
 }  // namespace bindings

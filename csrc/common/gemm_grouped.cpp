@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "../cpu/gemm_grouped_cpu.h"
 #include "../cpu/parallel.h"
@@ -120,6 +122,7 @@ void fp8_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const 
   p.bias = bias;
   p.d = d;
   p.wgrad = false;
+  p.token_blocks = false;
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::fp8_grouped_gemm(p);
 }
@@ -167,6 +170,66 @@ void fp8_grouped_gemm_wgrad(const TensorDesc& grad, const TensorDesc& grad_scale
   p.offs = offs;
   p.d = d;
   p.wgrad = true;
+  p.token_blocks = false;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::fp8_grouped_gemm(p);
+}
+
+void fp8_grouped_gemm_wgrad_blockwise(const TensorDesc& grad_t, const TensorDesc& grad_t_scale_inv,
+                                      const TensorDesc& x_t, const TensorDesc& x_t_scale_inv,
+                                      const TensorDesc& offs, int64_t token_block, const TensorDesc& d,
+                                      Stream stream) {
+  constexpr const char* op = "fp8_grouped_gemm_wgrad_blockwise";
+  check_cpu(op, "grad_t", grad_t);
+  for (auto [name, t] : {std::pair{"grad_t", &grad_t}, {"x_t", &x_t}}) {
+    check_defined(op, name, *t);
+    check_device(op, name, *t, grad_t.device, grad_t.device_index);
+    check_dtype(op, name, *t, kFp8);
+    check_rank(op, name, *t, 2);
+    check_contiguous(op, name, *t);
+  }
+  TL_CHECK(x_t.shape[1] == grad_t.shape[1], op, ": 'grad_t' and 'x_t' must have the same columns (tokens), got ",
+           shape_str(grad_t), " and ", shape_str(x_t));
+  TL_CHECK(grad_t.shape[1] <= kInt32Max, op, ": argument 'grad_t' has ", grad_t.shape[1],
+           " tokens, more than the int32 'offs' can address (2^31 - 1)");
+  TL_CHECK(token_block == 0 || token_block == 32 || token_block == 128, op,
+           ": argument 'token_block' must be 128, 32 or 0 (the whole group), got ", token_block);
+  check_offs(op, offs, grad_t);
+  GroupedGemmParams p{};
+  p.n = grad_t.shape[0];
+  p.total = grad_t.shape[1];
+  p.k = x_t.shape[0];
+  p.groups = offs.shape[0];
+  p.token_block = token_block == 0 ? kWhole : token_block;
+  // One scale per (row, token block of a group): blocks of 1 x token_block in a grid of
+  // total / token_block + groups columns (groups for the whole group).
+  const int64_t grid_cols = token_block == 0 ? p.groups : p.total / token_block + p.groups;
+  for (auto [name, t, rows, layout] :
+       {std::tuple{"grad_t_scale_inv", &grad_t_scale_inv, p.n, &p.a_block},
+        {"x_t_scale_inv", &x_t_scale_inv, p.k, &p.b_block}}) {
+    check_defined(op, name, *t);
+    check_device(op, name, *t, grad_t.device, grad_t.device_index);
+    check_dtype(op, name, *t, {token_block == 32 ? DType::kUInt8 : DType::kFloat32});
+    check_contiguous(op, name, *t);
+    check_shape(op, name, *t, {rows, grid_cols});
+    *layout = BlockLayout{1, p.token_block, rows, grid_cols, token_block == 32};
+  }
+  check_defined(op, "d", d);
+  check_device(op, "d", d, grad_t.device, grad_t.device_index);
+  check_dtype(op, "d", d, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_contiguous(op, "d", d);
+  check_shape(op, "d", d, {p.groups, p.n, p.k});
+  check_disjoint(op, {{"d", &d}},
+                 {{"grad_t", &grad_t}, {"grad_t_scale_inv", &grad_t_scale_inv}, {"x_t", &x_t},
+                  {"x_t_scale_inv", &x_t_scale_inv}, {"offs", &offs}});
+  p.a = grad_t;
+  p.a_scale_inv = grad_t_scale_inv;
+  p.b = x_t;
+  p.b_scale_inv = x_t_scale_inv;
+  p.offs = offs;
+  p.d = d;
+  p.wgrad = true;
+  p.token_blocks = true;
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
   cpu::fp8_grouped_gemm(p);
 }

@@ -19,6 +19,18 @@ RowWise           (total, 1) float32                 (G, N, 1) float32
 1x32 (MX)         (total, ceil(K/32)) float8_e8m0fnu (G, N, ceil(K/32)) float8_e8m0fnu
 ================  =================================  ================================
 
+The weight gradient contracts over the tokens, which the groups split. With one scale per tensor it
+reads the rowwise data. With block scales it reads *grouped columnwise copies*: a (total, C) tensor
+(grad_output, C = N; the input, C = K) transposed into (C, total) FP8 and quantized in blocks of
+``token_block`` tokens along each row, the blocks restarting at every group's first token, so that no
+block straddles two groups and no token is padded or moved. Group g's j-th block holds tokens
+``start_g + j*B : min(start_g + (j+1)*B, end_g)`` and its scales sit in column
+``start_g // B + g + j`` of a (C, ``total // B + G``) grid (:func:`token_scale_cols`): a static
+shape that bounds every routing, with the columns no block uses holding 1. ``token_block`` WHOLE
+gives one scale per (row, group) in a (C, G) grid (rowwise scaling, per group). The blocks are the
+recipes': 128 (Float8BlockScaling's 1x128, float32 scales), 32 (MXFP8's 1x32, E8M0), WHOLE
+(Float8RowwiseScaling).
+
 The values of ``offs`` are never read here: that would copy them to the host (a device sync on a
 GPU) and make shapes data-dependent. The kernels read them.
 """
@@ -31,18 +43,25 @@ import torch
 
 from transformer_linear.formats.block_scaling import check_scale_dtype, scale_layouts
 from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_same_device
+from transformer_linear.formats.dtypes import E8M0_DTYPE
 
 __all__ = [
     "GROUPED_GEMM_SCALINGS",
+    "TOKEN_BLOCKS",
     "WHOLE",
     "GroupedScalings",
     "check_grouped_gemm_args",
     "check_grouped_wgrad_args",
+    "check_grouped_wgrad_blockwise_args",
     "resolve_grouped_scalings",
+    "token_scale_cols",
 ]
 
 WHOLE = 0
 """A block size spanning the whole dimension (one scale along it, even when it is empty)."""
+
+TOKEN_BLOCKS = {128: torch.float32, 32: E8M0_DTYPE, WHOLE: torch.float32}
+"""The token blocks of the grouped columnwise copies the weight gradient takes, with their scale dtype."""
 
 # (a, b) ScalingTypes with the blocks the kernels take; WHOLE where a block spans the dimension.
 GROUPED_GEMM_SCALINGS = {
@@ -239,3 +258,48 @@ def check_grouped_wgrad_args(
     if offs.dtype != torch.int32:
         raise TypeError(f"{op}: argument 'offs' must have dtype torch.int32 (cumulative row ends), got {offs.dtype}")
     _check_rank(op, "offs", offs, 1, "(G,) int32")
+
+
+def token_scale_cols(total, groups, token_block: int):
+    """Columns of a grouped columnwise copy's scale grid: ``total // token_block + groups`` (every
+    group's blocks, whatever the routing), ``groups`` for WHOLE (one scale per group)."""
+    return groups if token_block == WHOLE else total // token_block + groups
+
+
+def check_grouped_wgrad_blockwise_args(
+    grad_t: object, grad_t_scale_inv: object, x_t: object, x_t_scale_inv: object, offs: object, out_dtype: object,
+    token_block: object,
+) -> None:
+    """Validate the block-scaled weight-gradient grouped GEMM's arguments (grouped columnwise copies,
+    see the module docstring); ``out_dtype`` None leaves the output dtype unchecked.
+
+    Raises:
+        TypeError: a non-tensor, another device, a wrong dtype (the scales' must be token_block's).
+        ValueError: a wrong rank or shape, or a token block other than 128, 32 or WHOLE.
+    """
+    op = "fp8_grouped_gemm_wgrad_blockwise"
+    if isinstance(token_block, bool) or token_block not in TOKEN_BLOCKS:
+        raise ValueError(f"{op}: argument 'token_block' must be 128, 32 or 0 (the whole group), got {token_block!r}")
+    check_same_device(op, {"grad_t": grad_t, "grad_t_scale_inv": grad_t_scale_inv, "x_t": x_t,
+                           "x_t_scale_inv": x_t_scale_inv, "offs": offs})
+    check_fp8_dtype(op, "grad_t", grad_t.dtype)
+    check_fp8_dtype(op, "x_t", x_t.dtype)
+    if out_dtype is not None:
+        check_hp_dtype(op, "out_dtype", out_dtype)
+    _check_rank(op, "grad_t", grad_t, 2, "(N, total_tokens)")
+    _check_rank(op, "x_t", x_t, 2, "(K, total_tokens)")
+    _require(grad_t.shape[1] == x_t.shape[1], f"{op}: 'grad_t' and 'x_t' must have the same columns (tokens), "
+             f"got {list(grad_t.shape)} and {list(x_t.shape)}")
+    if offs.dtype != torch.int32:
+        raise TypeError(f"{op}: argument 'offs' must have dtype torch.int32 (cumulative row ends), got {offs.dtype}")
+    _check_rank(op, "offs", offs, 1, "(G,) int32")
+    cols = token_scale_cols(grad_t.shape[1], offs.shape[0], token_block)
+    scale_dtype = TOKEN_BLOCKS[token_block]
+    for name, s, rows in (("grad_t_scale_inv", grad_t_scale_inv, grad_t.shape[0]),
+                          ("x_t_scale_inv", x_t_scale_inv, x_t.shape[0])):
+        if s.dtype != scale_dtype:
+            raise TypeError(f"{op}: argument '{name}' must have dtype {scale_dtype} for token_block {token_block}, "
+                            f"got {s.dtype}")
+        _check_rank(op, name, s, 2, f"({rows}, {cols})")
+        _require(s.shape[0] == rows and s.shape[1] == cols, f"{op}: argument '{name}' must have shape "
+                 f"[{rows}, {cols}] (rows, total // token_block + G), got {list(s.shape)}")

@@ -45,8 +45,8 @@ class GroupedLinear(nn.Module):
         out_features: size of each output sample.
         bias: learn an additive bias per expert.
         recipe: this module's recipe; ``None`` follows ``tl.autocast`` (no recipe: high precision).
-            Recipes with block scales raise NotImplementedError (the grouped weight-gradient GEMM
-            takes one scale per tensor).
+            DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
+            Float8RowwiseScaling, or a CustomRecipe whose quantizers fit (check_grouped_quantization).
         device: where to allocate the parameters.
         dtype: the parameters' dtype (float32, bfloat16 or float16).
 

@@ -10,9 +10,14 @@ gradient is the grouped weight-gradient GEMM (dY_gᵀ X_g per expert), the bias 
 column sums. No value of ``offs`` is read on the host: there is no device sync, and a routing change
 does not recompile.
 
-The grouped weight-gradient GEMM takes one scale per tensor, so only quantizers with one scale per
-tensor (DelayedScaling, CurrentScaling, a CustomRecipe of such quantizers) run here;
-:func:`check_grouped_quantization` says so, naming the recipe.
+Quantizers with one scale per tensor (DelayedScaling, Float8CurrentScaling) run the tensorwise grouped
+GEMMs on the rowwise data. Block-scaling quantizers (Float8BlockScaling, MXFP8BlockScaling,
+Float8RowwiseScaling, a CustomRecipe of such) run the block-scaled grouped GEMMs: forward and dgrad on
+the rowwise data and each expert's columnwise weight copy, and the weight gradient on *grouped
+columnwise copies* of the input and of grad_output (ops.grouped_quantize), whose 1 x B token blocks
+restart at each group's first token (scales per (column, group) for rowwise scaling), so no block
+straddles two experts and nothing is padded (formats.grouped_scaling). :func:`check_grouped_quantization`
+names what does not fit.
 """
 
 # No ``from __future__ import annotations``: args_op reads the op schema from the field annotations.
@@ -26,9 +31,11 @@ from torch import Tensor
 
 from transformer_linear import ops
 from transformer_linear.formats.dtypes import FP8_DTYPES
+from transformer_linear.formats.grouped_scaling import GROUPED_GEMM_SCALINGS, TOKEN_BLOCKS, WHOLE, token_scale_cols
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.linear_args import args_op
-from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad
+from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, fp8_grouped_gemm_wgrad_blockwise
+from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.delayed_scaling import (
     DelayedScalingArgs,
@@ -36,7 +43,14 @@ from transformer_linear.recipe.delayed_scaling import (
     forward_scales,
     quantize_and_record_grad_output,
 )
-from transformer_linear.recipe.quantization import QuantizationSpec, check_recipe, quantization_spec, tensorwise_result
+from transformer_linear.recipe.quantization import (
+    QuantizationSpec,
+    TensorQuantizer,
+    check_recipe,
+    flat,
+    quantization_spec,
+    tensorwise_result,
+)
 
 __all__ = [
     "GroupedLinearFwdArgs",
@@ -76,13 +90,16 @@ class GroupedLinearFwdOutputs(NamedTuple):
     out: Tensor
     """(total_tokens, out_features); rows past offs[-1] are 0."""
     inp_fp8: Tensor
-    """(total_tokens, in_features) FP8: what wgrad reads (rowwise: the grouped wgrad contracts over rows)."""
+    """What wgrad reads: one scale per tensor, the (total_tokens, in_features) rowwise data (the grouped
+    wgrad contracts over rows); block scales, the (in_features, total_tokens) grouped columnwise copy
+    (empty when the weight needs no gradient)."""
     inp_scale_inv: Tensor
+    """inp_fp8's scales: one element, or the grouped columnwise copy's grid, flat (1-D)."""
     weight_fp8_t: Tensor
-    """(num_gemms, in_features, out_features) FP8: each expert's weight transposed, what dgrad reads (empty
-    when the input needs no gradient)."""
+    """(num_gemms, in_features, out_features) FP8: each expert's weight transposed (block scales: its
+    columnwise copy), what dgrad reads (empty when the input needs no gradient)."""
     weight_scale_inv: Tensor
-    """(num_gemms,): one per expert."""
+    """weight_fp8_t's scales: (num_gemms,), or (num_gemms, ...) block scales of each copy."""
     amax: Tensor
     """(2,) amaxes of [input, weight (over all experts)] for the delayed-scaling update, else empty."""
     grad_output_scale: Tensor
@@ -94,25 +111,57 @@ class GroupedLinearFwdOutputs(NamedTuple):
 _FwdOutputs = tuple[(Tensor,) * len(GroupedLinearFwdOutputs._fields)]
 
 
+def token_block(q: TensorQuantizer) -> int:
+    """The token block of a block-scaling quantizer's grouped columnwise copy: its block along the row
+    of the transposed tensor (WHOLE for rowwise scaling: one scale per column and group)."""
+    return WHOLE if q.block_shape[1] == 0 else q.block_shape[1]
+
+
 def check_grouped_quantization(where: str, recipe: Recipe) -> QuantizationSpec:
-    """The quantizers of ``recipe``, checked to be ones the grouped GEMMs take.
+    """The quantizers of ``recipe``, checked to be ones the grouped GEMMs take: FP8 with one scale per
+    tensor for every role, or block scales for every role, with 1 x B blocks (B 128, 32 or the whole row)
+    of the input and grad_output alike, and weight scales that pair with them
+    (grouped_scaling.GROUPED_GEMM_SCALINGS).
 
     Raises:
         TypeError: not a recipe (check_recipe).
-        NotImplementedError: a quantizer with block scales or a non-FP8 dtype: the grouped
-            weight-gradient GEMM takes one scale per tensor (the message names the recipe).
+        NotImplementedError: quantizers outside those (the message names the recipe and the role).
     """
     check_recipe(where, recipe)
     spec = quantization_spec(recipe)
-    for role in ("input", "weight", "grad_output"):
-        q = getattr(spec, role)
-        if q.blockwise or q.dtype not in FP8_DTYPES:
-            raise NotImplementedError(
-                f"{where}: recipe {type(recipe).__name__} quantizes the {role} with {q.gemm_scaling} scales of "
-                f"{q.dtype}; the grouped GEMMs take FP8 with one scale per tensor only (the grouped weight-gradient "
-                "GEMM supports no block scales yet): use DelayedScaling or Float8CurrentScaling"
-            )
+    name = type(recipe).__name__
+
+    def refuse(why: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{where}: recipe {name} {why}; the grouped GEMMs take FP8 with one scale per tensor for every role "
+            "(DelayedScaling, Float8CurrentScaling) or block scales for every role (Float8BlockScaling, "
+            "MXFP8BlockScaling, Float8RowwiseScaling)"
+        )
+
+    roles = {role: getattr(spec, role) for role in ("input", "weight", "grad_output")}
+    for role, q in roles.items():
+        if q.dtype not in FP8_DTYPES:
+            raise refuse(f"quantizes the {role} to {q.dtype}")
+    if len({q.blockwise for q in roles.values()}) > 1:
+        raise refuse("mixes one scale per tensor with block scales")
+    if not spec.input.blockwise:
+        return spec
+    for role in ("input", "grad_output"):
+        q = roles[role]
+        if q.block_shape[0] != 1 or token_block(q) not in TOKEN_BLOCKS or TOKEN_BLOCKS[token_block(q)] != q.scale_dtype:
+            raise refuse(f"quantizes the {role} in {list(q.block_shape)} blocks of {q.scale_dtype} scales (the "
+                         "grouped weight gradient takes 1x128 / 1x0 float32 or 1x32 E8M0 blocks)")
+        if (q.gemm_scaling, spec.weight.gemm_scaling) not in GROUPED_GEMM_SCALINGS:
+            raise refuse(f"pairs {q.gemm_scaling} {role} scales with {spec.weight.gemm_scaling} weight scales")
+    if spec.input.block_shape != spec.grad_output.block_shape:
+        raise refuse(f"quantizes the input in {list(spec.input.block_shape)} blocks and grad_output in "
+                     f"{list(spec.grad_output.block_shape)} blocks (the grouped weight gradient takes one token block)")
     return spec
+
+
+def _grouped_columnwise(q: TensorQuantizer, t: Tensor, offs: Tensor):
+    """The grouped columnwise copy of ``t`` that the block-scaled grouped weight gradient reads."""
+    return quantize_grouped_columnwise(t, offs, q.dtype, token_block(q), q.power_2_scale, q.e8m0_rounding)
 
 
 def group_sums(g: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
@@ -152,6 +201,8 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     ``scales``: the delayed-scaling state's (forward_scales), None where each quantizer computes its own
     (then each expert's weight gets its own scale).
     """
+    if a.quantization.input.blockwise:
+        return _fp8_fwd_blockwise(a, x)
     spec = a.quantization
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
@@ -166,13 +217,7 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
                                              columnwise=a.input_requires_grad))
         for g in range(groups)
     ]
-    # Copied into one tensor each rather than stacked: torch.autocast's stack rejects FP8.
-    weight_fp8 = x.new_empty((groups, n, k), dtype=w.dtype)
-    weight_fp8_t = x.new_empty((groups, k, n) if a.input_requires_grad else (0,), dtype=w.dtype)
-    for g, q in enumerate(qws):
-        weight_fp8[g].copy_(q.data)
-        if a.input_requires_grad:
-            weight_fp8_t[g].copy_(q.data_t)
+    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
     weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias)
@@ -187,6 +232,52 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
         amax=torch.stack([qx.amax.reshape(()), weight_amax]) if records_amax else empty_f32.clone(),
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
+    )
+
+
+def _stacked_weights(x: Tensor, qws, shape, dtype, with_t: bool) -> tuple[Tensor, Tensor]:
+    """Each expert's rowwise data and (``with_t``) columnwise data, copied into one tensor each rather than
+    stacked: torch.autocast's stack rejects FP8."""
+    groups, n, k = shape
+    weight_fp8 = x.new_empty((groups, n, k), dtype=dtype)
+    weight_fp8_t = x.new_empty((groups, k, n) if with_t else (0,), dtype=dtype)
+    for g, q in enumerate(qws):
+        weight_fp8[g].copy_(q.data)
+        if with_t:
+            weight_fp8_t[g].copy_(q.data_t)
+    return weight_fp8, weight_fp8_t
+
+
+def _fp8_fwd_blockwise(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
+    """The forward with block scales: the input quantized rowwise once (and, for wgrad, into its grouped
+    columnwise copy), each expert's weight rowwise (and columnwise, for dgrad) with its own blocks."""
+    spec = a.quantization
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    qx = spec.input.quantize(x, rowwise=True)
+    weight = a.weight.contiguous()
+    groups, n, k = weight.shape
+    w = spec.weight
+    qws = [w.quantize(weight[g], rowwise=True, columnwise=a.input_requires_grad) for g in range(groups)]
+    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
+    weight_scale_inv = torch.stack([q.scale_inv for q in qws])
+    weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if a.input_requires_grad else empty_f32.clone()
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias,
+                           scalings=(spec.input.gemm_scaling, w.gemm_scaling))
+    if a.weight_requires_grad:
+        inp_fp8, inp_scale_inv = _grouped_columnwise(spec.input, x, a.offs)
+        inp_scale_inv = flat(inp_scale_inv)  # 1-D: no graph guard on a grid size of 1 (quantize_flat)
+    else:
+        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()
+    return GroupedLinearFwdOutputs(
+        out,
+        inp_fp8=inp_fp8,
+        inp_scale_inv=inp_scale_inv,
+        weight_fp8_t=weight_fp8_t,
+        weight_scale_inv=weight_scale_inv_t,
+        amax=empty_f32.clone(),
+        grad_output_scale=empty_f32.clone(),
+        fwd_scales=empty_f32.clone(),
     )
 
 
@@ -249,17 +340,29 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     c: _BwdContext = ctx.bwd
     g = grad_out.contiguous()
     quantizer = c.quantization.grad_output
-    if c.delayed is not None:
-        qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
-    else:
-        qg = quantizer.quantize(g)
-    g_scale_inv = qg.scale_inv.reshape(1)
     dgrad = wgrad = dbias = None
-    if c.input_requires_grad:
-        # Each expert's weight read columnwise: its transpose, with the expert's one scale.
-        dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
-    if c.weight_requires_grad:
-        wgrad = fp8_grouped_gemm_wgrad(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype)
+    if quantizer.blockwise:
+        # Rowwise for dgrad; the grouped columnwise copy for wgrad (blocks restart at each group).
+        if c.input_requires_grad:
+            qg = quantizer.quantize(g, rowwise=True)
+            dgrad = fp8_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype,
+                                     scalings=(quantizer.gemm_scaling, c.quantization.weight.gemm_scaling))
+        if c.weight_requires_grad:
+            block = token_block(quantizer)
+            x_scale_t = x_scale_inv.reshape(x_fp8.shape[0], token_scale_cols(x_fp8.shape[1], offs.shape[0], block))
+            g_t, g_scale_t = _grouped_columnwise(quantizer, g, offs)
+            wgrad = fp8_grouped_gemm_wgrad_blockwise(g_t, g_scale_t, x_fp8, x_scale_t, offs, c.weight_dtype, block)
+    else:
+        if c.delayed is not None:
+            qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
+        else:
+            qg = quantizer.quantize(g)
+        g_scale_inv = qg.scale_inv.reshape(1)
+        if c.input_requires_grad:
+            # Each expert's weight read columnwise: its transpose, with the expert's one scale.
+            dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
+        if c.weight_requires_grad:
+            wgrad = fp8_grouped_gemm_wgrad(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype)
     if c.bias_requires_grad:
         dbias = group_sums(g, offs, c.bias_dtype)
     return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)
@@ -337,7 +440,7 @@ def grouped_linear(
 
     ``out[offs[g-1]:offs[g]] = inp[offs[g-1]:offs[g]] @ weight[g]ᵀ + bias[g]``; rows past ``offs[-1]``
     are 0. With a recipe (this one, else an active ``tl.autocast``'s) the GEMMs run in FP8 (each
-    expert's weight with a scale of its own) and ``offs`` is never read on the host; without one the
+    expert's weight with scales of its own) and ``offs`` is never read on the host; without one the
     groups run as ``F.linear`` calls, reading ``offs`` on the host. A recipe whose scales come from an
     amax history (DelayedScaling) needs the state a module keeps: use :class:`tl.GroupedLinear`.
 
@@ -354,7 +457,7 @@ def grouped_linear(
     Raises:
         TypeError: a non-tensor, a wrong dtype or device, or a recipe that is none.
         ValueError: a wrong shape; a DelayedScaling recipe (it needs a module's state).
-        NotImplementedError: a recipe with block scales (see check_grouped_quantization).
+        NotImplementedError: quantizers the grouped GEMMs do not take (see check_grouped_quantization).
     """
     check_grouped_linear_args("grouped_linear", inp, weight, offs, bias)
     recipe = recipe if recipe is not None else get_fp8_recipe()

@@ -21,14 +21,16 @@ from transformer_linear import _C
 from transformer_linear.formats.checks import check_scale_values
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.formats.grouped_scaling import (
+    GROUPED_GEMM_SCALINGS,
     WHOLE,
     check_grouped_gemm_args,
     check_grouped_wgrad_args,
+    check_grouped_wgrad_blockwise_args,
     resolve_grouped_scalings,
 )
 from transformer_linear.ops.descriptors import desc, stream_for
 
-__all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"]
+__all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "fp8_grouped_gemm_wgrad_blockwise"]
 
 
 def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +93,7 @@ def fp8_grouped_gemm(
     offs: torch.Tensor,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
+    scalings: Optional[tuple[str, str]] = None,
 ) -> torch.Tensor:
     """One FP8 GEMM per group: out[rows of g] = a[rows of g] @ b[g]ᵀ, scaled [+ bias[g]].
 
@@ -107,6 +110,9 @@ def fp8_grouped_gemm(
             offs[g-1]:offs[g]; empty groups are allowed; rows past offs[-1] come out as 0.
         out_dtype: torch.float32, torch.bfloat16 or torch.float16.
         bias: (G, N) of out_dtype, or None.
+        scalings: the (a, b) ScalingTypes (a key of GROUPED_GEMM_SCALINGS) where the caller knows them
+            (a Linear's quantizers do); None reads them from the scales' shapes, which symbolic sizes
+            (torch.compile with dynamic weight shapes) can leave undecided.
 
     Returns:
         (total_tokens, N) of out_dtype.
@@ -117,10 +123,15 @@ def fp8_grouped_gemm(
             values (CPU: the kernel checks them where it reads them).
     """
     check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
-    scalings = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
-    return _fp8_grouped_gemm_op(
-        a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(scalings.a_block), list(scalings.b_block)
-    )
+    if scalings is None:
+        resolved = resolve_grouped_scalings(a, a_scale_inv, b, b_scale_inv)
+        a_block, b_block = resolved.a_block, resolved.b_block
+    elif tuple(scalings) in GROUPED_GEMM_SCALINGS:
+        a_block, b_block = GROUPED_GEMM_SCALINGS[tuple(scalings)]
+    else:
+        raise ValueError(f"fp8_grouped_gemm: argument 'scalings' must be one of {list(GROUPED_GEMM_SCALINGS)}, "
+                         f"got {scalings!r}")
+    return _fp8_grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(a_block), list(b_block))
 
 
 @torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
@@ -183,6 +194,80 @@ def fp8_grouped_gemm_wgrad(
     """
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
     return _fp8_grouped_gemm_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+
+
+@torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad_blockwise", mutates_args=(), device_types="cpu")
+def _fp8_grouped_gemm_wgrad_blockwise_op(
+    grad_t: torch.Tensor,
+    grad_t_scale_inv: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_block: int,
+) -> torch.Tensor:
+    op = "fp8_grouped_gemm_wgrad_blockwise"
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    check_scale_values(op, {"grad_t_scale_inv": grad_t_scale_inv, "x_t_scale_inv": x_t_scale_inv})
+    out = torch.empty((offs.shape[0], grad_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=x_t.device)
+    _C.fp8_grouped_gemm_wgrad_blockwise(
+        desc(grad_t, op, "grad_t"), desc(_kernel_scale(grad_t_scale_inv), op, "grad_t_scale_inv"),
+        desc(x_t, op, "x_t"), desc(_kernel_scale(x_t_scale_inv), op, "x_t_scale_inv"), desc(offs, op, "offs"),
+        token_block, desc(out, op, "d"), stream_for(x_t),
+    )
+    return out
+
+
+@_fp8_grouped_gemm_wgrad_blockwise_op.register_kernel("cuda")
+def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block):
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    return _triton_kernels().fp8_grouped_gemm_wgrad_blockwise(
+        grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block
+    )
+
+
+@_fp8_grouped_gemm_wgrad_blockwise_op.register_fake
+def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block):
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    return x_t.new_empty((offs.shape[0], grad_t.shape[0], x_t.shape[0]), dtype=out_dtype)
+
+
+def fp8_grouped_gemm_wgrad_blockwise(
+    grad_t: torch.Tensor,
+    grad_t_scale_inv: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_block: int,
+) -> torch.Tensor:
+    """The block-scaled weight gradient of a grouped GEMM: out[g] = grad_t[:, tokens of g] @ x_t[:, tokens of g]ᵀ.
+
+    The operands are grouped columnwise copies (formats.grouped_scaling; ops.grouped_quantize makes them):
+    blocks of ``token_block`` tokens along each row that restart at each group's first token, so no
+    block straddles two groups. Each block pair's fp32 partial sum is promoted with its two scales.
+    Numerics: reference.grouped.fp8_grouped_gemm_wgrad_blockwise.
+
+    Args:
+        grad_t: contiguous FP8 (N, total_tokens): grad_output's grouped columnwise copy.
+        grad_t_scale_inv: (N, total // token_block + G) float32 (128), float8_e8m0fnu (32), or (N, G)
+            float32 (WHOLE: one scale per group).
+        x_t: contiguous FP8 (K, total_tokens): the input's grouped columnwise copy.
+        x_t_scale_inv: (K, ...) as grad_t_scale_inv.
+        offs: contiguous int32 (G,) cumulative row ends.
+        out_dtype: torch.float32, torch.bfloat16 or torch.float16.
+        token_block: 128, 32 or 0 (WHOLE).
+
+    Returns:
+        (G, N, K) of out_dtype; an empty group's gradient is 0.
+
+    Raises:
+        TypeError: a non-tensor, another device, a wrong dtype.
+        ValueError: a wrong shape, token block, scale value (CPU) or bad offs values (CPU).
+    """
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    return _fp8_grouped_gemm_wgrad_blockwise_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype,
+                                                token_block)
 
 
 def _triton_kernels():

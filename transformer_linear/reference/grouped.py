@@ -13,14 +13,25 @@ from typing import Optional
 
 import torch
 
+from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.formats.grouped_scaling import (
+    TOKEN_BLOCKS,
+    WHOLE,
     check_grouped_gemm_args,
     check_grouped_wgrad_args,
+    check_grouped_wgrad_blockwise_args,
     resolve_grouped_scalings,
+    token_scale_cols,
 )
-from transformer_linear.reference import fp8_gemm_blockwise
+from transformer_linear.reference import e8m0_to_float, fp8_gemm_blockwise, quantize_blockwise_ref
 
-__all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "group_bounds"]
+__all__ = [
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_wgrad",
+    "fp8_grouped_gemm_wgrad_blockwise",
+    "group_bounds",
+    "quantize_grouped_columnwise",
+]
 
 
 def group_bounds(offs: torch.Tensor, total: int) -> list[tuple[int, int]]:
@@ -114,3 +125,98 @@ def fp8_grouped_gemm_wgrad(
     for g, (start, end) in enumerate(bounds):
         out[g] = (grad[start:end].cpu().double().t() @ x[start:end].cpu().double()) * scale
     return out.to(device=x.device, dtype=out_dtype)
+
+
+def _token_blocks(start: int, end: int, group: int, token_block: int) -> tuple[int, int, int]:
+    """(token block, first scale column, block count) of one group's tokens in a grouped columnwise copy."""
+    rows = end - start
+    if token_block == WHOLE:
+        return max(rows, 1), group, 1
+    return token_block, start // token_block + group, -(-rows // token_block)
+
+
+def quantize_grouped_columnwise(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    dtype: torch.dtype,
+    token_block: int,
+    power_2_scale: bool = False,
+    e8m0_rounding: str = "ceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped columnwise copy of ``x`` (grouped_scaling's layout): each group's rows transposed
+    and quantized as ``quantize_blockwise_ref`` does with (1, token_block) blocks (the whole group for
+    WHOLE), the blocks starting at the group's first token.
+
+    Args:
+        x: (total, C) float32, bfloat16 or float16.
+        offs: int32 (G,) cumulative row ends.
+        dtype: the FP8 dtype.
+        token_block: 128, 32 or WHOLE; its scale dtype is TOKEN_BLOCKS[token_block].
+        power_2_scale: round float32 scales down to powers of two.
+        e8m0_rounding: E8M0 scales' rounding.
+
+    Returns:
+        (data_t, scale_inv_t): (C, total) FP8, 0 for tokens past offs[-1]; (C, token_scale_cols) scales,
+        1 where no block is.
+    """
+    total, cols = x.shape
+    bounds = group_bounds(offs, total)
+    scale_dtype = TOKEN_BLOCKS[token_block]
+    data_t = torch.zeros(cols, total, dtype=dtype)
+    scale_inv_t = torch.ones(cols, token_scale_cols(total, len(bounds), token_block)).to(scale_dtype)
+    for g, (start, end) in enumerate(bounds):
+        if start == end or cols == 0:
+            continue
+        block, col0, count = _token_blocks(start, end, g, token_block)
+        q, s = quantize_blockwise_ref(
+            x[start:end].cpu().t().contiguous(), dtype, (1, block), scale_dtype, power_2_scale, e8m0_rounding
+        )
+        data_t[:, start:end] = q
+        scale_inv_t[:, col0 : col0 + count] = s
+    return data_t.to(x.device), scale_inv_t.to(x.device)
+
+
+def _dequantized_group(data_t, scale_inv_t, start, end, group, token_block) -> torch.Tensor:
+    """float64 (C, rows of the group) of a grouped columnwise copy."""
+    block, col0, count = _token_blocks(start, end, group, token_block)
+    s = scale_inv_t[:, col0 : col0 + count].cpu()
+    s = e8m0_to_float(s) if s.dtype == E8M0_DTYPE else s.float()
+    full = s.double().repeat_interleave(block, 1)[:, : end - start]
+    return data_t[:, start:end].cpu().double() * full
+
+
+def fp8_grouped_gemm_wgrad_blockwise(
+    grad_t: torch.Tensor,
+    grad_t_scale_inv: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_block: int,
+) -> torch.Tensor:
+    """out[g] = dequantized grad_t[:, tokens of g] @ dequantized x_t[:, tokens of g]ᵀ, in float64: the
+    block-scaled weight gradient, from grouped columnwise copies (grouped_scaling's layout).
+
+    Args:
+        grad_t: FP8 (N, total), grad_output's grouped columnwise copy.
+        grad_t_scale_inv: (N, token_scale_cols) its scales.
+        x_t: FP8 (K, total), the input's grouped columnwise copy.
+        x_t_scale_inv: (K, token_scale_cols) its scales.
+        offs: int32 (G,) cumulative row ends.
+        out_dtype: the dtype of the result.
+        token_block: 128, 32 or WHOLE, both copies'.
+
+    Returns:
+        (G, N, K) of out_dtype; an empty group's gradient is 0.
+    """
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, None, token_block)
+    (n, total), k = grad_t.shape, x_t.shape[0]
+    bounds = group_bounds(offs, total)
+    out = torch.zeros(len(bounds), n, k, dtype=torch.float64)
+    for g, (start, end) in enumerate(bounds):
+        if start == end:
+            continue
+        gd = _dequantized_group(grad_t, grad_t_scale_inv, start, end, g, token_block)
+        xd = _dequantized_group(x_t, x_t_scale_inv, start, end, g, token_block)
+        out[g] = gd @ xd.t()
+    return out.to(device=x_t.device, dtype=out_dtype)

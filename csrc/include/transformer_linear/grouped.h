@@ -53,4 +53,26 @@ void fp8_grouped_gemm_wgrad(const TensorDesc& grad, const TensorDesc& grad_scale
                             const TensorDesc& x, const TensorDesc& x_scale_inv,
                             const TensorDesc& offs, const TensorDesc& d, Stream stream);
 
+/*!
+ * \brief The block-scaled weight gradient of a grouped GEMM from grouped columnwise copies:
+ *        d[g] = grad_t[:, tokens of g] @ x_t[:, tokens of g]^T, each product scaled by the two
+ *        token blocks' scales. The copies are quantized in blocks of `token_block` tokens that
+ *        restart at each group's first token (no block straddles two groups): group g's j-th
+ *        block has scale column offs[g-1] / token_block + g + j. An empty group gives zeros.
+ *
+ * \param grad_t            contiguous FP8 (N, total), total <= 2^31 - 1.
+ * \param grad_t_scale_inv  contiguous (N, total / token_block + G) float32, or uint8 E8M0 bits for
+ *                          token_block 32; (N, G) for token_block 0 (one scale per group).
+ * \param x_t               contiguous FP8 (K, total).
+ * \param x_t_scale_inv     contiguous (K, ...) as grad_t_scale_inv.
+ * \param offs              contiguous int32 (G).
+ * \param token_block       128, 32 or 0 (the whole group).
+ * \param d                 contiguous (G, N, K) float32, bfloat16 or float16.
+ * \param stream            the thread count (CPU tensors only).
+ */
+void fp8_grouped_gemm_wgrad_blockwise(const TensorDesc& grad_t, const TensorDesc& grad_t_scale_inv,
+                                      const TensorDesc& x_t, const TensorDesc& x_t_scale_inv,
+                                      const TensorDesc& offs, int64_t token_block, const TensorDesc& d,
+                                      Stream stream);
+
 }  // namespace tl

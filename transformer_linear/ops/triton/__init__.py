@@ -11,6 +11,7 @@ from transformer_linear.ops.triton.gemm_grouped import (
     fp8_grouped_gemm,
     fp8_grouped_gemm_resolved,
     fp8_grouped_gemm_wgrad,
+    fp8_grouped_gemm_wgrad_blockwise,
 )
 from transformer_linear.ops.triton.quantize_block import quantize_blockwise, quantize_blockwise_fused
 
@@ -20,6 +21,7 @@ __all__ = [
     "fp8_grouped_gemm",
     "fp8_grouped_gemm_resolved",
     "fp8_grouped_gemm_wgrad",
+    "fp8_grouped_gemm_wgrad_blockwise",
     "quantize_blockwise",
     "quantize_blockwise_fused",
 ]

@@ -5,7 +5,9 @@ promotion of ``fp8_gemm``. The groups are found on the device: the grid has one 
 of rows that any routing can need (ceil(total / BLOCK_M) + G: each group adds at most one partial
 tile) and each program walks ``offs`` to find its group and rows; programs left over return. So
 the launch never reads ``offs`` on the host. Weight gradient: one program per (group, N tile,
-K tile) contracts that group's rows. ``offs`` values are clamped into [previous end, total]:
+K tile) contracts that group's rows; the block-scaled form reads grouped columnwise copies and
+promotes each chunk of BLOCK_R tokens (which divides the token block, and starts at a multiple of
+it from the group's start) with its two scales. ``offs`` values are clamped into [previous end, total]:
 invalid routings give wrong groups, never out-of-bounds accesses (the CPU op checks them).
 Layouts and scalings: ``transformer_linear.formats.grouped_scaling``.
 """
@@ -21,7 +23,9 @@ from transformer_linear.formats.grouped_scaling import (
     WHOLE,
     check_grouped_gemm_args,
     check_grouped_wgrad_args,
+    check_grouped_wgrad_blockwise_args,
     resolve_grouped_scalings,
+    token_scale_cols,
 )
 from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
 from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
@@ -125,6 +129,39 @@ def _grouped_wgrad_kernel(
     tl.store(out, acc.to(d_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 
+@triton.jit
+def _grouped_wgrad_blockwise_kernel(
+    grad_ptr, x_ptr, d_ptr, sg_ptr, sx_ptr, offs_ptr, TOTAL, N, K, SCALE_COLS, TOKEN_BLOCK,
+    E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    group = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    start = tl.minimum(tl.maximum(tl.load(offs_ptr + group - 1, mask=group > 0, other=0), 0), TOTAL)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + group), start), TOTAL)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    n_ok = rn < N
+    k_ok = rk < K
+    col0 = start // TOKEN_BLOCK + group  # the group's first token block (TOKEN_BLOCK huge: the group's one scale)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        r = (r0 + rr).to(tl.int64)
+        row_ok = r < end
+        g = tl.load(grad_ptr + rn.to(tl.int64)[:, None] * TOTAL + r[None, :], mask=n_ok[:, None] & row_ok[None, :],
+                    other=0.0)
+        x_t = tl.load(x_ptr + r[:, None] + rk.to(tl.int64)[None, :] * TOTAL, mask=row_ok[:, None] & k_ok[None, :],
+                      other=0.0)
+        part = tl.dot(g, x_t, out_dtype=tl.float32)
+        col = tl.minimum(col0 + (r0 - start) // TOKEN_BLOCK, SCALE_COLS - 1)
+        sg = _scales(sg_ptr, rn, 1, col, SCALE_COLS, n_ok, E8M0)
+        sx = _scales(sx_ptr, rk, 1, col, SCALE_COLS, k_ok, E8M0)
+        acc += part * (sg[:, None] * sx[None, :])
+    out = d_ptr + group.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    tl.store(out, acc.to(d_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
 _autotuned = triton.autotune(configs=_GPU_CONFIGS, key=["N", "K", "GROUPS", "KB"])(_grouped_gemm_kernel)
 
 
@@ -211,5 +248,36 @@ def fp8_grouped_gemm_wgrad(
     _grouped_wgrad_kernel[grid](
         grad.contiguous(), x.contiguous(), d, grad_scale_inv.reshape(1).float(), x_scale_inv.reshape(1).float(),
         offs.contiguous(), total, n, k, BLOCK_N=block, BLOCK_K=block, BLOCK_R=32 if INTERPRETED else 64,
+    )
+    return d
+
+
+def fp8_grouped_gemm_wgrad_blockwise(
+    grad_t: torch.Tensor,
+    grad_t_scale_inv: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_block: int,
+) -> torch.Tensor:
+    """Same contract as ops.grouped.fp8_grouped_gemm_wgrad_blockwise; CUDA or (interpreter) CPU tensors."""
+    check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    (n, total), k, groups = grad_t.shape, x_t.shape[0], offs.shape[0]
+    d = torch.empty((groups, n, k), dtype=out_dtype, device=x_t.device)
+    if d.numel() == 0:
+        return d
+    block = 16 if INTERPRETED else 64
+    # A chunk of tokens must lie in one token block: 32 divides every block (and 16 <= 32 for tl.dot).
+    chunk = 32 if INTERPRETED or token_block == 32 else 64
+    e8m0 = grad_t_scale_inv.dtype == E8M0_DTYPE
+    sg, sx = grad_t_scale_inv.contiguous(), x_t_scale_inv.contiguous()
+    if e8m0:
+        sg, sx = sg.view(torch.uint8), sx.view(torch.uint8)
+    grid = (groups, triton.cdiv(n, block), triton.cdiv(k, block))
+    _grouped_wgrad_blockwise_kernel[grid](
+        grad_t.contiguous(), x_t.contiguous(), d, sg, sx, offs.contiguous(), total, n, k,
+        token_scale_cols(total, groups, token_block), _kernel_block(token_block),
+        E8M0=e8m0, BLOCK_N=block, BLOCK_K=block, BLOCK_R=chunk,
     )
     return d
