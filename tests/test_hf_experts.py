@@ -71,8 +71,8 @@ def test_fp8_close_to_eager_forward_and_backward(registered):
     assert torch.equal(logits, got[0])
 
 
-@pytest.mark.parametrize("recipe", [tl.recipe.DelayedScaling(), tl.recipe.MXFP8BlockScaling()],
-                         ids=["DelayedScaling", "MXFP8BlockScaling"])
+@pytest.mark.parametrize("recipe", [tl.recipe.DelayedScaling(), tl.recipe.NVFP4BlockScaling()],
+                         ids=["DelayedScaling", "NVFP4BlockScaling"])
 def test_unsupported_recipes_raise_at_registration(recipe, registered):
     with pytest.raises(NotImplementedError, match=type(recipe).__name__):
         registered.append(tl.register_hf_experts("tl_test_bad", recipe=recipe))

@@ -90,12 +90,14 @@ def test_convert_selects_fp8_experts_and_keeps_the_weights(arch):
     assert all(p is weights[n] for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("recipe_name", ["current", "block", "mxfp8", "rowwise"])
 @pytest.mark.parametrize("arch", MODELS)
-def test_fp8_experts_forward_is_close_to_the_unconverted_model(arch):
+def test_fp8_experts_forward_is_close_to_the_unconverted_model(arch, recipe_name):
     model = MODELS[arch]()
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     expected = model(ids).logits.detach()
-    tl.convert_to_fp8(model, recipe=tl.recipe.Float8CurrentScaling())
+    tl.convert_to_fp8(model, recipe=tl.recipe.from_name(recipe_name))
+    assert sum(isinstance(m, ExpertsFP8State) for m in model.modules()) > 0
     got = model(ids).logits.detach()
     assert tl.numerics.sqnr(got, expected) >= MIN_SQNR_DB["model"]
     # The experts themselves on the grouped GEMMs: the same model with every tl.Linear in high precision
@@ -237,39 +239,40 @@ def test_save_pretrained_from_pretrained_round_trip(arch, tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", [tl.recipe.MXFP8BlockScaling(), tl.recipe.Float8BlockScaling()],
-                         ids=lambda r: type(r).__name__)
-def test_block_recipes_raise_clearly(recipe):
+def test_a_recipe_the_grouped_gemms_lack_raises_clearly():
+    """NVFP4 has no grouped GEMM: converting a model with experts raises before anything changes, and
+    keeping the experts in high precision converts the rest."""
+    recipe = tl.recipe.NVFP4BlockScaling()
     model = _mixtral()
-    with pytest.raises(NotImplementedError, match=rf"{type(recipe).__name__}.*grouped.*module_filter_fn"):
+    with pytest.raises(NotImplementedError, match=r"NVFP4BlockScaling.*grouped.*module_filter_fn"):
         tl.convert_to_fp8(model, recipe=recipe)
     # Nothing changed.
     assert not any(isinstance(m, (tl.Linear, ExpertsFP8State)) for m in model.modules())
     assert model.config._experts_implementation != DEFAULT_EXPERTS_IMPLEMENTATION
-    # Keeping the experts in high precision converts the rest.
     keep_experts = lambda module, fqn: not fqn.endswith("experts")  # noqa: E731
     plan = conversion_plan(model, keep_experts)
     assert plan.experts == [] and "model.layers.0.mlp.experts" in plan.skipped
     tl.convert_to_fp8(model, recipe=recipe, module_filter_fn=keep_experts)
     assert any(isinstance(m, tl.Linear) for m in model.modules())
     assert not any(isinstance(m, ExpertsFP8State) for m in model.modules())
-    ids = torch.randint(0, VOCAB, (2, 8))
+    ids = torch.randint(0, VOCAB, (2, 16))
     assert torch.isfinite(model(ids).logits).all()
 
 
-def test_block_recipe_from_autocast_raises_in_the_forward():
+def test_a_recipe_from_autocast_the_grouped_gemms_lack_raises_in_the_forward():
     model = tl.convert_to_fp8(_mixtral())  # no recipe: follows tl.autocast
-    ids = torch.randint(0, VOCAB, (2, 8))
-    with tl.autocast(recipe=tl.recipe.Float8CurrentScaling()):
-        assert torch.isfinite(model(ids).logits).all()
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling.*grouped"), \
-            tl.autocast(recipe=tl.recipe.MXFP8BlockScaling()):
+    ids = torch.randint(0, VOCAB, (2, 16))
+    for name in ("current", "mxfp8"):
+        with tl.autocast(recipe=tl.recipe.from_name(name)):
+            assert torch.isfinite(model(ids).logits).all()
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling.*grouped"), \
+            tl.autocast(recipe=tl.recipe.NVFP4BlockScaling()):
         model(ids)
 
 
 def test_experts_state_module_bad_input():
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
-        ExpertsFP8State(tl.recipe.MXFP8BlockScaling())
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling"):
+        ExpertsFP8State(tl.recipe.NVFP4BlockScaling())
     state = ExpertsFP8State(tl.recipe.Float8CurrentScaling())
     weight = torch.randn(2, 8, 16)
     offs = torch.tensor([3, 5], dtype=torch.int32)

@@ -333,10 +333,9 @@ def convert_to_fp8(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: a missing ``fp8_state`` file, or entries of the wrong shape.
-        NotImplementedError: the model has experts and ``recipe`` has block
-            scales (MXFP8, Float8BlockScaling, ...), which the grouped GEMMs do
-            not take yet; keep the experts in high precision with a
-            ``module_filter_fn`` that rejects them.
+        NotImplementedError: the model has experts and the grouped GEMMs do not
+            take ``recipe``'s quantization (NVFP4); keep the experts in high
+            precision with a ``module_filter_fn`` that rejects them.
     """
     _check_model("convert_to_fp8", model)
     experts = _experts_to_convert(model, module_filter_fn, recipe)
