@@ -40,8 +40,8 @@ void check_operand(const char* name, const TensorDesc& t, const TensorDesc& like
   check_defined(kOp, name, t);
   check_device(kOp, name, t, like.device, like.device_index);
   check_dtype(kOp, name, t, {DType::kUInt8});
+  check_rank(kOp, name, t, 2);
   check_contiguous(kOp, name, t);
-  TL_CHECK(t.shape.size() == 2, kOp, ": argument '", name, "' must be 2-D, got ", shape_str(t));
 }
 
 #ifdef TL_CUBLAS_HAS_NVFP4
