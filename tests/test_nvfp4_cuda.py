@@ -158,6 +158,18 @@ class TestNVFP4OnGPU:
             err = relative_error(g, c)
             assert err <= bound, f"{variant} {dtype} {name}: relative error {err:.3e} GPU vs CPU"
 
+    @pytest.mark.parametrize("option", ["rowwise", "rht", "2d"])
+    def test_opcheck_cuda_kernels(self, option):
+        o = {"rowwise": True, "columnwise": False, "scaling_2d": False, "rht": False, **OPTIONS[option]}
+        x = torch.randn(64, 96, device="cuda")
+        amax, amax_t = ops.nvfp4_amax(x), ops.nvfp4_amax(x, rht=o["rht"])
+        args = (x, amax, amax_t, o["rowwise"], o["columnwise"], o["scaling_2d"], o["rht"], False, 0, 0)
+        torch.library.opcheck(torch.ops.transformer_linear.quantize_nvfp4.default, args)
+        q = ops.quantize_nvfp4(x, amax)
+        gemm_args = (q.data.view(torch.uint8), q.scale, q.global_scale, q.data.view(torch.uint8), q.scale,
+                     q.global_scale, torch.bfloat16, None)
+        torch.library.opcheck(torch.ops.transformer_linear.nvfp4_gemm.default, gemm_args)
+
     def test_linear_compiles_on_gpu(self):
         torch.manual_seed(0)
         layer = tl.Linear(128, 64, recipe=recipe.from_name("nvfp4"), device="cuda")
