@@ -94,8 +94,9 @@ def _e2m1_sr(a, rbits):
                + (a >= 6.0).to(tl.int32))
     hi_code = tl.minimum(lo_code + 1, 7)
     lo = e2m1_to_float(lo_code)
-    gap = e2m1_to_float(hi_code) - lo  # 0.5, 1 or 2 (0 at the top): the division is exact as a product
-    frac = tl.where(gap > 0, (a - lo) * tl.where(gap > 0, 1.0 / gap, 0.0), 0.0)
+    gap = e2m1_to_float(hi_code) - lo  # 0.5, 1 or 2 (0 at the top): dividing by it is exact as a product
+    inv_gap = tl.where(gap == 0.5, 2.0, tl.where(gap == 1.0, 1.0, 0.5))  # no fp32 division (approximate on GPU)
+    frac = tl.where(gap > 0, (a - lo) * inv_gap, 0.0)
     up = frac.to(tl.float64) * 4294967296.0 > rbits.to(tl.float64)
     return tl.where(up, hi_code, lo_code)
 
