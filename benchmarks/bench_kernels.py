@@ -17,6 +17,11 @@ rowwise) and layout (row-major, and with the transposed copy) in GB/s,
 median and best of the timed calls, against the same copy; the block-scaled
 GEMM against the tensorwise FP8 GEMM and fp32 ``torch.mm``.
 
+NVFP4 rows: ``ops.nvfp4.quantize_nvfp4`` per layout (1x16 rowwise, with the
+columnwise copy, with its RHT, 16x16 tiles, stochastic rounding) in GB/s
+(input read + E2M1 data and E4M3 scales written) against the same copy; the
+NVFP4 GEMM against the tensorwise FP8 GEMM and fp32 ``torch.mm``.
+
 Usage::
 
     python benchmarks/bench_kernels.py                 # everything
@@ -24,6 +29,7 @@ Usage::
     python benchmarks/bench_kernels.py --only quantize --json out.json
     python benchmarks/bench_kernels.py --threads 1 --tag 1thread   # per-core numbers
     python benchmarks/bench_kernels.py --only block-quantize --threads 1 --clock thread
+    python benchmarks/bench_kernels.py --only nvfp4 --threads 1 --clock thread
     TL_CPU_ISA=avx512 python benchmarks/bench_kernels.py --only gemm --shapes 2048x2048x2048
 
 On a machine shared with other work, one thread per op is spared the
@@ -49,6 +55,7 @@ import torch
 
 from transformer_linear import _C, ops
 from transformer_linear import reference as ref
+from transformer_linear.ops import nvfp4
 
 E4M3 = torch.float8_e4m3fn
 MIB = 2**20
@@ -370,6 +377,82 @@ def bench_block(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: i
     return {"quantize": quantize_rows, "gemm": gemm_rows}
 
 
+# (name, quantize_nvfp4 options): the Linear's operands under NVFP4BlockScaling (x and grad_output with the
+# RHT columnwise copy, the weight's 16x16 tiles, grad_output's stochastic rounding) and the plain 1x16 copies.
+NVFP4_QUANTIZE_CASES = [
+    ("1x16", {}),
+    ("1x16 +col", {"columnwise": True}),
+    ("1x16 +col rht", {"columnwise": True, "rht": True}),
+    ("16x16 +col", {"columnwise": True, "scaling_2d": True}),
+    ("1x16 +col rht sr", {"columnwise": True, "rht": True, "stochastic_rounding": True, "seed": 7}),
+]
+
+
+def bench_nvfp4(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: int, warmup: int) -> dict:
+    """NVFP4 quantize GB/s vs memcpy; the NVFP4 GEMM vs the tensorwise FP8 GEMM and fp32 torch.mm."""
+    quantize_rows, gemm_rows = [], []
+    print(f"{'nvfp4 quantize':<20}{'dtype':<10}{'numel':>10}{'GB/s':>8}{'best':>8}{'memcpy':>8}{'of memcpy':>11}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            x = torch.randn(n // ROW_LENGTH, ROW_LENGTH).to(dtype)
+            amax, amax_t = nvfp4.nvfp4_amax(x), nvfp4.nvfp4_amax(x, rht=True)
+            copy_dst = torch.empty_like(x)
+            for name, options in NVFP4_QUANTIZE_CASES:
+                col_amax = amax_t if options.get("rht") else None
+                t = measure(
+                    {
+                        "ours": lambda: nvfp4.quantize_nvfp4(x, amax, col_amax, **options),
+                        "memcpy": lambda: copy_dst.copy_(x),
+                    },
+                    repeats,
+                    warmup,
+                )
+                copies = 2 if options.get("columnwise") else 1
+                nbytes = n * x.element_size() + copies * (n // 2 + n // 16)
+                row = {
+                    "op": name, "dtype": str(dtype).removeprefix("torch."), "numel": n,
+                    "ours_gbs": nbytes / t["ours"][0] / 1e9, "ours_best_gbs": nbytes / t["ours"][1] / 1e9,
+                    "memcpy_gbs": 2 * n * x.element_size() / t["memcpy"][0] / 1e9,
+                }
+                row["of_memcpy"] = row["ours_gbs"] / row["memcpy_gbs"]
+                quantize_rows.append(row)
+                print(
+                    f"{name:<20}{row['dtype']:<10}{n:>10}{row['ours_gbs']:>8.2f}{row['ours_best_gbs']:>8.2f}"
+                    f"{row['memcpy_gbs']:>8.1f}{row['of_memcpy']:>10.1%}",
+                    flush=True,
+                )
+    print(f"\n{'nvfp4 GEMM':<12}{'M x N x K':<18}{'GFLOP/s':>9}{'fp8 tensorwise':>16}{'mm fp32':>9}"
+          f"{'of fp8':>8}{'of mm':>8}")
+    for m, n, k in shapes:
+        a_hp, b_hp = torch.randn(m, k), torch.randn(n, k)
+        a_t, sa_t, _ = ops.quantize_current(a_hp, E4M3)
+        b_t, sb_t, _ = ops.quantize_current(b_hp, E4M3)
+        qa = nvfp4.quantize_nvfp4(a_hp, nvfp4.nvfp4_amax(a_hp))
+        qb = nvfp4.quantize_nvfp4(b_hp, nvfp4.nvfp4_amax(b_hp))
+        t = measure(
+            {
+                "ours": lambda: nvfp4.nvfp4_gemm(qa.data, qa.scale, qa.global_scale, qb.data, qb.scale,
+                                                 qb.global_scale, torch.bfloat16),
+                "fp8": lambda: ops.fp8_gemm(a_t, sa_t, b_t, sb_t, torch.bfloat16),
+                "mm": lambda: torch.mm(a_hp, b_hp.t()),
+            },
+            repeats,
+            warmup,
+        )
+        flop = 2.0 * m * n * k
+        row = {"m": m, "n": n, "k": k}
+        row.update({f"{key}_gflops": flop / v[0] / 1e9 for key, v in t.items()})
+        row["of_fp8"] = row["ours_gflops"] / row["fp8_gflops"]
+        row["of_mm"] = row["ours_gflops"] / row["mm_gflops"]
+        gemm_rows.append(row)
+        print(
+            f"{'nvfp4':<12}{f'{m}x{n}x{k}':<18}{row['ours_gflops']:>9.1f}{row['fp8_gflops']:>16.1f}"
+            f"{row['mm_gflops']:>9.1f}{row['of_fp8']:>8.0%}{row['of_mm']:>8.0%}",
+            flush=True,
+        )
+    return {"quantize": quantize_rows, "gemm": gemm_rows}
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -377,7 +460,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only (CI smoke test)")
     parser.add_argument(
-        "--only", choices=["quantize", "gemm", "block", "block-quantize"], help="run one part (block-quantize: no GEMMs)"
+        "--only", choices=["quantize", "gemm", "block", "block-quantize", "nvfp4"],
+        help="run one part (block-quantize: no GEMMs)"
     )
     parser.add_argument("--json", type=Path, help="output path (default benchmarks/results/kernels_<tag>.json)")
     parser.add_argument("--tag", default=None, help="name for the default JSON path (default: host name)")
@@ -429,6 +513,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         shapes = QUICK_GEMM if args.quick else args.shapes or [(1024, 1024, 1024), (2048, 2048, 2048)]
         shapes = [] if args.only == "block-quantize" else shapes
         result["block"] = bench_block(QUICK_QUANTIZE_SIZES if args.quick else [16 * MIB], shapes, repeats, args.warmup)
+    if args.only in (None, "nvfp4"):
+        shapes = QUICK_GEMM if args.quick else args.shapes or [(1024, 1024, 1024), (2048, 2048, 2048)]
+        print()
+        result["nvfp4"] = bench_nvfp4(QUICK_QUANTIZE_SIZES if args.quick else [16 * MIB], shapes, repeats, args.warmup)
 
     tag = args.tag or (result["host"] + ("_quick" if args.quick else ""))
     path = args.json or Path(__file__).resolve().parent / "results" / f"kernels_{tag}.json"

@@ -3,7 +3,7 @@
 Rows: nn.Linear fp32 / bf16, tl.Linear under each recipe (eager and
 torch.compile'd): the tensorwise ones (current, delayed) and the block-scaled
 ones (Float8BlockScaling 1x128/128x128, MXFP8BlockScaling 1x32 E8M0,
-Float8RowwiseScaling), and torchao's Float8Linear(emulate=True) (eager and
+Float8RowwiseScaling, NVFP4BlockScaling ``nvfp4``), and torchao's Float8Linear(emulate=True) (eager and
 compiled) when torchao is installed. Columns: median fwd+bwd time, its ratio
 to nn.Linear fp32 and to nn.Linear bf16 (what a CPU user would pick instead),
 and the bytes autograd saves for backward (parameters excluded; peak memory
@@ -14,6 +14,7 @@ why it was chosen, is printed first, with the command and the CPU model.
 
     python benchmarks/bench_linear.py                       # all shapes
     python benchmarks/bench_linear.py --shapes 1024 --recipes current,block,mxfp8,rowwise
+    python benchmarks/bench_linear.py --shapes 1024 --recipes nvfp4 --threads 1
     python benchmarks/bench_linear.py --shapes 512,1024 --iters 3 --no-compile
     python benchmarks/bench_linear.py --shapes 2048,4096x1024x4096   # M x K x N
 """
@@ -39,8 +40,8 @@ from transformer_linear import _C, recipe
 SQUARE = {f"{n}": (n, n, n) for n in (512, 1024, 2048, 4096)}
 LLM = {"llama-qkv 2048x4096x12288": (2048, 4096, 12288), "llama-mlp-down 2048x11008x4096": (2048, 11008, 4096)}
 TINY = {"tiny 16x64x64": (16, 64, 64)}
-# Row name -> recipe of the tl.Linear rows: tensorwise, then block-scaled.
-RECIPES = {name: recipe.from_name(name) for name in ("current", "delayed", "block", "mxfp8", "rowwise")}
+# Row name -> recipe of the tl.Linear rows: tensorwise, then block-scaled, then NVFP4.
+RECIPES = {name: recipe.from_name(name) for name in ("current", "delayed", "block", "mxfp8", "rowwise", "nvfp4")}
 
 
 def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:

@@ -29,6 +29,7 @@ TOP = ("distributed", "numerics", "cli", "__init__", "__main__")
 LOCAL_IMPORTS_ALLOWED = {
     ("ops/block.py", "transformer_linear.ops.triton"): "triton is an optional dependency, imported on first GPU use",
     ("ops/grouped.py", "transformer_linear.ops.triton"): "triton is an optional dependency, imported on first GPU use",
+    ("ops/nvfp4_cuda.py", "transformer_linear.ops.triton"): "triton is an optional dependency, imported on first GPU use",
 }
 
 MODULES = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py"))

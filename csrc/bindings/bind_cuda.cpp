@@ -13,6 +13,7 @@
 #ifdef TL_WITH_CUDA
 #include "../cuda/cuda_info.h"
 #include "../cuda/gemm_block_cuda.h"
+#include "../cuda/gemm_nvfp4_cuda.h"
 #endif
 
 namespace py = pybind11;
@@ -79,6 +80,22 @@ void register_cuda(py::module_& m) {
       "workspace"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
       "d = block-scaled (a @ b.T) [+ bias] through cuBLASLt, scales in cuBLASLt's layouts "
       "(csrc/cuda/gemm_block_cuda.h); False (d untouched) when cuBLASLt cannot run it here");
+  m.def(
+      "nvfp4_gemm_cublaslt",
+      [](const TensorDesc& a, const TensorDesc& a_scale, const TensorDesc& b, const TensorDesc& b_scale,
+         const TensorDesc& d, const TensorDesc& workspace, Stream stream) -> bool {
+#ifdef TL_WITH_CUDA
+        return cuda::nvfp4_gemm(a, a_scale, b, b_scale, d, workspace, stream);
+#else
+        (void)a, (void)a_scale, (void)b, (void)b_scale, (void)d, (void)workspace, (void)stream;
+        fail_no_cuda("nvfp4_gemm");
+#endif
+      },
+      "a"_a, "a_scale"_a, "b"_a, "b_scale"_a, "d"_a, "workspace"_a, "stream"_a = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "float32 d = NVFP4 a @ b.T (block scales only; the caller applies the global scales and bias) through "
+      "cuBLASLt, scales as uint8 E4M3 bits in its 128x4 tiles (csrc/cuda/gemm_nvfp4_cuda.h); False (d "
+      "untouched) when cuBLASLt cannot run it here");
 }
 
 }  // namespace bindings

@@ -41,6 +41,7 @@ from transformer_linear.ops import (
     eager,
     grouped,  # noqa: F401  (registers the grouped GEMM ops: ops.grouped.*)
     nvfp4,  # noqa: F401  (registers the NVFP4 ops: ops.nvfp4.*)
+    nvfp4_cuda,  # noqa: F401  (registers the NVFP4 ops' CUDA kernels)
     torch_cuda,
 )
 from transformer_linear.ops.block import (

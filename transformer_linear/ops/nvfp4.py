@@ -1,8 +1,10 @@
-"""NVFP4 ops: quantize to NVFP4 and the NVFP4 block-scaled GEMM (CPU kernels).
+"""NVFP4 ops: quantize to NVFP4 and the NVFP4 block-scaled GEMM.
 
 Each op is a ``torch.library`` custom op with a fake implementation, so it
-traces under ``torch.compile``; the kernels are the extension's CPU kernels
-(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp). The format and every
+traces under ``torch.compile``; the CPU kernels are the extension's
+(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp), the CUDA kernels are
+registered by ``ops.nvfp4_cuda`` (Triton, and cuBLASLt's NVFP4 matmul where the
+GPU and build have it). The format and every
 numeric rule: :mod:`transformer_linear.formats.nvfp4` and
 ``transformer_linear/reference/nvfp4.py``. The public functions validate
 their arguments and raise errors naming the argument; the custom ops
@@ -75,10 +77,10 @@ def _check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{op}: argument '{name}' must be {bound} (a global {what}), got {value}")
 
 
-def _check_cpu(op: str, name: str, t: torch.Tensor) -> None:
+def _check_device_type(op: str, name: str, t: torch.Tensor) -> None:
     # A tensor on 'meta' alone is shape inference (the fake implementation answers it).
-    if t.device.type not in ("cpu", "meta"):
-        raise TypeError(f"{op}: argument '{name}' must be on cpu (the NVFP4 kernels are CPU kernels), got {t.device}")
+    if t.device.type not in ("cpu", "cuda", "meta"):
+        raise TypeError(f"{op}: argument '{name}' must be on cpu or cuda (the NVFP4 kernels' devices), got {t.device}")
 
 
 def _check_int(op: str, name: str, value: object, low: int, high: int) -> None:
@@ -178,7 +180,7 @@ def quantize_nvfp4(
     """Quantize a 2-D tensor to NVFP4 (E2M1 data, E4M3 block scales, float32 global scale).
 
     Args:
-        x: (M, K) float32, bfloat16 or float16 on the CPU. The rowwise copy needs K % 16 == 0,
+        x: (M, K) float32, bfloat16 or float16 on the CPU or a GPU. The rowwise copy needs K % 16 == 0,
             the columnwise copy M % 16 == 0.
         amax: () or (1,) float32, finite, >= 0: the global amax of the rowwise copy (and of the
             16x16 columnwise copy); see :func:`nvfp4_amax`.
@@ -196,13 +198,13 @@ def quantize_nvfp4(
         NVFP4Tensors, None in the fields of a copy not asked for.
 
     Raises:
-        TypeError: a wrong dtype, or a tensor on another device than cpu (or mixed devices).
+        TypeError: a wrong dtype, or a tensor on another device than cpu or cuda (or mixed devices).
         ValueError: a shape the copies cannot take, a non-finite or negative amax, seed or offset
             out of range, no copy asked for, or rht with scaling_2d.
     """
     op = "quantize_nvfp4"
     check_tensor(op, "x", x)
-    _check_cpu(op, "x", x)
+    _check_device_type(op, "x", x)
     check_tensor(op, "amax", amax, like=x, like_name="x")
     if amax_t is not None:
         check_tensor(op, "amax_t", amax_t, like=x, like_name="x")
@@ -326,12 +328,12 @@ def nvfp4_gemm(
         (M, N) tensor of ``out_dtype``.
 
     Raises:
-        TypeError: a wrong dtype, or tensors on other devices than cpu (or mixed devices).
+        TypeError: a wrong dtype, or tensors on other devices than cpu or cuda (or mixed devices).
         ValueError: shapes that do not match, or a non-finite global scale.
     """
     op = "nvfp4_gemm"
     check_tensor(op, "a", a)
-    _check_cpu(op, "a", a)
+    _check_device_type(op, "a", a)
     _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=FP4_DTYPE)
     check_hp_dtype(op, "out_dtype", out_dtype)
     _check_scalar(op, "a_global_scale", a_global_scale, "scale")
@@ -405,7 +407,7 @@ def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochast
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
 
 
-@torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _quantize_packed_op(
     x: torch.Tensor,
     rowwise: bool,
@@ -452,7 +454,7 @@ def quantize_nvfp4_packed(
     copy); the rest is :func:`quantize_nvfp4` with offset 0.
 
     Args:
-        x: (M, K) float32, bfloat16 or float16 on the CPU (the rowwise copy needs K % 16 == 0,
+        x: (M, K) float32, bfloat16 or float16 on the CPU or a GPU (the rowwise copy needs K % 16 == 0,
             the columnwise copy M % 16 == 0).
         rowwise / columnwise / scaling_2d / rht / stochastic_rounding: as :func:`quantize_nvfp4`.
         seed: stochastic rounding: a one-element int64 tensor (see :func:`sr_seed`).
@@ -462,16 +464,16 @@ def quantize_nvfp4_packed(
         :func:`pack_scales`); a copy not asked for has empty tensors.
 
     Raises:
-        TypeError: a wrong dtype or a tensor not on the CPU.
+        TypeError: a wrong dtype or a tensor on another device than cpu or cuda.
         ValueError: a shape the copies cannot take (naming the dimension), or a missing seed.
     """
     op = "quantize_nvfp4_packed"
     check_tensor(op, "x", x)
-    _check_cpu(op, "x", x)
+    _check_device_type(op, "x", x)
     return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "meta"))
+@torch.library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "cuda", "meta"))
 def _sr_seed_op(like: torch.Tensor) -> torch.Tensor:
     # The default CPU generator, drawn here rather than by a traced torch.randint: inductor replaces traced
     # random ops by its own generator, so a compiled graph would round with other bits than eager.
@@ -520,7 +522,7 @@ def _check_packed_gemm(op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     check_hp_dtype(op, "out_dtype", out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_gemm_packed", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("transformer_linear::nvfp4_gemm_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _gemm_packed_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -558,12 +560,12 @@ def nvfp4_gemm_packed(
         bias: (N,) of ``out_dtype``, or None.
 
     Raises:
-        TypeError: a wrong dtype or rank, or a tensor not on the CPU.
+        TypeError: a wrong dtype or rank, or a tensor on another device than cpu or cuda.
         ValueError: mismatched shapes (K, or a packed scale's length).
     """
     op = "nvfp4_gemm_packed"
     check_tensor(op, "a", a)
-    _check_cpu(op, "a", a)
+    _check_device_type(op, "a", a)
     if bias is not None and bias.dtype != out_dtype:
         raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
     return _gemm_packed_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)

@@ -1,4 +1,4 @@
-"""Triton kernels of the block-scaled recipes, callable directly with the ops' signatures.
+"""Triton kernels of the block-scaled recipes and NVFP4, callable directly with the ops' signatures.
 
 ``from transformer_linear.ops.triton import quantize_blockwise, fp8_gemm`` works on
 CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (set before
@@ -13,7 +13,9 @@ from transformer_linear.ops.triton.gemm_grouped import (
     fp8_grouped_gemm_wgrad,
     fp8_grouped_gemm_wgrad_blockwise,
 )
+from transformer_linear.ops.triton.gemm_nvfp4 import nvfp4_gemm
 from transformer_linear.ops.triton.quantize_block import quantize_blockwise, quantize_blockwise_fused
+from transformer_linear.ops.triton.quantize_nvfp4 import quantize_nvfp4
 
 __all__ = [
     "fp8_gemm",
@@ -22,6 +24,8 @@ __all__ = [
     "fp8_grouped_gemm_resolved",
     "fp8_grouped_gemm_wgrad",
     "fp8_grouped_gemm_wgrad_blockwise",
+    "nvfp4_gemm",
     "quantize_blockwise",
     "quantize_blockwise_fused",
+    "quantize_nvfp4",
 ]
