@@ -129,6 +129,10 @@ constexpr int64_t kMaxBandRows = 256;
 // (as the tensorwise quantize does): no read for ownership of their lines, and
 // no eviction of the input being read.
 constexpr int64_t kStreamBytes = 8 << 20;
+// How far ahead the row loops prefetch the input.
+constexpr int64_t kPrefetchBytes = 8 << 10;
+// Row runs at least this long are left to the hardware prefetchers.
+constexpr int64_t kPrefetchBelowBytes = 4 << 10;
 
 struct Tile {
   int64_t r0, r1, c0, c1;
@@ -146,6 +150,16 @@ struct Scratch {
 };
 
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// A software prefetch into all cache levels (GCC drops __builtin_prefetch in
+// the row loops at -O3, so on x86 it is spelled out).
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 // The smallest multiple of `base` that is at least `want`, or `extent` when that is smaller.
 int64_t grow(int64_t base, int64_t want, int64_t extent) {
@@ -179,11 +193,48 @@ class Quantizer {
     const BlockLayout& l = p_.block;
     const int64_t w = t.c1 - t.c0;
     uint8_t* q = p_.output.ptr<uint8_t>();
+    const int64_t ahead = prefetch_rows(w);
     for (int64_t r = t.r0; r < t.r1; ++r) {
+      prefetch_ahead(t, r, ahead);
       float* ca = col_amax ? col_amax + ((r - t.r0) / band_rows) * w : nullptr;
       kn_.row_blocks(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, rule_, p_.scale_inv.data,
                      r * l.grid_cols + t.c0 / l.cols, ca, stream_);
       if (copy) std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
+    }
+  }
+
+  // Rows of a tile are short runs of the input (a tile spans a few KiB of
+  // each of its rows), too short for the hardware prefetchers to ramp up, so
+  // the row loops prefetch about kPrefetchBytes ahead: row r + ahead, and past
+  // the tile's last row the first rows of the tile to its right (the next
+  // tile of this thread).
+  // Runs of a page or more need no help: 0 rows ahead.
+  int64_t prefetch_rows(int64_t w) const {
+    if (w * esize_ >= kPrefetchBelowBytes) return 0;
+    return std::clamp<int64_t>(ceil_div(kPrefetchBytes, w * esize_), 1, 32);
+  }
+
+  void prefetch_ahead(const Tile& t, int64_t r, int64_t ahead) const {
+    if (ahead == 0) return;
+    int64_t rp = r + ahead, c0 = t.c0, c1 = t.c1;
+    if (rp >= t.r1) {
+      if (t.c1 >= p_.k) return;
+      rp = t.r0 + (rp - t.r1);
+      c0 = t.c1;
+      c1 = std::min(p_.k, t.c1 + (t.c1 - t.c0));
+      if (rp >= t.r1) return;
+    }
+    const char* b = static_cast<const char*>(at(rp, c0));
+    const int64_t bytes = (c1 - c0) * esize_;
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_line(b + i);
+  }
+
+  // Copies the tile's input into `copy`, rows packed.
+  void pack(const Tile& t, uint8_t* copy) const {
+    const int64_t w = t.c1 - t.c0, ahead = prefetch_rows(w);
+    for (int64_t r = t.r0; r < t.r1; ++r) {
+      prefetch_ahead(t, r, ahead);
+      std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
     }
   }
 
@@ -237,16 +288,27 @@ class Quantizer {
     float* amax = s.floats(s.amax, nb);
     float* scale = s.floats(s.scale, nb);
     uint8_t* q = p_.output.ptr<uint8_t>();
+    // Blocks of several rows: the amax pass packs the rows it reads, and the
+    // cast pass reads them back from there (L2, without the set conflicts of
+    // the input's row stride).
+    const bool packed = l.rows > 1;
+    const int64_t row_bytes = w * esize_, ahead = prefetch_rows(w);
+    if (packed && static_cast<int64_t>(s.copy.size()) < l.rows * row_bytes) s.copy.resize(l.rows * row_bytes);
     for (int64_t rb = t.r0; rb < t.r1; rb += l.rows) {
       const int64_t re = std::min(t.r1, rb + l.rows);
       std::fill(amax, amax + nb, 0.0f);
       for (int64_t r = rb; r < re; ++r) {
+        prefetch_ahead(t, r, ahead);
         kn_.segment_amax(at(r, t.c0), w, l.cols, amax);
         if (col_amax) kn_.column_amax(at(r, t.c0), w, col_amax);
+        if (packed) std::memcpy(s.copy.data() + (r - rb) * row_bytes, at(r, t.c0), static_cast<size_t>(row_bytes));
       }
       const int64_t first = (rb / l.rows) * l.grid_cols + t.c0 / l.cols;
       for (int64_t j = 0; j < nb; ++j) scale[j] = scale_of(amax[j], l, p_.scale_inv.data, first + j);
-      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale);
+      for (int64_t r = rb; r < re; ++r) {
+        const void* src = packed ? static_cast<const void*>(s.copy.data() + (r - rb) * row_bytes) : at(r, t.c0);
+        kn_.segment_cast(src, q + r * p_.k + t.c0, w, l.cols, scale);
+      }
     }
   }
 
@@ -375,8 +437,11 @@ void Quantizer::two_pass() const {
   column_scales(partial.data(), 0, k, 0, scale.data());
   // Pass 2: cast and transpose.
   const int64_t w = grow(1, kTileElems / kMinTransposeRows, k);
-  for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch&) {
-    kn_.cast_transpose(at(t.r0, t.c0), k, t.r1 - t.r0, t.c1 - t.c0, scale.data() + t.c0, 0, 16,
+  for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
+    const int64_t tw = t.c1 - t.c0, th = t.r1 - t.r0;
+    if (static_cast<int64_t>(s.copy.size()) < th * tw * esize_) s.copy.resize(th * tw * esize_);
+    pack(t, s.copy.data());
+    kn_.cast_transpose(s.copy.data(), tw, th, tw, scale.data() + t.c0, 0, 16,
                        p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
     kn_.fence();
   });

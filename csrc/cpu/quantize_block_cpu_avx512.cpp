@@ -83,11 +83,22 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512
 template <typename In, typename Out, bool kStream>
 void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
                      const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
-  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
-    const int64_t e = std::min(n, b + seg);
-    const float amax = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
-    const float scale = quantize_block::block_scale_of(amax, rule, scale_inv, first + j);
-    cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale), b, e);
+  // Up to kGroup blocks at a time: their amaxes, then their scales, then their
+  // casts, so that the scale math of one block (two divisions) does not sit
+  // between its amax and its cast.
+  constexpr int64_t kGroup = 32;
+  float amax[kGroup], scale[kGroup];
+  for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
+    const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
+      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
+    }
+    for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg;
+      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg));
+    }
   }
 }
 
