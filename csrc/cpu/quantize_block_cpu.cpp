@@ -6,16 +6,26 @@
 // 128x128, 1x32): the input is walked in tiles of about 128 KiB that hold
 // whole blocks of both outputs (a multiple of every block edge, at least 128
 // rows when the transposed copy is wanted). Each tile is read from memory
-// once: the row-major blocks are quantized row by row, then, from cache, the
-// column amaxes of each band of rows give the columnwise scales, the rows are
-// cast with one scale per column into a stripe, and the stripe is written
-// out transposed in 16 x 16 byte blocks. Tiles run in parallel.
+// once, its rows prefetched ahead when they are short runs:
+//   - 1 x n row-major blocks: one kernel call a row quantizes its blocks
+//     (amaxes, scales, casts) and, with the transposed copy, folds the row
+//     into the column amaxes of its band and packs it into scratch; the
+//     transposed copy is then cast from the packed tile (contiguous, so no
+//     cache set conflicts of the input's row stride) 16 x 16 at a time,
+//     transposed in registers, and written in whole lines;
+//   - blocks of several rows (128 x 128): an amax pass that packs the rows,
+//     then the cast from the packed rows; the transposed copy has the same
+//     blocks, so it is the row-major bytes transposed, with the same scales;
+//   - other shapes: column amaxes of each band from cache, the rows cast with
+//     one scale per column into a stripe, the stripe transposed.
+// Outputs of 8 MiB or more are written with non-temporal stores where
+// aligned, as the tensorwise quantize does. Tiles run in parallel.
 //
 // Columnwise blocks that span all rows of a tall input (rowwise scaling's
 // transposed copy: one scale per column of x) need every row before any
 // cast, so they take two passes: the first (fused with the row-major blocks)
-// reduces per-thread column amaxes over chunks of rows, the second casts and
-// transposes tiles with the finished column scales.
+// reduces per-thread column amaxes over chunks of rows, the second packs
+// tiles of rows and casts and transposes them with the finished column scales.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
