@@ -13,8 +13,8 @@
 //     transposed copy is then cast from the packed tile (contiguous, so no
 //     cache set conflicts of the input's row stride) 16 x 16 at a time,
 //     transposed in registers, and written in whole lines;
-//   - blocks of several rows (128 x 128): an amax pass that packs the rows,
-//     then the cast from the packed rows; the transposed copy has the same
+//   - blocks of several rows (128 x 128): an amax pass, then the cast from
+//     cache (packing the rows measured slower here); the transposed copy has the same
 //     blocks, so it is the row-major bytes transposed, with the same scales;
 //   - other shapes: column amaxes of each band from cache, the rows cast with
 //     one scale per column into a stripe, the stripe transposed.
@@ -298,12 +298,7 @@ class Quantizer {
     float* amax = s.floats(s.amax, nb);
     float* scale = s.floats(s.scale, nb);
     uint8_t* q = p_.output.ptr<uint8_t>();
-    // Blocks of several rows: the amax pass packs the rows it reads, and the
-    // cast pass reads them back from there (L2, without the set conflicts of
-    // the input's row stride).
-    const bool packed = l.rows > 1;
-    const int64_t row_bytes = w * esize_, ahead = prefetch_rows(w);
-    if (packed && static_cast<int64_t>(s.copy.size()) < l.rows * row_bytes) s.copy.resize(l.rows * row_bytes);
+    const int64_t ahead = prefetch_rows(w);
     for (int64_t rb = t.r0; rb < t.r1; rb += l.rows) {
       const int64_t re = std::min(t.r1, rb + l.rows);
       std::fill(amax, amax + nb, 0.0f);
@@ -311,14 +306,10 @@ class Quantizer {
         prefetch_ahead(t, r, ahead);
         kn_.segment_amax(at(r, t.c0), w, l.cols, amax);
         if (col_amax) kn_.column_amax(at(r, t.c0), w, col_amax);
-        if (packed) std::memcpy(s.copy.data() + (r - rb) * row_bytes, at(r, t.c0), static_cast<size_t>(row_bytes));
       }
       const int64_t first = (rb / l.rows) * l.grid_cols + t.c0 / l.cols;
       for (int64_t j = 0; j < nb; ++j) scale[j] = scale_of(amax[j], l, p_.scale_inv.data, first + j);
-      for (int64_t r = rb; r < re; ++r) {
-        const void* src = packed ? static_cast<const void*>(s.copy.data() + (r - rb) * row_bytes) : at(r, t.c0);
-        kn_.segment_cast(src, q + r * p_.k + t.c0, w, l.cols, scale);
-      }
+      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale);
     }
   }
 
