@@ -6,17 +6,28 @@
 // 128x128, 1x32): the input is walked in tiles of about 128 KiB that hold
 // whole blocks of both outputs (a multiple of every block edge, at least 128
 // rows when the transposed copy is wanted). Each tile is read from memory
-// once: the row-major blocks are quantized row by row, then, from cache, the
-// column amaxes of each band of rows give the columnwise scales, the rows are
-// cast with one scale per column into a stripe, and the stripe is written
-// out transposed in 16 x 16 byte blocks. Tiles run in parallel.
+// once, its rows prefetched ahead when they are short runs:
+//   - 1 x n row-major blocks: one kernel call a row quantizes its blocks
+//     (amaxes, scales, casts) and, with the transposed copy, folds the row
+//     into the column amaxes of its band and packs it into scratch; the
+//     transposed copy is then cast from the packed tile (contiguous, so no
+//     cache set conflicts of the input's row stride) 16 x 16 at a time,
+//     transposed in registers, and written in whole lines;
+//   - blocks of several rows (128 x 128): an amax pass, then the cast from
+//     cache (packing the rows measured slower here); the transposed copy has the same
+//     blocks, so it is the row-major bytes transposed, with the same scales;
+//   - other shapes: column amaxes of each band from cache, the rows cast with
+//     one scale per column into a stripe, the stripe transposed.
+// Outputs of 8 MiB or more are written with non-temporal stores where
+// aligned, as the tensorwise quantize does. Tiles run in parallel.
 //
 // Columnwise blocks that span all rows of a tall input (rowwise scaling's
 // transposed copy: one scale per column of x) need every row before any
 // cast, so they take two passes: the first (fused with the row-major blocks)
-// reduces per-thread column amaxes over chunks of rows, the second casts and
-// transposes tiles with the finished column scales.
+// reduces per-thread column amaxes over chunks of rows, the second packs
+// tiles of rows and casts and transposes them with the finished column scales.
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -74,6 +85,46 @@ void transpose(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, u
   }
 }
 
+template <typename In, typename Out>
+void row_blocks(const void* xv, uint8_t* q, int64_t n, int64_t seg, const ScaleRule& rule, void* scale_inv,
+                int64_t first, float* col_amax, bool /*stream*/) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    const int64_t e = std::min(n, b + seg);
+    float a = 0.0f;
+    for (int64_t i = b; i < e; ++i) {
+      const float v = In::load(x[i]);
+      a = fp8::amax_update(a, v);
+      if (col_amax) col_amax[i] = fp8::amax_update(col_amax[i], v);
+    }
+    const float scale = block_scale_of(a, rule, scale_inv, first + j);
+    for (int64_t i = b; i < e; ++i) q[i] = Out::quantize(In::load(x[i]), scale);
+  }
+}
+
+template <typename In, typename Out>
+void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
+                    int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool /*stream*/) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  constexpr int64_t kSub = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kSub) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kSub) {
+      for (int64_t c = c0; c < std::min(cols, c0 + kSub); ++c) {
+        for (int64_t r = r0; r < std::min(rows, r0 + kSub); ++r) {
+          dst[c * ld_dst + r] = Out::quantize(In::load(x[r * ld_x + c]), scale[(r / band_rows) * scale_step + c]);
+        }
+      }
+    }
+  }
+}
+
+void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                   bool /*stream*/) {
+  transpose(src, ld_src, rows, cols, dst, ld_dst);
+}
+
+void no_fence() {}
+
 // ---- driver --------------------------------------------------------------
 
 // Elements per tile: the tile's input (128 KiB of fp32) stays in L2 between
@@ -84,6 +135,14 @@ constexpr int64_t kTileElems = 32 * 1024;
 constexpr int64_t kMinTransposeRows = 128;
 // Columnwise blocks spanning more rows than this (and all of them) take two passes.
 constexpr int64_t kMaxBandRows = 256;
+// Outputs of at least this many bytes are written with non-temporal stores
+// (as the tensorwise quantize does): no read for ownership of their lines, and
+// no eviction of the input being read.
+constexpr int64_t kStreamBytes = 8 << 20;
+// How far ahead the row loops prefetch the input.
+constexpr int64_t kPrefetchBytes = 8 << 10;
+// Row runs at least this long are left to the hardware prefetchers.
+constexpr int64_t kPrefetchBelowBytes = 4 << 10;
 
 struct Tile {
   int64_t r0, r1, c0, c1;
@@ -93,7 +152,7 @@ struct Tile {
 // parallel_for rethrows an allocation failure after the region).
 struct Scratch {
   std::vector<float> amax, scale;
-  std::vector<uint8_t> stripe;
+  std::vector<uint8_t> stripe, copy;
   float* floats(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
@@ -101,6 +160,16 @@ struct Scratch {
 };
 
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// A software prefetch into all cache levels (GCC drops __builtin_prefetch in
+// the row loops at -O3, so on x86 it is spelled out).
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 // The smallest multiple of `base` that is at least `want`, or `extent` when that is smaller.
 int64_t grow(int64_t base, int64_t want, int64_t extent) {
@@ -115,20 +184,109 @@ class Quantizer {
         x_(static_cast<const uint8_t*>(p.input.data)),
         esize_(element_size(p.input.dtype)),
         fp8_max_(p.fp8_dtype == DType::kFloat8E4M3 ? fp8::kE4M3Max : fp8::kE5M2Max),
-        emax_(p.fp8_dtype == DType::kFloat8E4M3 ? 8 : 15) {}  // floor(log2(fp8_max))
+        emax_(p.fp8_dtype == DType::kFloat8E4M3 ? 8 : 15),  // floor(log2(fp8_max))
+        rule_{fp8_max_, emax_, p.block.e8m0, p.power_2_scale, p.e8m0_floor},
+        stream_(p.m * p.k >= kStreamBytes) {}
 
   const void* at(int64_t r, int64_t c) const { return x_ + (r * p_.k + c) * esize_; }
 
   // Scale of one block from its amax; writes the block's scale_inv (float32 or E8M0 bits).
   float scale_of(float amax, const BlockLayout& l, void* scale_inv, int64_t index) const {
-    if (l.e8m0) {
-      const int e = fp8::e8m0_exponent(amax, fp8_max_, emax_, p_.e8m0_floor);
-      static_cast<uint8_t*>(scale_inv)[index] = static_cast<uint8_t>(e + fp8::kE8M0Bias);
-      return fp8::exp2_int(-e);
+    const ScaleRule rule{fp8_max_, emax_, l.e8m0, p_.power_2_scale, p_.e8m0_floor};
+    return block_scale_of(amax, rule, scale_inv, index);
+  }
+
+  // Row-major 1 x n blocks of rows [r0, r1) x columns [c0, c1), one kernel call a row.
+  // With `col_amax`, also folds row r into col_amax + ((r - r0) / band_rows) * (c1 - c0);
+  // with `copy`, also copies the tile's input there, rows packed.
+  void row_blocks(const Tile& t, float* col_amax, int64_t band_rows, uint8_t* copy) const {
+    const BlockLayout& l = p_.block;
+    const int64_t w = t.c1 - t.c0;
+    uint8_t* q = p_.output.ptr<uint8_t>();
+    const int64_t ahead = prefetch_rows(w);
+    for (int64_t r = t.r0; r < t.r1; ++r) {
+      prefetch_ahead(t, r, ahead);
+      float* ca = col_amax ? col_amax + ((r - t.r0) / band_rows) * w : nullptr;
+      kn_.row_blocks(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, rule_, p_.scale_inv.data,
+                     r * l.grid_cols + t.c0 / l.cols, ca, stream_);
+      if (copy) std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
     }
-    const float scale = fp8::block_scale(amax, fp8_max_, p_.power_2_scale);
-    static_cast<float*>(scale_inv)[index] = 1.0f / scale;
-    return scale;
+  }
+
+  // Rows of a tile are short runs of the input (a tile spans a few KiB of
+  // each of its rows), too short for the hardware prefetchers to ramp up, so
+  // the row loops prefetch about kPrefetchBytes ahead: row r + ahead, and past
+  // the tile's last row the first rows of the tile to its right (the next
+  // tile of this thread).
+  // Runs of a page or more need no help: 0 rows ahead.
+  int64_t prefetch_rows(int64_t w) const {
+    if (w * esize_ >= kPrefetchBelowBytes) return 0;
+    return std::clamp<int64_t>(ceil_div(kPrefetchBytes, w * esize_), 1, 32);
+  }
+
+  void prefetch_ahead(const Tile& t, int64_t r, int64_t ahead) const {
+    if (ahead == 0) return;
+    int64_t rp = r + ahead, c0 = t.c0, c1 = t.c1;
+    if (rp >= t.r1) {
+      if (t.c1 >= p_.k) return;
+      rp = t.r0 + (rp - t.r1);
+      c0 = t.c1;
+      c1 = std::min(p_.k, t.c1 + (t.c1 - t.c0));
+      if (rp >= t.r1) return;
+    }
+    const char* b = static_cast<const char*>(at(rp, c0));
+    const int64_t bytes = (c1 - c0) * esize_;
+    for (int64_t i = 0; i < bytes; i += 64) prefetch_line(b + i);
+  }
+
+  // Copies the tile's input into `copy`, rows packed.
+  void pack(const Tile& t, uint8_t* copy) const {
+    const int64_t w = t.c1 - t.c0, ahead = prefetch_rows(w);
+    for (int64_t r = t.r0; r < t.r1; ++r) {
+      prefetch_ahead(t, r, ahead);
+      std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
+    }
+  }
+
+  // 1 x n row-major blocks and their transposed copy in one read of the tile from
+  // memory: the row pass also folds the column amaxes of each band and packs the
+  // tile into scratch, from where (L2, no set conflicts of the input's row stride)
+  // the columnwise cast reads it.
+  void row_blocks_and_columns(const Tile& t, Scratch& s) const {
+    const int64_t band_rows = p_.block_t.cols, w = t.c1 - t.c0, h = t.r1 - t.r0;
+    const int64_t bands = ceil_div(h, band_rows);
+    float* amax = s.floats(s.amax, bands * w);
+    float* scale = s.floats(s.scale, bands * w);
+    if (static_cast<int64_t>(s.copy.size()) < h * w * esize_) s.copy.resize(h * w * esize_);
+    std::fill(amax, amax + bands * w, 0.0f);
+    row_blocks(t, amax, band_rows, s.copy.data());
+    for (int64_t b = 0; b < bands; ++b) column_scales(amax + b * w, t.c0, w, t.r0 / band_rows + b, scale + b * w);
+    kn_.cast_transpose(s.copy.data(), w, h, w, scale, w, band_rows, p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0,
+                       p_.m, stream_);
+  }
+
+  // Whether the transposed copy's blocks are the row-major blocks transposed
+  // (128 x 128): the same amaxes give the same scales, so output_t is output transposed.
+  bool transposed_blocks() const {
+    return p_.output.defined() && p_.output_t.defined() && p_.block_t.rows == p_.block.cols &&
+           p_.block_t.cols == p_.block.rows && p_.block_t.e8m0 == p_.block.e8m0;
+  }
+
+  // output_t and scale_inv_t of the tile from its row-major blocks (transposed_blocks()).
+  void transpose_blocks(const Tile& t) const {
+    const BlockLayout &l = p_.block, &lt = p_.block_t;
+    for (int64_t br = t.r0 / l.rows; br < ceil_div(t.r1, l.rows); ++br) {
+      for (int64_t bc = t.c0 / l.cols; bc < ceil_div(t.c1, l.cols); ++bc) {
+        const int64_t from = br * l.grid_cols + bc, to = bc * lt.grid_cols + br;
+        if (l.e8m0) {
+          p_.scale_inv_t.ptr<uint8_t>()[to] = p_.scale_inv.ptr<uint8_t>()[from];
+        } else {
+          p_.scale_inv_t.ptr<float>()[to] = p_.scale_inv.ptr<float>()[from];
+        }
+      }
+    }
+    kn_.transpose_out(p_.output.ptr<uint8_t>() + t.r0 * p_.k + t.c0, p_.k, t.r1 - t.r0, t.c1 - t.c0,
+                      p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
   }
 
   // Row-major blocks of the tile (whole blocks: rows from a multiple of the block
@@ -140,10 +298,12 @@ class Quantizer {
     float* amax = s.floats(s.amax, nb);
     float* scale = s.floats(s.scale, nb);
     uint8_t* q = p_.output.ptr<uint8_t>();
+    const int64_t ahead = prefetch_rows(w);
     for (int64_t rb = t.r0; rb < t.r1; rb += l.rows) {
       const int64_t re = std::min(t.r1, rb + l.rows);
       std::fill(amax, amax + nb, 0.0f);
       for (int64_t r = rb; r < re; ++r) {
+        prefetch_ahead(t, r, ahead);
         kn_.segment_amax(at(r, t.c0), w, l.cols, amax);
         if (col_amax) kn_.column_amax(at(r, t.c0), w, col_amax);
       }
@@ -203,6 +363,8 @@ class Quantizer {
   const int64_t esize_;
   const float fp8_max_;
   const int emax_;
+  const ScaleRule rule_;  // of the row-major blocks
+  const bool stream_;
 };
 
 // Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads.
@@ -227,9 +389,25 @@ void Quantizer::one_pass() const {
   if (col) h = grow(h, kMinTransposeRows, p_.m);
   w = grow(w, kTileElems / h, p_.k);
   h = grow(h, kTileElems / w, p_.m);
+  const bool row_vectors = row && p_.block.rows == 1;  // 1 x n row-major blocks
+  const bool fused = row_vectors && col && p_.block_t.cols % 16 == 0;
+  const bool reuse = transposed_blocks();
   for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
-    if (row) rowwise(t, s, nullptr);
-    if (col) columnwise(t, s);
+    if (fused) {
+      row_blocks_and_columns(t, s);
+    } else {
+      if (row_vectors) {
+        row_blocks(t, nullptr, 1, nullptr);
+      } else if (row) {
+        rowwise(t, s, nullptr);
+      }
+      if (reuse) {
+        transpose_blocks(t);
+      } else if (col) {
+        columnwise(t, s);
+      }
+    }
+    kn_.fence();
   });
 }
 
@@ -243,8 +421,14 @@ void Quantizer::two_pass() const {
   std::vector<float> partial(static_cast<size_t>(threads) * k, 0.0f);
   for_each_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
     float* col_amax = partial.data() + static_cast<int64_t>(omp_get_thread_num()) * k;
-    if (row) return rowwise(t, s, col_amax);
-    for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
+    if (row && p_.block.rows == 1) {
+      row_blocks(t, col_amax, t.r1 - t.r0, nullptr);
+      kn_.fence();
+    } else if (row) {
+      rowwise(t, s, col_amax);
+    } else {
+      for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
+    }
   });
   for (int i = 1; i < threads; ++i) {
     const float* other = partial.data() + int64_t{i} * k;
@@ -255,7 +439,12 @@ void Quantizer::two_pass() const {
   // Pass 2: cast and transpose.
   const int64_t w = grow(1, kTileElems / kMinTransposeRows, k);
   for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
-    cast_transposed(t, scale.data() + t.c0, 0, p_.m, s);
+    const int64_t tw = t.c1 - t.c0, th = t.r1 - t.r0;
+    if (static_cast<int64_t>(s.copy.size()) < th * tw * esize_) s.copy.resize(th * tw * esize_);
+    pack(t, s.copy.data());
+    kn_.cast_transpose(s.copy.data(), tw, th, tw, scale.data() + t.c0, 0, 16,
+                       p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
+    kn_.fence();
   });
 }
 
@@ -266,7 +455,9 @@ RowKernels generic_kernels(DType in, DType out) {
     using In = decltype(in_tag);
     return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
       using Out = decltype(out_tag);
-      return RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>, column_cast<In, Out>, transpose};
+      return RowKernels{segment_amax<In>,    segment_cast<In, Out>,   column_amax<In>, column_cast<In, Out>,
+                        transpose,           row_blocks<In, Out>,     cast_transpose<In, Out>,
+                        transpose_out,       no_fence};
     });
   });
 }

@@ -8,11 +8,34 @@
 
 #include <cstdint>
 
+#include "transformer_linear/block_math.h"
 #include "transformer_linear/tensor.h"
 
 namespace tl {
 namespace cpu {
 namespace quantize_block {
+
+/*! \brief How a block's amax becomes its scale and the scale_inv stored for it. */
+struct ScaleRule {
+  float fp8_max;
+  int emax;  // floor(log2(fp8_max))
+  bool e8m0, power_2, e8m0_floor;
+};
+
+/*!
+ * \brief Scale of one block from its amax; writes the block's scale_inv (float32, or E8M0 bits
+ *        when rule.e8m0) at scale_inv[index].
+ */
+inline float block_scale_of(float amax, const ScaleRule& rule, void* scale_inv, int64_t index) {
+  if (rule.e8m0) {
+    const int e = fp8::e8m0_exponent(amax, rule.fp8_max, rule.emax, rule.e8m0_floor);
+    static_cast<uint8_t*>(scale_inv)[index] = static_cast<uint8_t>(e + fp8::kE8M0Bias);
+    return fp8::exp2_int(-e);
+  }
+  const float scale = fp8::block_scale(amax, rule.fp8_max, rule.power_2);
+  static_cast<float*>(scale_inv)[index] = 1.0f / scale;
+  return scale;
+}
 
 /*! \brief Row kernels of one (input dtype, FP8 dtype) pair; `x` points at input elements. */
 struct RowKernels {
@@ -30,6 +53,26 @@ struct RowKernels {
   /*! \brief dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols. */
   void (*transpose)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
                     int64_t ld_dst);
+  /*!
+   * \brief The 1 x seg blocks of one row in one call: for each segment j of [0, n) (as in
+   *        segment_amax), its amax, its scale block_scale_of(amax, rule, scale_inv, first + j), and
+   *        q[i] = quantize(x[i], scale). With `col_amax`, also col_amax[i] = max(col_amax[i], |x[i]|).
+   *        With `stream`, q is written with non-temporal stores where aligned; the caller runs
+   *        `fence` before the results are read.
+   */
+  void (*row_blocks)(const void* x, uint8_t* q, int64_t n, int64_t seg, const ScaleRule& rule, void* scale_inv,
+                     int64_t first, float* col_amax, bool stream);
+  /*!
+   * \brief dst[c * ld_dst + r] = quantize(x[r * ld_x + c], scale[(r / band_rows) * scale_step + c]) for
+   *        r < rows, c < cols (band_rows a multiple of 16). With `stream`, as in row_blocks.
+   */
+  void (*cast_transpose)(const void* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
+                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream);
+  /*! \brief transpose, with non-temporal stores to dst where aligned when `stream`. */
+  void (*transpose_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                        int64_t ld_dst, bool stream);
+  /*! \brief Orders the non-temporal stores of this thread before what follows (sfence, or nothing). */
+  void (*fence)();
 };
 
 /*! \brief Portable kernels. */

@@ -47,6 +47,219 @@ void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   }
 }
 
+// amax of x[b, e), folding |x[i]| into col_amax[i] on the way.
+template <typename In>
+TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t e, float* col_amax) {
+  __m256i acc = _mm256_setzero_si256();
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) {
+    const __m256i a = abs_bits(load_hp<In>(x + i));
+    acc = _mm256_max_epu32(acc, a);
+    __m256i* c = reinterpret_cast<__m256i*>(col_amax + i);
+    _mm256_storeu_si256(c, _mm256_max_epu32(_mm256_loadu_si256(c), a));
+  }
+  uint32_t bits = reduce_max_epu32(acc);
+  for (; i < e; ++i) {
+    const float v = In::load(x[i]);
+    col_amax[i] = fp8::amax_update(col_amax[i], v);
+    bits = std::max(bits, fp8::bits_of(v) & 0x7fffffffu);
+  }
+  return fp8::float_of(bits);
+}
+
+// q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+template <typename In, typename Out, bool kStream>
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256 sc, int64_t b, int64_t e) {
+  int64_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    __m256 v[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
+    const __m256i bytes = pack_bytes(to_fp8<Out>(v[0], sc), to_fp8<Out>(v[1], sc), to_fp8<Out>(v[2], sc),
+                                     to_fp8<Out>(v[3], sc));
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(bytes));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), _mm256_extracti128_si256(bytes, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
+    }
+  }
+  for (; i + 16 <= e; i += 16) {
+    const __m128i v = pack_bytes(to_fp8<Out>(load_hp<In>(x + i), sc), to_fp8<Out>(load_hp<In>(x + i + 8), sc));
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), v);
+    }
+  }
+  if (i < e) {
+    const int64_t rest = e - i, n0 = std::min<int64_t>(rest, 8);
+    const __m256i lo = to_fp8<Out>(load_hp<In>(x + i, n0), sc);
+    const __m256i hi = rest > 8 ? to_fp8<Out>(load_hp<In>(x + i + 8, rest - 8), sc) : _mm256_setzero_si256();
+    alignas(16) uint8_t bytes[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), pack_bytes(lo, hi));
+    std::memcpy(q + i, bytes, static_cast<size_t>(rest));
+  }
+}
+
+template <typename In, typename Out, bool kStream>
+void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
+                     const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
+  // Up to kGroup blocks at a time: their amaxes, then their scales, then their
+  // casts, so that the scale math of one block (two divisions) does not sit
+  // between its amax and its cast.
+  constexpr int64_t kGroup = 32;
+  float amax[kGroup], scale[kGroup];
+  for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
+    const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
+      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
+    }
+    for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg;
+      cast_block<In, Out, kStream>(x, q, _mm256_set1_ps(scale[j]), b, std::min(n, b + seg));
+    }
+  }
+}
+
+// The row-major output goes out with ordinary stores: on Zen 3 / Zen 4 the
+// 16-byte non-temporal stores AVX2 has for it measured no faster (slower for
+// bf16 input) than letting the lines through the cache. `stream` is ignored.
+template <typename In, typename Out>
+void row_blocks(const void* xv, uint8_t* q, int64_t n, int64_t seg, const quantize_block::ScaleRule& rule,
+                void* scale_inv, int64_t first, float* col_amax, bool /*stream*/) {
+  row_blocks_impl<In, Out, false>(static_cast<const typename In::storage*>(xv), q, n, seg, rule, scale_inv, first,
+                                  col_amax);
+}
+
+// Rows of up to 128 bytes from a 16-row buffer (row j at buffer + j * 128) to
+// dst + j * ld_dst: whole 32-byte stores, non-temporal when kStream and aligned.
+template <bool kStream>
+TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nbytes, uint8_t* dst, int64_t ld_dst) {
+  for (int64_t j = 0; j < nrows; ++j) {
+    const uint8_t* row = buffer + j * 128;
+    uint8_t* out = dst + j * ld_dst;
+    if (nbytes == 128) {
+      const bool stream = kStream && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+#pragma GCC unroll 4
+      for (int b = 0; b < 128; b += 32) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(row + b));
+        if (stream) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(out + b), v);
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), v);
+        }
+      }
+    } else {
+      std::memcpy(out, row, static_cast<size_t>(nbytes));
+    }
+  }
+}
+
+// The transposed cast: 16 columns x 16 rows are cast with the columns' scales,
+// transposed in registers into a buffer of 16 output rows x 128 bytes, which
+// goes out in whole lines (see transpose_bytes).
+template <typename In, typename Out, bool kStream>
+void cast_transpose_impl(const typename In::storage* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
+                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    const int64_t n0 = std::min<int64_t>(nc, 8), n1 = nc - n0;
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        const float* sp = scale + ((r0 + r) / band_rows) * scale_step + c;
+        const typename In::storage* xr = x + (r0 + r) * ld_x + c;
+        __m128i block[16];
+        if (nrows == 16 && nc == 16) {
+          const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            block[i] = pack_bytes(to_fp8<Out>(load_hp<In>(xr + i * ld_x), s0),
+                                  to_fp8<Out>(load_hp<In>(xr + i * ld_x + 8), s1));
+          }
+        } else {
+          const __m256 s0 = load_scales(sp, n0), s1 = n1 > 0 ? load_scales(sp + 8, n1) : _mm256_setzero_ps();
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i < nrows) {
+              const __m256i lo = to_fp8<Out>(n0 == 8 ? load_hp<In>(xr + i * ld_x) : load_hp<In>(xr + i * ld_x, n0), s0);
+              const __m256i hi = n1 > 0 ? to_fp8<Out>(n1 == 8 ? load_hp<In>(xr + i * ld_x + 8)
+                                                              : load_hp<In>(xr + i * ld_x + 8, n1), s1)
+                                        : _mm256_setzero_si256();
+              block[i] = pack_bytes(lo, hi);
+            } else {
+              block[i] = _mm_setzero_si128();
+            }
+          }
+        }
+        sse2::transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
+    }
+  }
+}
+
+template <typename In, typename Out>
+void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale, int64_t scale_step,
+                    int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  if (stream) {
+    cast_transpose_impl<In, Out, true>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
+  } else {
+    cast_transpose_impl<In, Out, false>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
+  }
+}
+
+template <bool kStream>
+void transpose_out_impl(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                        int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        const uint8_t* sr = src + (r0 + r) * ld_src + c;
+        __m128i block[16];
+        if (nc == 16 && nrows == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + i * ld_src));
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            alignas(16) uint8_t row[16] = {};
+            if (i < nrows) std::memcpy(row, sr + i * ld_src, static_cast<size_t>(nc));
+            block[i] = _mm_load_si128(reinterpret_cast<const __m128i*>(row));
+          }
+        }
+        sse2::transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
+    }
+  }
+}
+
+void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                   bool stream) {
+  if (stream) {
+    transpose_out_impl<true>(src, ld_src, rows, cols, dst, ld_dst);
+  } else {
+    transpose_out_impl<false>(src, ld_src, rows, cols, dst, ld_dst);
+  }
+}
+
+void fence() { _mm_sfence(); }
+
 #include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
 
 }  // namespace

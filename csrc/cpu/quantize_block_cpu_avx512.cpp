@@ -43,6 +43,183 @@ void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   }
 }
 
+// amax of x[b, e), folding |x[i]| into col_amax[i] on the way.
+template <typename In>
+TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t e, float* col_amax) {
+  __m512i acc = _mm512_setzero_si512();
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m512i a = abs_bits(load_hp<In>(x + i));
+    acc = _mm512_max_epu32(acc, a);
+    _mm512_storeu_si512(col_amax + i, _mm512_max_epu32(_mm512_loadu_si512(col_amax + i), a));
+  }
+  if (i < e) {
+    const __mmask16 m = tail_mask(e - i);
+    const __m512i a = abs_bits(load_hp<In>(x + i, m));
+    acc = _mm512_max_epu32(acc, a);
+    _mm512_mask_storeu_epi32(col_amax + i, m, _mm512_max_epu32(_mm512_maskz_loadu_epi32(m, col_amax + i), a));
+  }
+  return fp8::float_of(_mm512_reduce_max_epu32(acc));
+}
+
+// q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+template <typename In, typename Out, bool kStream>
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512 sc, int64_t b, int64_t e) {
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m128i v = to_fp8<Out>(load_hp<In>(x + i), sc);
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), v);
+    }
+  }
+  if (i < e) {
+    const __mmask16 m = tail_mask(e - i);
+    _mm_mask_storeu_epi8(q + i, m, to_fp8<Out>(load_hp<In>(x + i, m), sc));
+  }
+}
+
+template <typename In, typename Out, bool kStream>
+void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
+                     const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
+  // Up to kGroup blocks at a time: their amaxes, then their scales, then their
+  // casts, so that the scale math of one block (two divisions) does not sit
+  // between its amax and its cast.
+  constexpr int64_t kGroup = 32;
+  float amax[kGroup], scale[kGroup];
+  for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
+    const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
+      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
+    }
+    for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t b = b0 + j * seg;
+      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg));
+    }
+  }
+}
+
+template <typename In, typename Out>
+void row_blocks(const void* xv, uint8_t* q, int64_t n, int64_t seg, const quantize_block::ScaleRule& rule,
+                void* scale_inv, int64_t first, float* col_amax, bool stream) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  if (stream && ((reinterpret_cast<uintptr_t>(q) | static_cast<uintptr_t>(seg)) & 15) == 0) {
+    row_blocks_impl<In, Out, true>(x, q, n, seg, rule, scale_inv, first, col_amax);
+  } else {
+    row_blocks_impl<In, Out, false>(x, q, n, seg, rule, scale_inv, first, col_amax);
+  }
+}
+
+// Rows of up to 128 bytes from a 16-row buffer (row j at buffer + j * 128) to
+// dst + j * ld_dst: whole 64-byte stores, non-temporal when kStream and aligned.
+template <bool kStream>
+TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nbytes, uint8_t* dst, int64_t ld_dst) {
+  for (int64_t j = 0; j < nrows; ++j) {
+    const uint8_t* row = buffer + j * 128;
+    uint8_t* out = dst + j * ld_dst;
+    for (int64_t b = 0; b < nbytes; b += 64) {
+      const int64_t n = std::min<int64_t>(64, nbytes - b);
+      if (kStream && n == 64 && (reinterpret_cast<uintptr_t>(out + b) & 63) == 0) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + b), _mm512_load_si512(row + b));
+      } else {
+        const __mmask64 m = n == 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
+        _mm512_mask_storeu_epi8(out + b, m, _mm512_load_si512(row + b));
+      }
+    }
+  }
+}
+
+// The transposed cast: 16 columns x 16 rows are cast with the columns' scales,
+// transposed in registers into a buffer of 16 output rows x 128 bytes, which
+// goes out in whole lines (see transpose_bytes).
+template <typename In, typename Out, bool kStream>
+void cast_transpose_impl(const typename In::storage* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
+                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    const __mmask16 col_mask = tail_mask(nc);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        const __m512 sc = _mm512_maskz_loadu_ps(col_mask, scale + ((r0 + r) / band_rows) * scale_step + c);
+        const typename In::storage* xr = x + (r0 + r) * ld_x + c;
+        __m128i block[16];
+        if (nrows == 16 && nc == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) block[i] = to_fp8<Out>(load_hp<In>(xr + i * ld_x), sc);
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            block[i] = i < nrows ? to_fp8<Out>(load_hp<In>(xr + i * ld_x, col_mask), sc) : _mm_setzero_si128();
+          }
+        }
+        sse2::transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
+    }
+  }
+}
+
+template <typename In, typename Out>
+void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale, int64_t scale_step,
+                    int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  if (stream) {
+    cast_transpose_impl<In, Out, true>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
+  } else {
+    cast_transpose_impl<In, Out, false>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
+  }
+}
+
+template <bool kStream>
+void transpose_out_impl(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                        int64_t ld_dst) {
+  constexpr int64_t kChunk = 128;
+  alignas(64) uint8_t buffer[16 * kChunk];
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t nc = std::min<int64_t>(16, cols - c);
+    const __mmask16 col_mask = tail_mask(nc);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        const uint8_t* sr = src + (r0 + r) * ld_src + c;
+        __m128i block[16];
+        if (nc == 16 && nrows == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) block[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sr + i * ld_src));
+        } else {
+          for (int64_t i = 0; i < 16; ++i) {
+            block[i] = i < nrows ? _mm_maskz_loadu_epi8(col_mask, sr + i * ld_src) : _mm_setzero_si128();
+          }
+        }
+        sse2::transpose16x16(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
+      }
+      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
+    }
+  }
+}
+
+void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                   bool stream) {
+  if (stream) {
+    transpose_out_impl<true>(src, ld_src, rows, cols, dst, ld_dst);
+  } else {
+    transpose_out_impl<false>(src, ld_src, rows, cols, dst, ld_dst);
+  }
+}
+
+void fence() { _mm_sfence(); }
+
 #include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
 
 }  // namespace
