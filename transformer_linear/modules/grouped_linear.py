@@ -23,12 +23,10 @@ from torch import Tensor, nn
 
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.grouped_linear_ops import (
-    GroupedLinearFwdArgs,
     check_grouped_linear_args,
     check_grouped_quantization,
-    grouped_linear_fwd,
     high_precision_grouped_linear,
-    output_dtype,
+    run_grouped_linear,
 )
 from transformer_linear.recipe import Recipe, amax_reduction
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
@@ -171,23 +169,7 @@ class GroupedLinear(nn.Module):
         if recipe is None:
             return high_precision_grouped_linear(inp, self.weight, offs, self.bias)
         spec = check_grouped_quantization("GroupedLinear", recipe)
-        grad = torch.is_grad_enabled()
-        bias = self.bias
-        args = GroupedLinearFwdArgs(
-            inp=inp,
-            weight=self.weight,
-            bias=bias,
-            offs=offs,
-            input_requires_grad=grad and inp.requires_grad,
-            weight_requires_grad=grad and self.weight.requires_grad,
-            bias_requires_grad=grad and bias is not None and bias.requires_grad,
-            quantization=spec,
-            delayed=self.delayed_scaling_state.op_args(self, spec.history) if spec.history is not None else None,
-            out_dtype=output_dtype(inp),
-        )
-        if args.delayed is not None:
-            return self.delayed_scaling_state.forward(self, args, grouped_linear_fwd).out
-        return grouped_linear_fwd(args).out
+        return run_grouped_linear(self, inp, self.weight, offs, self.bias, spec)
 
     def _offs(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
         """The (num_gemms,) int32 cumulative row ends of ``m_splits``, made on inp's device."""

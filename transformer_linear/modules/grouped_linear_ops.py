@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from transformer_linear import ops
 from transformer_linear.formats.dtypes import FP8_DTYPES
@@ -469,6 +469,15 @@ def grouped_linear(
             f"grouped_linear: recipe {type(recipe).__name__} takes its scales from an amax history, which the "
             "functional form does not keep: use tl.GroupedLinear (or Float8CurrentScaling)"
         )
+    return run_grouped_linear(None, inp, weight, offs, bias, spec)
+
+
+def run_grouped_linear(
+    owner: Optional[nn.Module], inp: Tensor, weight: Tensor, offs: Tensor, bias: Optional[Tensor],
+    spec: QuantizationSpec,
+) -> Tensor:
+    """The FP8 grouped Linear's forward under ``spec`` (checked by check_grouped_quantization), through
+    ``owner``'s delayed-scaling state where ``spec`` takes its scales from an amax history."""
     grad = torch.is_grad_enabled()
     args = GroupedLinearFwdArgs(
         inp=inp,
@@ -479,7 +488,9 @@ def grouped_linear(
         weight_requires_grad=grad and weight.requires_grad,
         bias_requires_grad=grad and bias is not None and bias.requires_grad,
         quantization=spec,
-        delayed=None,
+        delayed=owner.delayed_scaling_state.op_args(owner, spec.history) if spec.history is not None else None,
         out_dtype=output_dtype(inp),
     )
+    if args.delayed is not None:
+        return owner.delayed_scaling_state.forward(owner, args, grouped_linear_fwd).out
     return grouped_linear_fwd(args).out

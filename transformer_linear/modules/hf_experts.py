@@ -28,13 +28,11 @@ from torch import Tensor, nn
 
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.grouped_linear_ops import (
-    GroupedLinearFwdArgs,
     check_grouped_linear_args,
     check_grouped_quantization,
     grouped_linear,
-    grouped_linear_fwd,
     high_precision_grouped_linear,
-    output_dtype,
+    run_grouped_linear,
 )
 from transformer_linear.recipe import Recipe, amax_reduction
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
@@ -134,22 +132,7 @@ class ExpertsFP8State(nn.Module):
         if recipe is None:
             return high_precision_grouped_linear(inp, weight, offs, bias)
         spec = check_grouped_quantization("ExpertsFP8State", recipe)
-        grad = torch.is_grad_enabled()
-        args = GroupedLinearFwdArgs(
-            inp=inp,
-            weight=weight,
-            bias=bias,
-            offs=offs,
-            input_requires_grad=grad and inp.requires_grad,
-            weight_requires_grad=grad and weight.requires_grad,
-            bias_requires_grad=grad and bias is not None and bias.requires_grad,
-            quantization=spec,
-            delayed=self.delayed_scaling_state.op_args(self, spec.history) if spec.history is not None else None,
-            out_dtype=output_dtype(inp),
-        )
-        if args.delayed is not None:
-            return self.delayed_scaling_state.forward(self, args, grouped_linear_fwd).out
-        return grouped_linear_fwd(args).out
+        return run_grouped_linear(self, inp, weight, offs, bias, spec)
 
 
 def attach_fp8_states(module: nn.Module, recipe: Optional[Recipe]) -> list[str]:
