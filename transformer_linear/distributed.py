@@ -125,6 +125,9 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     tensor is the whole weight's (amax all-reduced over the shard group), so the gathered weight is
     bitwise the whole weight quantized, and training is bitwise what ``fp8_all_gather=False`` gives.
     The optimizer, the gradient reduce-scatter and ``state_dict`` still see the high-precision weight.
+    On a 1-rank mesh nothing is gathered and the weights stay as they are (the forward quantizes the
+    whole weight, as the gather would have). Every ``tl.Linear`` sharded here is marked
+    ``fsdp_sharded``: a ``tl.quantized_model_init`` layer keeps no whole-weight quantized copy.
 
     Off by default: with it, a layer's weight exists unsharded only in its recipe's form, so the layer
     must run under that recipe in every forward (a high-precision forward, or one under another recipe,
@@ -149,7 +152,12 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     check_fsdp_compatible(module)
     if fp8_all_gather is not False:
         _wrap_for_fp8_all_gather(module, fp8_all_gather, kwargs.get("mesh"))
-    return torch_fully_shard(module, **kwargs)
+    sharded = torch_fully_shard(module, **kwargs)
+    for layer in sharded.modules():
+        if isinstance(layer, Linear):
+            layer.fsdp_sharded = True
+            quantized_init.requantize(layer)  # a quantized_model_init layer's whole-weight copy goes
+    return sharded
 
 
 def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Recipe], mesh: Any) -> None:
@@ -161,6 +169,10 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
         world_size = mesh.size(mesh.ndim - 1)
     else:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # FSDP2 on one rank gathers nothing: it builds the unsharded parameter from fsdp_pre_all_gather's first
+    # tensor alone (torch 2.13, FSDPParamGroup.wait_for_unshard), which would drop block scales. The
+    # Linear's own forward quantizes the whole weight bitwise as the gather would.
+    skip = world_size == 1
     for fqn, layer in module.named_modules():
         if not isinstance(layer, Linear) or isinstance(layer.weight, FP8AllGatherWeight):
             continue
@@ -176,6 +188,8 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
             )
         spec = quantization_spec(recipe)
         check_shardable(spec.weight, layer.out_features, world_size)
+        if skip:
+            continue
         weight = layer.weight
         layer.weight = nn.Parameter(
             FP8AllGatherWeight(weight.detach(), spec.weight, spec.history), requires_grad=weight.requires_grad

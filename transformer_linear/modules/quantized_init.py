@@ -17,7 +17,9 @@ every step, exactly what the forward of the high-precision-weight Linear does to
 
 Under FSDP2 with ``fully_shard(fp8_all_gather=True)`` the stored copy is dropped: the weight exists
 unsharded only in the quantized form FSDP2 gathers (quantized from the updated shard at each all-gather),
-which the forward reads in its place; the layer's recipe is then this context's.
+which the forward reads in its place; the layer's recipe is then this context's. A weight FSDP2
+shards otherwise (gathered in high precision, or on a 1-rank mesh) keeps no stored copy either
+(``tl.distributed.fully_shard`` sets ``layer.fsdp_sharded``): the forward quantizes the weight it gets.
 
 A layer's weight scale is computed from the weight itself when it is quantized (current scaling), also
 under delayed scaling, whose history still records the weight's amax.
@@ -143,9 +145,9 @@ def requantize(layer: nn.Module) -> None:
     if config is None:
         return
     weight = layer.weight
-    if is_fp8_all_gathered(weight):
-        # FSDP2 gathers it quantized (fp8_all_gather.py): each all-gather quantizes the updated shard, and
-        # the forward reads that; nothing to keep here.
+    if is_fp8_all_gathered(weight) or getattr(layer, "fsdp_sharded", False):
+        # FSDP2 gathers it quantized (fp8_all_gather.py), or in high precision for the forward to quantize;
+        # a whole-weight copy kept here could not be rebuilt from the shard after a step.
         layer._quantized_weight = None
         return
     if weight.device.type == "meta":
