@@ -48,6 +48,8 @@ def test_every_op_is_covered():
     # in test_linear_nvfp4.py (nvfp4_sr_seed draws a new seed per call: tested for reproducibility, not opchecked)
     nvfp4_ops |= {"quantize_nvfp4_packed", "nvfp4_gemm_packed", "nvfp4_sr_seed"}
     grouped_ops = {"fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"}  # in test_grouped_gemm.py
+    grouped_ops |= {"fp8_grouped_gemm_wgrad_blockwise"}  # in test_grouped_wgrad_blockwise.py
+    grouped_ops |= {"grouped_linear_fwd"}  # in test_grouped_linear.py
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     assert registered == expected | nvfp4_ops | grouped_ops
 
