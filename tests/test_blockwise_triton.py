@@ -11,31 +11,17 @@ the variable. Shapes stay small: the interpreter runs each program in numpy.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_interpreted import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETED:
 
     def test_triton_kernels_interpreted(tmp_path):
-        pytest.importorskip("triton", reason="triton is in the 'test' extra")
-        # From an empty folder: `python -m` puts the current directory first on sys.path, and from the
-        # repository root the source tree's transformer_linear (no built extension) would shadow the
-        # installed package.
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert result.returncode == 0, f"interpreted Triton tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-        assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+        run_interpreted(__file__, tmp_path)
 
 else:
     from blockwise_cases import (

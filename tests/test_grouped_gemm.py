@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 from blockwise_cases import E4M3, E5M2, E8M0
 from grouped_cases import PATTERNS, dequantized_grouped_fp32, host_reads_of, nothing, offsets, routing
 from tolerances import assert_close_to_reference, assert_grouped_close_to_reference
+from triton_interpreted import run_interpreted
 
-import transformer_linear
 from transformer_linear import reference
 from transformer_linear.reference import grouped as reference_grouped
 
@@ -422,22 +419,7 @@ if not INTERPRETED:
         assert triton.compile(ASTSource(kernel, signature, consts), target=target).asm["ptx"]
 
     def test_triton_kernels_interpreted(tmp_path):
-        pytest.importorskip("triton", reason="triton is in the 'test' extra")
-        # From an empty folder, with the package under test (the one imported here) first on the path.
-        package_root = str(pathlib.Path(transformer_linear.__file__).resolve().parent.parent)
-        path = os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-            env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert result.returncode == 0, (
-            f"interpreted Triton tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-        )
-        assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+        run_interpreted(__file__, tmp_path)
 
 else:
     import transformer_linear.ops.triton as kernels

@@ -10,34 +10,17 @@ Shapes stay small (the interpreter runs each program in numpy) and include parti
 from __future__ import annotations
 
 import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-
-import transformer_linear
+from triton_interpreted import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETED:
 
     def test_triton_nvfp4_kernels_interpreted(tmp_path):
-        pytest.importorskip("triton", reason="triton is in the 'test' extra")
-        # From an empty folder, with the package under test (the one imported here) first on the path.
-        package_root = str(pathlib.Path(transformer_linear.__file__).resolve().parent.parent)
-        path = os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-            env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path},
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert result.returncode == 0, f"interpreted Triton tests failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-        assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+        run_interpreted(__file__, tmp_path)
 
 else:
     from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
