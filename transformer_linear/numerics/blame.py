@@ -32,7 +32,7 @@ from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
 
-__all__ = ["LayerCall", "Recorder", "observe_layers", "worst_over_steps"]
+__all__ = ["LayerCall", "Recorder", "err_or_nan", "layer_stats", "observe_layers", "worst_over_steps"]
 
 
 @dataclass
@@ -180,8 +180,35 @@ def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -
     return out
 
 
-def _err(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
+def err_or_nan(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
+    """``fn(actual, expected)``, NaN where either is missing (no gradient asked for)."""
     return math.nan if actual is None or expected is None else fn(actual, expected)
+
+
+def layer_stats(
+    name: str, label: str, fp8: Any, exact: Any, e2e: Optional[Any], ranges: dict[str, dict[str, float]],
+    step: Optional[int], **extra: Any,
+) -> LayerStats:
+    """One LayerStats row from the FP8 replay, the high-precision replay of the same call and, where
+    given, the end-to-end high-precision run's call (each with ``output``, ``dgrad``, ``wgrad``)."""
+    return LayerStats(
+        name=name,
+        recipe=label,
+        output_sqnr=sqnr(fp8.output, exact.output),
+        output_max_rel=max_relative_error(fp8.output, exact.output),
+        dgrad_sqnr=err_or_nan(sqnr, fp8.dgrad, exact.dgrad),
+        dgrad_max_rel=err_or_nan(max_relative_error, fp8.dgrad, exact.dgrad),
+        wgrad_sqnr=err_or_nan(sqnr, fp8.wgrad, exact.wgrad),
+        wgrad_max_rel=err_or_nan(max_relative_error, fp8.wgrad, exact.wgrad),
+        input=ranges.get("input", {}),
+        weight=ranges.get("weight", {}),
+        grad_output=ranges.get("grad_output", {}),
+        e2e_output_sqnr=math.nan if e2e is None else sqnr(fp8.output, e2e.output),
+        e2e_dgrad_sqnr=math.nan if e2e is None else err_or_nan(sqnr, fp8.dgrad, e2e.dgrad),
+        e2e_wgrad_sqnr=math.nan if e2e is None else err_or_nan(sqnr, fp8.wgrad, e2e.wgrad),
+        steps=[] if step is None else [step],
+        **extra,
+    )
 
 
 def observe_layers(
@@ -215,25 +242,7 @@ def observe_layers(
         w = linear_weight(layer).detach()
         ranges = range_stats_for(recipe, {"input": call.input, "weight": w, "grad_output": call.grad_output},
                                  scales_in_state(call.state, recipe))
-        out.append(
-            LayerStats(
-                name=name,
-                recipe=label,
-                output_sqnr=sqnr(fp8.output, exact.output),
-                output_max_rel=max_relative_error(fp8.output, exact.output),
-                dgrad_sqnr=_err(sqnr, fp8.dgrad, exact.dgrad),
-                dgrad_max_rel=_err(max_relative_error, fp8.dgrad, exact.dgrad),
-                wgrad_sqnr=_err(sqnr, fp8.wgrad, exact.wgrad),
-                wgrad_max_rel=_err(max_relative_error, fp8.wgrad, exact.wgrad),
-                input=ranges.get("input", {}),
-                weight=ranges.get("weight", {}),
-                grad_output=ranges.get("grad_output", {}),
-                e2e_output_sqnr=math.nan if e2e is None else sqnr(fp8.output, e2e.output),
-                e2e_dgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.dgrad, e2e.dgrad),
-                e2e_wgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.wgrad, e2e.wgrad),
-                steps=[] if step is None else [step],
-            )
-        )
+        out.append(layer_stats(name, label, fp8, exact, e2e, ranges, step))
     return out
 
 

@@ -24,9 +24,9 @@ import torch
 
 from transformer_linear.modules.grouped_linear_ops import high_precision_grouped_linear
 from transformer_linear.modules.hf_experts import ExpertsFP8State
-from transformer_linear.numerics.blame import Recorder, range_stats_for, scales_in_state
+from transformer_linear.numerics.blame import Recorder, err_or_nan, layer_stats, range_stats_for, scales_in_state
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, ExpertStats, LayerStats
-from transformer_linear.numerics.stats import max_relative_error, sqnr
+from transformer_linear.numerics.stats import sqnr
 from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
 
 __all__ = ["GroupedCall", "GroupedRecorder", "observe_experts", "projection_name"]
@@ -103,10 +103,6 @@ def _replay_high_precision(call: GroupedCall) -> _Results:
     return _run(lambda x, w: high_precision_grouped_linear(x, w, call.offs, call.bias), call)
 
 
-def _err(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
-    return math.nan if actual is None or expected is None else fn(actual, expected)
-
-
 def _rows(t: Optional[torch.Tensor], rows: Any) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
@@ -122,8 +118,8 @@ def _per_expert(fp8: _Results, exact: _Results, offs: torch.Tensor, min_tokens: 
         if tokens:
             figures = (
                 sqnr(fp8.output[rows], exact.output[rows]),
-                _err(sqnr, _rows(fp8.dgrad, rows), _rows(exact.dgrad, rows)),
-                _err(sqnr, _rows(fp8.wgrad, g), _rows(exact.wgrad, g)),
+                err_or_nan(sqnr, _rows(fp8.dgrad, rows), _rows(exact.dgrad, rows)),
+                err_or_nan(sqnr, _rows(fp8.wgrad, g), _rows(exact.wgrad, g)),
             )
         out.append(ExpertStats(g, tokens, *figures, too_few_tokens=tokens < min_tokens))
     return out
@@ -159,24 +155,6 @@ def observe_experts(
         e2e = _replay_high_precision(hp_call) if same_routing else None
         ranges = range_stats_for(recipe, {"input": call.input, "weight": call.weight, "grad_output": call.grad_output},
                                  scales_in_state(call.state, recipe))
-        out.append(
-            LayerStats(
-                name=projection_name(name),
-                recipe=label,
-                output_sqnr=sqnr(fp8.output, exact.output),
-                output_max_rel=max_relative_error(fp8.output, exact.output),
-                dgrad_sqnr=_err(sqnr, fp8.dgrad, exact.dgrad),
-                dgrad_max_rel=_err(max_relative_error, fp8.dgrad, exact.dgrad),
-                wgrad_sqnr=_err(sqnr, fp8.wgrad, exact.wgrad),
-                wgrad_max_rel=_err(max_relative_error, fp8.wgrad, exact.wgrad),
-                input=ranges.get("input", {}),
-                weight=ranges.get("weight", {}),
-                grad_output=ranges.get("grad_output", {}),
-                e2e_output_sqnr=math.nan if e2e is None else sqnr(fp8.output, e2e.output),
-                e2e_dgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.dgrad, e2e.dgrad),
-                e2e_wgrad_sqnr=math.nan if e2e is None else _err(sqnr, fp8.wgrad, e2e.wgrad),
-                steps=[] if step is None else [step],
-                experts=_per_expert(fp8, exact, call.offs, min_expert_tokens),
-            )
-        )
+        out.append(layer_stats(projection_name(name), label, fp8, exact, e2e, ranges, step,
+                               experts=_per_expert(fp8, exact, call.offs, min_expert_tokens)))
     return out
