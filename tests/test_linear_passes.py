@@ -7,7 +7,8 @@ extension's entry points. A read of a tensor's value on the host (``.item()``, `
 ``nonzero``) is a device sync on a GPU. The only ones are the CPU kernels' checks of the scales they are
 handed (formats/checks.py, which reads CPU tensors only and skips every other device) and delayed
 scaling's just-in-time first step (``first_step_just_in_time=True``, the default): one read of the layer's
-state in the forward for all three tensors, and one of grad_output's scale in the backward; and NVFP4's
+state in the forward for all three tensors, and one of grad_output's scale in the backward, on the CPU only
+(elsewhere it selects its scales on the device, one amax pass per tensor on every step instead); and NVFP4's
 stochastic rounding, whose CPU kernel takes its seed (drawn from the CPU generator, a CPU tensor) as an int:
 one read per backward.
 """
@@ -21,9 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import assert_bitwise_equal
 
 import transformer_linear as tl
 from transformer_linear import _C, recipe
+from transformer_linear.recipe import delayed_scaling
 
 PACKAGE = Path(tl.__file__).resolve().parent
 M, K, N = 64, 256, 384
@@ -128,3 +131,33 @@ def test_host_reads_are_the_cpu_scale_checks_and_delayed_scalings_state(name, co
         # The counting sees reads where they happen (NVFP4's ops read no scale on the host: its seed read).
         assert step.reads[CPU_SCALE_CHECKS if not _stochastic_rounding(name) else "ops/nvfp4.py"] > 0
     assert costs.cpu_only_reads
+
+
+def _train(name: str, steps: int = 3) -> list[torch.Tensor]:
+    """Outputs, gradients and the delayed-scaling state after each of ``steps`` steps of one layer."""
+    torch.manual_seed(0)
+    layer = tl.Linear(K, N, recipe=RECIPES[name])
+    x = torch.randn(M, K, requires_grad=True)
+    seen = []
+    for step in range(steps):
+        out = layer(x * (step + 1))  # a growing amax: the delayed scales lag behind it
+        out.square().sum().backward()
+        seen += [out, x.grad, layer.weight.grad, *(b.clone() for n, b in layer.named_buffers() if "fp8" in n)]
+        x.grad, layer.weight.grad = None, None
+    return seen
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if _just_in_time(n)])
+def test_off_the_cpu_the_just_in_time_rule_reads_no_state_on_the_host(name, costs, monkeypatch):
+    """Where a host read is a device sync (a GPU), delayed scaling's first-step rule selects its scales on
+    the device: no host read of the state, one amax pass per tensor on every step, and bitwise the outputs,
+    gradients and state the CPU's host reads give."""
+    on_host = _train(name)
+    monkeypatch.setattr(delayed_scaling, "reads_state_on_host", lambda t: False)
+    for step in _steps(name, costs):
+        assert "recipe/delayed_scaling.py" not in step.reads
+        assert dict(step.kernels) == {"quantize": 3, "gemm": 3, "amax": 3}
+    on_device = _train(name)
+    assert len(on_device) == len(on_host)
+    for i, (actual, expected) in enumerate(zip(on_device, on_host)):
+        assert_bitwise_equal(actual, expected, what=f"tensor {i}")

@@ -468,6 +468,18 @@ class ForwardScales(NamedTuple):
     just-in-time one."""
 
 
+def reads_state_on_host(t: Tensor) -> bool:
+    """Whether the just-in-time rule reads the delayed-scaling state of a layer on ``t``'s device on the host.
+
+    On the CPU a host read is free, and the rule computes a tensor's own amax only on the steps that need it.
+    Elsewhere (a GPU) a host read is a device sync, which stalls the launch queue on every call and breaks
+    CUDA graph capture, so the rule computes the just-in-time scales on every call and selects them on the
+    device (``torch.where``): one amax pass per quantized tensor instead of a sync. Both give bitwise the
+    same scales.
+    """
+    return t.device.type == "cpu"
+
+
 def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Tensor, group: int) -> Tensor:
     """Delayed scaling's first step: the scale of ``x``'s own amax, all-reduced over ``group`` first.
 
@@ -495,17 +507,25 @@ def forward_scales(
     x_scale, w_scale, grad_scale = (used[i : i + 1] for i in FP8_STATE_COLUMNS.values())
     grad_scale_for_backward = grad_scale
     if d.just_in_time:
-        # One read of the state (a device sync on a GPU) for all three tensors.
-        x_empty, w_empty, g_empty = torch.cat(
+        empty = torch.cat(
             [no_amax_yet(d.amax_history, used[: d.scale.numel()]), no_amax_yet(grad_history, grad_scale)]
-        ).tolist()
+        )
         group = d.amax_reduction_group
-        if x_empty:
-            x_scale = _just_in_time_scale(x2d, dtype, margin, x_scale, group)
-        if w_empty and weight is not None:
-            w_scale = _just_in_time_scale(weight, dtype, margin, w_scale, group)
-        if g_empty:
-            grad_scale_for_backward = grad_scale.neg()  # backward's quantize: just in time
+        if reads_state_on_host(x2d):
+            # One read of the state for all three tensors; amax passes only where a column is empty.
+            x_empty, w_empty, g_empty = empty.tolist()
+            if x_empty:
+                x_scale = _just_in_time_scale(x2d, dtype, margin, x_scale, group)
+            if w_empty and weight is not None:
+                w_scale = _just_in_time_scale(weight, dtype, margin, w_scale, group)
+            if g_empty:
+                grad_scale_for_backward = grad_scale.neg()  # backward's quantize: just in time
+        else:
+            # Every rank computes (and all-reduces) the candidates on every call, so the collectives match.
+            x_scale = torch.where(empty[0:1], _just_in_time_scale(x2d, dtype, margin, x_scale, group), x_scale)
+            if weight is not None:
+                w_scale = torch.where(empty[1:2], _just_in_time_scale(weight, dtype, margin, w_scale, group), w_scale)
+            grad_scale_for_backward = torch.where(empty[2:3], grad_scale.neg(), grad_scale)
     return ForwardScales(x_scale, w_scale, grad_scale, grad_scale_for_backward)
 
 
@@ -513,9 +533,12 @@ def forward_scales(
 def _quantize_grad_output_op(
     g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if bool(scale.lt(0).item()):
-        # linear_fwd saw no grad_output amax in the history yet: just in time.
-        scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
+    # A negative scale: linear_fwd saw no grad_output amax in the history yet, so just in time.
+    if reads_state_on_host(g):
+        if bool(scale.lt(0).item()):
+            scale = _just_in_time_scale(g, dtype, margin, scale.neg(), group)
+    else:
+        scale = torch.where(scale.lt(0), _just_in_time_scale(g, dtype, margin, scale.abs(), group), scale)
     return tuple(quantization.quantize_tensorwise(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
 
 
