@@ -14,16 +14,18 @@ The bits differ where, and only where, the two compute different float32 roundin
    ``per_tensor_scale`` and the remaining differences are 2-4 below.
 2. Block scale before the E4M3 rounding: ours ``u = fl(block_amax * fl(S_enc * fl(1/6)))`` with
    ``S_enc = fl(2688 / amax)``; torchao's ``u' = fl(fl(block_amax / 6) / p)``. Seven float32 roundings
-   of at most half an ulp each separate them, so ``u`` and ``u'`` are within 4 ulps, so the E4M3 scales differ only where an E4M3 rounding midpoint lies between (or on)
-   them, and then by one E4M3 step (``test_block_scale_midpoint_case`` builds such a block). Where the
-   scales differ, the whole block's codes follow the other scale.
+   of at most half an ulp each separate them, so ``u`` and ``u'`` are within 4 ulps: the E4M3 scales
+   differ only where an E4M3 rounding midpoint lies between (or on) them, and then by one E4M3 step
+   (``test_block_scale_midpoint_case`` builds such a block). Where the scales differ, the whole
+   block's codes follow the other scale.
 3. Scale floor. torchao clamps the block scale up to 2^-6 (the smallest *normal* E4M3, its
    ``E4M3_EPS``); TE keeps subnormal E4M3 scales and 0 (an all-zero block). Blocks with
    ``u' < 2^-6`` (block amax below ~2^-6 * 6 * p) get scale 2^-6 in torchao, so their codes differ too.
 4. Encode factor: ours ``f = min(fl(1 / fl(float(s) * g)), FLT_MAX)``, torchao's
-   ``f' = fl(fl(1 / p) / float(s))``. Within 4 ulps (seven roundings again), so with equal block scales a code differs only where
-   ``x * f`` and ``x * f'`` straddle an E2M1 rounding threshold, and then by one code step.
-   With a power-of-two ``g`` both factors are exact and the codes are equal.
+   ``f' = fl(fl(1 / p) / float(s))``. Within 4 ulps (seven roundings again), so with equal block
+   scales a code differs only where ``x * f`` and ``x * f'`` straddle an E2M1 rounding threshold, and
+   then by one code step. With a power-of-two ``g`` both factors are exact and the codes are equal.
+   Measured on randn(4096, 4096): float32 input, 2 of 8.4M bytes differ (no scale); bfloat16, none.
 5. Single-level (torchao ``per_tensor_scale=None``) is ours with ``amax = 2688`` (``S_enc = g = 1``):
    the only difference left is ``fl(block_amax * fl(1/6))`` against ``fl(block_amax / 6)`` (2) and the
    floor (3); the encode factors are both ``fl(1 / s)``. Values beyond 2688 saturate alike (scale 448,
