@@ -122,7 +122,8 @@ class TestOpcheck:
         )
         nested = {
             "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]
-            + [f"history__{f}" for f in recipe.HistoryConfig.__dataclass_fields__],
+            + [f"history__{f}" for f in recipe.HistoryConfig.__dataclass_fields__]
+            + ["backward_override"],
             "delayed": list(DelayedScalingArgs.__dataclass_fields__),
             "cached_weight": list(CachedWeight.__dataclass_fields__),
         }
@@ -136,6 +137,7 @@ class TestOpcheck:
         assert types["delayed__scale"] == "Optional[Tensor]" and types["delayed__just_in_time"] == "Optional[bool]"
         assert types["cached_weight__weight_fp8"] == "Optional[Tensor]"
         assert types["quantization__history__amax_history_len"] == "Optional[int]"
+        assert types["quantization__backward_override"] == "Optional[str]"
 
     @pytest.mark.parametrize("name", [None, *RECIPES])
     @pytest.mark.parametrize("cached", [False, True])

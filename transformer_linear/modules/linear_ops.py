@@ -137,10 +137,12 @@ def _fp8_fwd(
     """
     spec, cached = a.quantization, a.cached_weight
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
-    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad,
+    # The columnwise usages are for quantized backward GEMMs only (backward_override: none).
+    quantized_bwd = spec.backward_operands == "quantized"
+    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad and quantized_bwd,
                              scale=scales.input if scales else None)
     if cached is None:
-        qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=True,
+        qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=quantized_bwd,
                                   scale=scales.weight if scales else None)
         w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
@@ -149,7 +151,7 @@ def _fp8_fwd(
         no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
         w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
     out = ops.fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.out_dtype, bias)
-    x_saved, x_saved_scale_inv = spec.input.columnwise_usage(qx)
+    x_saved, x_saved_scale_inv = _saved_usage(spec.backward_operands, spec.input, qx)
     # The amaxes delayed scaling records (and a cached weight keeps): where both quantizers measure one.
     records_amax = spec.input.records_amax and spec.weight.records_amax
     w_fp8, w_fp8_t, w_scale_inv, w_scale_inv_t = w_outputs
@@ -165,6 +167,17 @@ def _fp8_fwd(
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
+
+
+def _saved_usage(backward_operands: str, quantizer, q: Quantized) -> tuple[Tensor, Tensor]:
+    """(data, scale_inv) forward keeps of ``q`` for backward: the columnwise usage the quantized backward
+    GEMM reads, the rowwise usage the forward GEMM read (backward dequantizes it), or nothing (empty: the
+    high-precision backward reads the original tensor)."""
+    if backward_operands == "quantized":
+        return quantizer.columnwise_usage(q)
+    if backward_operands == "dequantized":
+        return q.data, q.scale_inv
+    return q.data.new_empty(0), q.scale_inv.new_empty(0)
 
 
 @linear_fwd.op.register_fake
@@ -284,7 +297,7 @@ def _setup_context(ctx, inputs, output) -> None:
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
     ctx.mark_non_differentiable(*o[1:])
     x_saved, x_scale_inv = o.inp_saved, o.inp_scale_inv
-    if not a.fp8:
+    if not a.fp8 or a.quantization.backward_operands == "high_precision":
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
     else:
         # dgrad reads the weight's columnwise usage; outputs may not alias inputs, so a cached FP8 weight
@@ -293,7 +306,7 @@ def _setup_context(ctx, inputs, output) -> None:
         qw = cached.quantized() if cached is not None else Quantized(
             o.weight_fp8, o.weight_scale_inv, o.weight_fp8_t, o.weight_scale_inv_t
         )
-        w_saved, w_scale_inv = a.quantization.weight.columnwise_usage(qw)
+        w_saved, w_scale_inv = _saved_usage(a.quantization.backward_operands, a.quantization.weight, qw)
     bwd = LinearBwdContext.from_fwd_args(a)
     ctx.save_for_backward(
         x_saved if a.weight_requires_grad else None,
@@ -312,7 +325,14 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     dbias_dtype = c.bias_dtype if c.bias_requires_grad else None
     quantizer = c.quantization.grad_output
     g_t_scale_inv = None
-    if c.fp8:
+    if c.fp8 and c.quantization.backward_operands == "dequantized":
+        # The forward's quantized operands in the gradient's (the compute) dtype; the GEMMs below then run
+        # in high precision, as without FP8.
+        spec = c.quantization
+        x_saved = spec.input.dequantize(x_saved, x_scale_inv, g2d.dtype) if x_saved is not None else None
+        w_saved = spec.weight.dequantize(w_saved, w_scale_inv, g2d.dtype) if w_saved is not None else None
+        x_scale_inv = w_scale_inv = None
+    if c.fp8 and c.quantization.backward_operands == "quantized":
         # dgrad reads the rowwise usage, wgrad the columnwise one, in one pass (the bias gradient fused in
         # where the quantizer fuses it).
         if c.delayed is not None:

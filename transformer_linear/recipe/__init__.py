@@ -36,6 +36,7 @@ __all__ = [
     "HistoryConfig",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "BACKWARD_OVERRIDES",
     "Recipe",
     "available_names",
     "from_name",
@@ -106,6 +107,18 @@ def _check_margin(cls: str, margin: object) -> None:
         raise ValueError(f"{cls}: 'margin' must be an integer in [0, 127), got {margin!r}")
 
 
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+"""Transformer Engine's ``backward_override`` values: None (the backward GEMMs in FP8/FP4, each operand
+quantized for its GEMM), ``"high_precision"`` (dgrad and wgrad in high precision from the original input,
+weight and grad_output), ``"dequantized"`` (dgrad and wgrad in high precision from the forward's quantized
+input and weight, dequantized, and the unquantized grad_output)."""
+
+
+def _check_backward_override(cls: str, value: object) -> None:
+    if value not in BACKWARD_OVERRIDES:
+        raise ValueError(f"{cls}: 'backward_override' must be None, 'high_precision' or 'dequantized', got {value!r}")
+
+
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 """How a delayed scale reads its amax history: over all of it, or its newest entry."""
 
@@ -165,6 +178,7 @@ class DelayedScaling:
             loss scaled by 2^k are 2^k times those of the unscaled loss).
             False restores TransformerEngine's behaviour: the first step
             quantizes with the initial scale 1 (for bitwise comparisons with TE).
+        backward_override: only None, as in TE (grad_output's amax history is recorded by its quantize).
     """
 
     margin: int = 0
@@ -172,9 +186,16 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     first_step_just_in_time: bool = True
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_ints(self)
+        _check_backward_override("DelayedScaling", self.backward_override)
+        if self.backward_override is not None:
+            raise ValueError(
+                "DelayedScaling: 'backward_override' must be None (as in Transformer Engine: grad_output's amax "
+                f"history is recorded by its quantize), got {self.backward_override!r}"
+            )
         _check_margin("DelayedScaling", self.margin)
         _check_format("DelayedScaling", self.fp8_format)
         _check_history("DelayedScaling", self.amax_history_len, self.amax_compute_algo, self.first_step_just_in_time)
@@ -192,13 +213,17 @@ class CurrentScaling:
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
         margin: power-of-two head room of the scale.
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
     """
 
     fp8_format: Format = Format.HYBRID
     margin: int = 0
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_ints(self)
+        _check_backward_override("CurrentScaling", self.backward_override)
         _check_format("CurrentScaling", self.fp8_format)
         _check_margin("CurrentScaling", self.margin)
 
@@ -239,6 +264,8 @@ class Float8BlockScaling:
         w_block_scaling_dim: the same for the weight.
         grad_block_scaling_dim: the same for grad_output.
         power_2_scale: round every block scale down to a power of two.
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
     """
 
     fp8_format: Format = Format.E4M3
@@ -246,9 +273,11 @@ class Float8BlockScaling:
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
     power_2_scale: bool = True
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         cls = "Float8BlockScaling"
+        _check_backward_override(cls, self.backward_override)
         _check_format(cls, self.fp8_format)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_block_dim(cls, name, getattr(self, name), (1, 2))
@@ -287,12 +316,16 @@ class MXFP8BlockScaling:
             torchao's ``ScaleCalculationMode.RCEIL``) or "floor" (the OCP MX
             spec's rule: a block's largest values may saturate; torchao's
             ``ScaleCalculationMode.FLOOR``, its default).
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
     """
 
     fp8_format: Format = Format.E4M3
     e8m0_rounding: str = "ceil"
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_backward_override("MXFP8BlockScaling", self.backward_override)
         _check_format("MXFP8BlockScaling", self.fp8_format)
         if self.e8m0_rounding not in E8M0_ROUNDINGS:
             raise ValueError(f"MXFP8BlockScaling: 'e8m0_rounding' must be 'ceil' or 'floor', got {self.e8m0_rounding!r}")
@@ -310,12 +343,16 @@ class Float8RowwiseScaling:
     Attributes:
         fp8_format: the formats of forward tensors and gradients.
         power_2_scale: round every row scale down to a power of two.
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
     """
 
     fp8_format: Format = Format.E4M3
     power_2_scale: bool = True
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_backward_override("Float8RowwiseScaling", self.backward_override)
         _check_format("Float8RowwiseScaling", self.fp8_format)
         _check_bool("Float8RowwiseScaling", "power_2_scale", self.power_2_scale)
 
@@ -342,6 +379,8 @@ class NVFP4BlockScaling:
         disable_rht: no Hadamard transform of the wgrad operands.
         disable_stochastic_rounding: round grad_output to nearest too.
         disable_2d_quantization: 1x16 weight scales (the weight's columnwise copy then quantized on its own).
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
     """
 
     fp4_format: Format = Format.E2M1
@@ -349,9 +388,11 @@ class NVFP4BlockScaling:
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
         cls = "NVFP4BlockScaling"
+        _check_backward_override(cls, self.backward_override)
         _check_format(cls, self.fp4_format, "fp4_format", (Format.E2M1,))
         _check_format(cls, self.fp8_format, "fp8_format", (Format.E4M3,))
         for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
@@ -383,12 +424,17 @@ class CustomRecipe:
         history: where the quantizers take their scale from the layer's amax
             history (``scale_from_history=True``, all three or none): how the
             history computes it; None: ``HistoryConfig()``'s defaults.
+        backward_override: None, ``"high_precision"`` or ``"dequantized"`` (:data:`BACKWARD_OVERRIDES`):
+            the precision of the backward GEMMs (TE's field; TE reads its default from ``NVTE_BACKWARD_OVERRIDE``).
+            Only None where the scales come from the amax history.
     """
 
     qfactory: Callable[[str], Any]
     history: Optional[HistoryConfig] = None
+    backward_override: Optional[str] = None
 
     def __post_init__(self) -> None:
+        _check_backward_override("CustomRecipe", self.backward_override)
         if not callable(self.qfactory):
             raise TypeError(
                 f"CustomRecipe: 'qfactory' must be callable (role -> TensorQuantizer), got {self.qfactory!r}"
@@ -399,10 +445,14 @@ class CustomRecipe:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CustomRecipe):
             return NotImplemented
-        return self.qfactory is other.qfactory and self.history == other.history
+        return (
+            self.qfactory is other.qfactory
+            and self.history == other.history
+            and self.backward_override == other.backward_override
+        )
 
     def __hash__(self) -> int:
-        return hash((id(self.qfactory), self.history))
+        return hash((id(self.qfactory), self.history, self.backward_override))
 
 
 Recipe = Union[

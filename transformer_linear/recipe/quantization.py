@@ -41,7 +41,10 @@ from transformer_linear import ops
 from transformer_linear.formats import layout
 from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
 from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES
+from transformer_linear.formats.nvfp4 import BLOCK as NVFP4_BLOCK
+from transformer_linear.formats.nvfp4 import E2M1_VALUES
 from transformer_linear.recipe import (
+    BACKWARD_OVERRIDES,
     CUSTOM_RECIPE_ROLES,
     CurrentScaling,
     CustomRecipe,
@@ -246,6 +249,28 @@ class TensorQuantizer:
         """The columnwise usage as a GEMM operand, from what :meth:`columnwise_usage` kept."""
         return saved if self.columnwise_is_copy else layout.transposed(saved)
 
+    def dequantize(self, data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+        """The rowwise usage of one of its results (``data`` and its ``scale_inv``, 2-D or 1-D as
+        :meth:`quantize_flat` leaves it) back in high precision: each value times its scales, in float32,
+        rounded once to ``dtype``. What ``backward_override="dequantized"`` computes the backward GEMMs from.
+        """
+        if not self.blockwise:
+            return ops.dequantize(data, scale_inv, dtype)
+        rows, cols = data.shape[0], data.shape[1]
+        if self.is_nvfp4:
+            cols = 2 * cols
+            block_scale, global_scale = ops.nvfp4.unpack_scales(scale_inv, rows, cols)
+            raw = data.view(torch.uint8)
+            codes = torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(rows, cols)
+            table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=data.device)
+            values = table[codes.long()].reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+            values = values * block_scale.float().unsqueeze(-1)
+            return (values.reshape(rows, cols) * global_scale).to(dtype)
+        bm, bk = self.block_for(cols)
+        scale = scale_inv.reshape(self.scale_grid(rows, cols)).float()
+        scale = scale.repeat_interleave(bm, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+        return (data.float() * scale).to(dtype)
+
     def quantize(
         self,
         x: Tensor,
@@ -380,6 +405,11 @@ class QuantizationSpec:
     grad_output: TensorQuantizer
     history: Optional[HistoryConfig] = None
     """Scales from the amax history: its length, how amax is computed from it, the first step's rule."""
+    backward_override: Optional[str] = None
+    """The recipe's ``backward_override`` (recipe.BACKWARD_OVERRIDES): None, the backward GEMMs read each
+    operand quantized for them; ``"high_precision"``, they read the original input, weight and grad_output;
+    ``"dequantized"``, the forward's quantized input and weight dequantized (:meth:`TensorQuantizer.dequantize`)
+    and the original grad_output. See :attr:`backward_operands`."""
 
     def __post_init__(self) -> None:
         for role in ("input", "weight", "grad_output"):
@@ -393,6 +423,15 @@ class QuantizationSpec:
             )
         if self.history is not None and not isinstance(self.history, HistoryConfig):
             raise TypeError(f"QuantizationSpec: 'history' must be a recipe.HistoryConfig or None, got {self.history!r}")
+        if self.backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(
+                "QuantizationSpec: 'backward_override' must be None, 'high_precision' or 'dequantized', "
+                f"got {self.backward_override!r}"
+            )
+        if self.backward_override is not None and self.input.scale_from_history:
+            # The backward would quantize no grad_output, so its amax history would never be recorded (TE too).
+            raise ValueError("QuantizationSpec: 'backward_override' must be None where the scales come from the "
+                             "amax history")
         if (self.history is not None) != self.input.scale_from_history:
             raise ValueError("QuantizationSpec: 'history' is given exactly where the scales come from the history")
         fwd = {(q.dtype, q.margin) for q in (self.input, self.weight)}
@@ -408,6 +447,14 @@ class QuantizationSpec:
     def scale_from_history(self) -> bool:
         """The scales come from the layer's delayed-scaling state (all three or none)."""
         return self.input.scale_from_history
+
+    @property
+    def backward_operands(self) -> str:
+        """What the backward GEMMs (dgrad, wgrad) read: ``"quantized"`` (each operand in the usage its
+        quantizer gives the GEMM, grad_output quantized too), ``"high_precision"`` (the original tensors,
+        which forward saves) or ``"dequantized"`` (forward saves the rowwise usage it computed with, which
+        backward dequantizes; grad_output is not quantized)."""
+        return self.backward_override or "quantized"
 
 
 def _tensorwise(recipe: DelayedScaling | CurrentScaling, scale_from_history: bool) -> QuantizationSpec:
@@ -529,7 +576,9 @@ def quantization_spec(recipe: Recipe) -> QuantizationSpec:
     builder = _builder(recipe)
     if builder is None:
         raise _unknown_recipe("quantization_spec", recipe)
-    return builder(recipe)
+    spec = builder(recipe)
+    override = recipe.backward_override  # a field of every recipe class, as in TE
+    return spec if override is None else dataclasses.replace(spec, backward_override=override)
 
 
 def tensorwise_result(q: ops.QuantizeOutput) -> Quantized:
