@@ -12,8 +12,14 @@
 namespace tl {
 namespace cpu {
 
-// Rows cast_transpose casts at a time before transposing them.
+// Rows cast_transpose casts at a time before transposing them: one 64-byte
+// line of each transposed output row.
 constexpr int64_t kTransposeStripeRows = 64;
+
+// Row stride of cast_transpose's scratch stripe for `cols` columns: whole
+// lines plus one, so that the stripe's rows fall into different cache sets
+// whatever `cols` is, and a 16-byte load at any column < cols stays inside.
+inline int64_t transpose_scratch_ld(int64_t cols) { return (cols + 63) / 64 * 64 + 64; }
 
 /*! \brief The quantize range kernels of one instruction-set path. */
 struct QuantizeKernels {
@@ -28,13 +34,15 @@ struct QuantizeKernels {
                 int64_t end, bool want_amax, bool stream);
   /*!
    * \brief Rows [r0, r1) of the (rows, cols) input: q (row-major, may be null) and qt
-   *        (cols, rows). Returns max |x| over those rows. When q is null, `scratch` holds
-   *        kTransposeStripeRows * cols bytes (the caller allocates it: this runs inside
-   *        parallel regions, where an allocation failure must not be possible).
+   *        (cols, rows). Returns max |x| over those rows. `scratch` holds
+   *        kTransposeStripeRows * transpose_scratch_ld(cols) bytes (the caller allocates it:
+   *        this runs inside parallel regions, where an allocation failure must not be
+   *        possible). `stream` writes whole output lines with non-temporal stores, for
+   *        outputs too large to stay in cache.
    */
   float (*cast_transpose)(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt,
                           uint8_t* scratch, float scale, int64_t rows, int64_t cols, int64_t r0,
-                          int64_t r1);
+                          int64_t r1, bool stream);
   /*! \brief y[i] = store(load(q[i]) * scale_inv) for i in [begin, end). */
   void (*dequantize)(DType in, DType out, const uint8_t* q, float scale_inv, void* y,
                      int64_t begin, int64_t end);
