@@ -176,7 +176,7 @@ void quantize_impl(const QuantizeParams& p) {
     int64_t stripe = 0;  // bytes per thread
     if (vec && p.rows > 0) {
       if (p.cols > (int64_t{1} << 56)) throw std::bad_alloc();  // transpose_scratch_ld would overflow
-      const int64_t stripe_rows = std::min(kTransposeStripeRows, p.rows);
+      const int64_t stripe_rows = std::min(transpose_stripe_rows(p.cols), p.rows);
       scratch = allocate_scratch(stripe_rows, transpose_scratch_ld(p.cols), threads);  // checks the products
       stripe = stripe_rows * transpose_scratch_ld(p.cols);
     }

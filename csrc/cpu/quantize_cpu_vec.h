@@ -12,7 +12,7 @@
 // includes <algorithm>, <cstring>, quantize_cpu_isa.h, transpose_bytes_sse2.h
 // and transformer_linear/dispatch.h.
 
-// Cast + transpose in stripes of kTransposeStripeRows rows. A stripe's rows
+// Cast + transpose in stripes of transpose_stripe_rows(cols) rows. A stripe's rows
 // are cast, reading the input front to back as the row-major cast does, into
 // `scratch`, whose row stride is padded by a cache line: with a power-of-two
 // stride such as 4096 every row of the stripe would fall into one L1 set, more
@@ -38,8 +38,8 @@ inline void copy_out(uint8_t* dst, const uint8_t* src, int64_t n, bool stream) {
   std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
 }
 
-// qt[c * ld_dst + r] = stripe[r * ld + c] for r < nr (<= 64), c < nc. Reads
-// up to 15 bytes past column nc of each row (the scratch padding).
+// qt[c * ld_dst + r] = stripe[r * ld + c] for r < nr (<= kTransposeStripeRows),
+// c < nc. Reads up to 15 bytes past column nc of each row (the scratch padding).
 inline void transpose_stripe(const uint8_t* stripe, int64_t ld, int64_t nr, int64_t nc, uint8_t* qt,
                              int64_t ld_dst, bool stream) {
   alignas(64) uint8_t lines[16 * kTransposeStripeRows];
@@ -61,8 +61,8 @@ inline void transpose_stripe(const uint8_t* stripe, int64_t ld, int64_t nr, int6
     for (int64_t j = 0; j < ncols; ++j) {
       uint8_t* out = qt + (c + j) * ld_dst;
       const uint8_t* line = lines + j * kTransposeStripeRows;
-      if (stream && nr == 64 && (reinterpret_cast<uintptr_t>(out) & 63) == 0) {
-        stream_line(out, line);
+      if (stream && nr % 64 == 0 && (reinterpret_cast<uintptr_t>(out) & 63) == 0) {
+        for (int64_t b = 0; b < nr; b += 64) stream_line(out + b, line + b);
       } else {
         std::memcpy(out, line, static_cast<size_t>(nr));
       }
@@ -73,11 +73,12 @@ inline void transpose_stripe(const uint8_t* stripe, int64_t ld, int64_t nr, int6
 template <typename In, typename Out>
 float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt, uint8_t* scratch,
                           float scale, int64_t rows, int64_t cols, int64_t r0, int64_t r1, bool stream) {
-  static_assert(kTransposeStripeRows == 64, "transpose_stripe writes whole 64-byte lines");
+  static_assert(kTransposeStripeRows % 64 == 0, "transpose_stripe writes whole 64-byte lines");
   const int64_t ld = transpose_scratch_ld(cols);
+  const int64_t stripe_rows = transpose_stripe_rows(cols);
   float amax = 0.0f;
-  for (int64_t rb = r0; rb < r1; rb += kTransposeStripeRows) {
-    const int64_t nr = std::min(r1, rb + kTransposeStripeRows) - rb;
+  for (int64_t rb = r0; rb < r1; rb += stripe_rows) {
+    const int64_t nr = std::min(r1, rb + stripe_rows) - rb;
     for (int64_t r = 0; r < nr; ++r) {
       uint8_t* row = scratch + r * ld;
       amax = fp8::amax_update(amax, cast_range<In, Out, true, false>(x + (rb + r) * cols, row, scale, 0, cols));
