@@ -168,22 +168,23 @@ void quantize_impl(const QuantizeParams& p) {
   const QuantizeKernels* vec = vector_kernels();
   if (qt != nullptr) {
     const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
-    // The vector path casts a stripe of rows before transposing it; without a
-    // row-major output the stripe needs scratch, allocated here, outside the
-    // parallel region (an allocation failure inside would abort).
-    const int64_t stripe_rows = std::min(kTransposeStripeRows, p.rows);
+    const bool stream = n >= kStreamBytes;
+    // The vector path casts a stripe of rows into scratch before transposing
+    // it; the scratch is allocated here, outside the parallel region (an
+    // allocation failure inside would abort).
     std::unique_ptr<uint8_t[]> scratch;
     int64_t stripe = 0;  // bytes per thread
-    if (vec && q == nullptr) {
-      scratch = allocate_scratch(stripe_rows, p.cols, threads);  // checks the products
-      stripe = stripe_rows * p.cols;
+    if (vec && p.rows > 0) {
+      if (p.cols > (int64_t{1} << 56)) throw std::bad_alloc();  // transpose_scratch_ld would overflow
+      const int64_t stripe_rows = std::min(transpose_stripe_rows(p.cols), p.rows);
+      scratch = allocate_scratch(stripe_rows, transpose_scratch_ld(p.cols), threads);  // checks the products
+      stripe = stripe_rows * transpose_scratch_ld(p.cols);
     }
     parallel_for(threads, p.rows, row_grain, [&](int64_t r0, int64_t r1) {
       const int t = omp_get_thread_num();
       partial[static_cast<size_t>(t)] =
-          vec ? vec->cast_transpose(In::dtype, Out::dtype, x, q, qt,
-                                       scratch ? scratch.get() + t * stripe : nullptr, scale, p.rows,
-                                       p.cols, r0, r1)
+          vec ? vec->cast_transpose(In::dtype, Out::dtype, x, q, qt, scratch.get() + t * stripe, scale, p.rows,
+                                    p.cols, r0, r1, stream)
               : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
     });
   } else {

@@ -89,6 +89,14 @@ void dequantize_range(const uint8_t* q, float scale_inv, typename Out::storage* 
   }
 }
 
+// One 64-byte line to 64-byte-aligned dst, bypassing the cache.
+TL_LANE_INLINE void stream_line(uint8_t* dst, const uint8_t* src) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+}
+
 #include "quantize_cpu_vec.h"  // the range kernels, on the ones above
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "quantize_cpu_isa.h"
@@ -78,6 +79,11 @@ void dequantize_range(const uint8_t* q, float scale_inv, typename Out::storage* 
     const __m128i b = _mm_maskz_loadu_epi8(m, q + i);
     store_hp<Out>(y + i, _mm512_mul_ps(fp8_to_float<In>(b), s), m);
   }
+}
+
+// One 64-byte line to 64-byte-aligned dst, bypassing the cache.
+TL_LANE_INLINE void stream_line(uint8_t* dst, const uint8_t* src) {
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
 }
 
 #include "quantize_cpu_vec.h"  // the range kernels, on the ones above

@@ -12,8 +12,23 @@
 namespace tl {
 namespace cpu {
 
-// Rows cast_transpose casts at a time before transposing them.
-constexpr int64_t kTransposeStripeRows = 64;
+// cast_transpose casts up to kTransposeStripeRows rows at a time before
+// transposing them (a whole number of 64-byte lines of each transposed output
+// row: the more rows a stripe has, the fewer times each output page is
+// visited, and with 4 KiB pages each visit is a TLB miss).
+constexpr int64_t kTransposeStripeRows = 256;
+
+// Row stride of cast_transpose's scratch stripe for `cols` columns: whole
+// lines plus one, so that the stripe's rows fall into different cache sets
+// whatever `cols` is, and a 16-byte load at any column < cols stays inside.
+inline int64_t transpose_scratch_ld(int64_t cols) { return (cols + 63) / 64 * 64 + 64; }
+
+// Rows of a stripe for `cols` columns: a multiple of 64, as many as keep the
+// stripe within about 1 MiB (the L2 of most x86 cores), 64 at least.
+inline int64_t transpose_stripe_rows(int64_t cols) {
+  const int64_t fit = (int64_t{1} << 20) / transpose_scratch_ld(cols) / 64 * 64;
+  return fit < 64 ? 64 : (fit > kTransposeStripeRows ? kTransposeStripeRows : fit);
+}
 
 /*! \brief The quantize range kernels of one instruction-set path. */
 struct QuantizeKernels {
@@ -28,13 +43,15 @@ struct QuantizeKernels {
                 int64_t end, bool want_amax, bool stream);
   /*!
    * \brief Rows [r0, r1) of the (rows, cols) input: q (row-major, may be null) and qt
-   *        (cols, rows). Returns max |x| over those rows. When q is null, `scratch` holds
-   *        kTransposeStripeRows * cols bytes (the caller allocates it: this runs inside
-   *        parallel regions, where an allocation failure must not be possible).
+   *        (cols, rows). Returns max |x| over those rows. `scratch` holds
+   *        min(transpose_stripe_rows(cols), rows) * transpose_scratch_ld(cols) bytes (the caller allocates it:
+   *        this runs inside parallel regions, where an allocation failure must not be
+   *        possible). `stream` writes whole output lines with non-temporal stores, for
+   *        outputs too large to stay in cache.
    */
   float (*cast_transpose)(DType in, DType out, const void* x, uint8_t* q, uint8_t* qt,
                           uint8_t* scratch, float scale, int64_t rows, int64_t cols, int64_t r0,
-                          int64_t r1);
+                          int64_t r1, bool stream);
   /*! \brief y[i] = store(load(q[i]) * scale_inv) for i in [begin, end). */
   void (*dequantize)(DType in, DType out, const uint8_t* q, float scale_inv, void* y,
                      int64_t begin, int64_t end);
