@@ -502,6 +502,8 @@ def test_numerics_range_stats_and_labels():
     assert recipe_label(VARIANTS["default"]) == "NVFP4BlockScaling(E2M1)"
     assert recipe_label(VARIANTS["no_rht"]) == "NVFP4BlockScaling(E2M1, disable_rht)"
     assert recipe_label(recipe.MXFP8BlockScaling()) == "MXFP8BlockScaling(E4M3)"
+    overridden = recipe.Float8CurrentScaling(backward_override="dequantized")
+    assert recipe_label(overridden) == "CurrentScaling(HYBRID, backward_override=dequantized)"
 
 
 # --- the weight cache and the wgrad options ---

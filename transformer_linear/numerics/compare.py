@@ -65,12 +65,16 @@ RECIPE_NAMES: tuple[str, ...] = available_names()
 
 def recipe_label(recipe: Any) -> str:
     """A short name for tables: ``DelayedScaling(HYBRID)``; the data format of an FP4 recipe and the
-    features it turns off: ``NVFP4BlockScaling(E2M1, disable_rht)``."""
+    features it turns off: ``NVFP4BlockScaling(E2M1, disable_rht)``; a backward override:
+    ``CurrentScaling(HYBRID, backward_override=dequantized)``."""
     fmt = getattr(recipe, "fp4_format", None) or getattr(recipe, "fp8_format", None)
     parts = [fmt.value] if fmt is not None else []
     if dataclasses.is_dataclass(recipe):
         parts += [f.name for f in dataclasses.fields(recipe)
                   if f.name.startswith("disable_") and getattr(recipe, f.name)]
+    override = getattr(recipe, "backward_override", None)
+    if override is not None:
+        parts.append(f"backward_override={override}")
     return f"{type(recipe).__name__}({', '.join(parts)})" if parts else type(recipe).__name__
 
 
