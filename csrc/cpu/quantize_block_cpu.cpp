@@ -141,8 +141,6 @@ constexpr int64_t kMaxBandRows = 256;
 constexpr int64_t kStreamBytes = 8 << 20;
 // How far ahead the row loops prefetch the input.
 constexpr int64_t kPrefetchBytes = 8 << 10;
-// Row runs at least this long are left to the hardware prefetchers.
-constexpr int64_t kPrefetchBelowBytes = 4 << 10;
 
 struct Tile {
   int64_t r0, r1, c0, c1;
@@ -218,9 +216,9 @@ class Quantizer {
   // the row loops prefetch about kPrefetchBytes ahead: row r + ahead, and past
   // the tile's last row the first rows of the tile to its right (the next
   // tile of this thread).
-  // Runs of a page or more need no help: 0 rows ahead.
+  // Runs of a page or more need no help (row kernels prefetch their own): 0 rows ahead.
   int64_t prefetch_rows(int64_t w) const {
-    if (w * esize_ >= kPrefetchBelowBytes) return 0;
+    if (kernel_prefetches(w * esize_)) return 0;
     return std::clamp<int64_t>(ceil_div(kPrefetchBytes, w * esize_), 1, 32);
   }
 

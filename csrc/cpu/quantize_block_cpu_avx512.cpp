@@ -63,9 +63,23 @@ TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t
 }
 
 // q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+// With `ahead` > 0, prefetches the input `ahead` elements past each 32 it casts.
 template <typename In, typename Out, bool kStream>
-TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512 sc, int64_t b, int64_t e) {
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512 sc, int64_t b, int64_t e,
+                               int64_t ahead) {
   int64_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    if (ahead > 0) quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + ahead);
+    const __m128i v0 = to_fp8<Out>(load_hp<In>(x + i), sc);
+    const __m128i v1 = to_fp8<Out>(load_hp<In>(x + i + 16), sc);
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), v0);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), v1);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), v0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i + 16), v1);
+    }
+  }
   for (; i + 16 <= e; i += 16) {
     const __m128i v = to_fp8<Out>(load_hp<In>(x + i), sc);
     if (kStream) {
@@ -88,6 +102,11 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
   // between its amax and its cast.
   constexpr int64_t kGroup = 32;
   float amax[kGroup], scale[kGroup];
+  // Rows as long as a page: the casts of a group prefetch the next group's
+  // input (the next row's start past the last), so that its amax pass reads
+  // from cache while the casts keep the core busy. Shorter rows are
+  // prefetched by the driver.
+  const int64_t ahead = quantize_block::kernel_prefetches(n * sizeof(*x)) ? std::min(n, kGroup * seg) : 0;
   for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
     const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
     for (int64_t j = 0; j < nj; ++j) {
@@ -97,7 +116,7 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
     for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg;
-      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg));
+      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg), ahead);
     }
   }
 }
