@@ -95,6 +95,11 @@ struct RowKernels {
   /*! \brief transpose, with non-temporal stores to dst where aligned when `stream`. */
   void (*transpose_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
                         int64_t ld_dst, bool stream);
+  /*!
+   * \brief scale[j] = block_scale_of(amax[j], rule, scale_inv, j) for j < n: the scales of n blocks, their
+   *        scale_inv at scale_inv[0, n) (float32, or E8M0 bytes when rule.e8m0).
+   */
+  void (*block_scales)(const float* amax, int64_t n, const ScaleRule& rule, void* scale_inv, float* scale);
   /*! \brief Orders the non-temporal stores of this thread before what follows (sfence, or nothing). */
   void (*fence)();
 };

@@ -350,6 +350,10 @@ void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t col
   }
 }
 
+void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule, void* scale_inv, float* scale) {
+  block_scales(amax, n, rule, scale_inv, 0, scale);
+}
+
 void fence() { _mm_sfence(); }
 
 #include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
