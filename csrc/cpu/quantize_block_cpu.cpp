@@ -123,6 +123,10 @@ void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t col
   transpose(src, ld_src, rows, cols, dst, ld_dst);
 }
 
+void scales(const float* amax, int64_t n, const ScaleRule& rule, void* scale_inv, float* scale) {
+  for (int64_t j = 0; j < n; ++j) scale[j] = block_scale_of(amax[j], rule, scale_inv, j);
+}
+
 void no_fence() {}
 
 // ---- driver --------------------------------------------------------------
@@ -141,8 +145,6 @@ constexpr int64_t kMaxBandRows = 256;
 constexpr int64_t kStreamBytes = 8 << 20;
 // How far ahead the row loops prefetch the input.
 constexpr int64_t kPrefetchBytes = 8 << 10;
-// Row runs at least this long are left to the hardware prefetchers.
-constexpr int64_t kPrefetchBelowBytes = 4 << 10;
 
 struct Tile {
   int64_t r0, r1, c0, c1;
@@ -218,9 +220,9 @@ class Quantizer {
   // the row loops prefetch about kPrefetchBytes ahead: row r + ahead, and past
   // the tile's last row the first rows of the tile to its right (the next
   // tile of this thread).
-  // Runs of a page or more need no help: 0 rows ahead.
+  // Runs of a page or more need no help (row kernels prefetch their own): 0 rows ahead.
   int64_t prefetch_rows(int64_t w) const {
-    if (w * esize_ >= kPrefetchBelowBytes) return 0;
+    if (kernel_prefetches(w * esize_)) return 0;
     return std::clamp<int64_t>(ceil_div(kPrefetchBytes, w * esize_), 1, 32);
   }
 
@@ -317,6 +319,22 @@ class Quantizer {
   // (c0 a multiple of the block's column count): one scale per column.
   void column_scales(const float* amax, int64_t c0, int64_t w, int64_t band, float* scale) const {
     const BlockLayout& l = p_.block_t;  // l.rows columns of x per block
+    if (l.rows == 1) {
+      // One column a block (1x128, 1x32): the kernel's scales, their scale_inv through
+      // a buffer (the scale_inv of adjacent columns are a band count apart).
+      const ScaleRule rule{fp8_max_, emax_, l.e8m0, p_.power_2_scale, p_.e8m0_floor};
+      thread_local std::vector<float> buffer;
+      if (static_cast<int64_t>(buffer.size()) < w) buffer.resize(w);
+      kn_.block_scales(amax, w, rule, buffer.data(), scale);
+      const int64_t first = c0 * l.grid_cols + band;
+      if (l.e8m0) {
+        const auto* bits = reinterpret_cast<const uint8_t*>(buffer.data());
+        for (int64_t c = 0; c < w; ++c) p_.scale_inv_t.ptr<uint8_t>()[first + c * l.grid_cols] = bits[c];
+      } else {
+        for (int64_t c = 0; c < w; ++c) p_.scale_inv_t.ptr<float>()[first + c * l.grid_cols] = buffer[c];
+      }
+      return;
+    }
     for (int64_t g = 0; g < w; g += l.rows) {
       const int64_t ge = std::min(w, g + l.rows);
       float a = 0.0f;
@@ -457,7 +475,7 @@ RowKernels generic_kernels(DType in, DType out) {
       using Out = decltype(out_tag);
       return RowKernels{segment_amax<In>,    segment_cast<In, Out>,   column_amax<In>, column_cast<In, Out>,
                         transpose,           row_blocks<In, Out>,     cast_transpose<In, Out>,
-                        transpose_out,       no_fence};
+                        transpose_out,       scales,                  no_fence};
     });
   });
 }

@@ -37,6 +37,30 @@ inline float block_scale_of(float amax, const ScaleRule& rule, void* scale_inv, 
   return scale;
 }
 
+/*!
+ * \brief Row runs of at least this many bytes are prefetched by the row kernels (RowKernels::row_blocks),
+ *        shorter ones by the driver (a tile's short runs are too short for the hardware prefetchers).
+ */
+constexpr int64_t kPrefetchBelowBytes = 4 << 10;
+
+/*! \brief Whether RowKernels::row_blocks prefetches its input itself for a row of `bytes`. */
+inline bool kernel_prefetches(int64_t bytes) { return bytes >= kPrefetchBelowBytes; }
+
+/*! \brief Software prefetch of the `kBytes` (a multiple of 64) from p into all cache levels. */
+template <int64_t kBytes>
+inline void prefetch_lines(const void* p) {
+  static_assert(kBytes % 64 == 0, "whole lines");
+#pragma GCC unroll 4
+  for (int64_t b = 0; b < kBytes; b += 64) {
+    // GCC drops __builtin_prefetch in these loops at -O3, so on x86 it is spelled out.
+#if defined(__x86_64__) || defined(__i386__)
+    asm volatile("prefetcht0 %0" : : "m"(*(static_cast<const char*>(p) + b)));
+#else
+    __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+#endif
+  }
+}
+
 /*! \brief Row kernels of one (input dtype, FP8 dtype) pair; `x` points at input elements. */
 struct RowKernels {
   /*!
@@ -71,6 +95,11 @@ struct RowKernels {
   /*! \brief transpose, with non-temporal stores to dst where aligned when `stream`. */
   void (*transpose_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
                         int64_t ld_dst, bool stream);
+  /*!
+   * \brief scale[j] = block_scale_of(amax[j], rule, scale_inv, j) for j < n: the scales of n blocks, their
+   *        scale_inv at scale_inv[0, n) (float32, or E8M0 bytes when rule.e8m0).
+   */
+  void (*block_scales)(const float* amax, int64_t n, const ScaleRule& rule, void* scale_inv, float* scale);
   /*! \brief Orders the non-temporal stores of this thread before what follows (sfence, or nothing). */
   void (*fence)();
 };

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "quantize_block_cpu.h"
 #include "quantize_lanes_avx2.h"
@@ -68,10 +69,13 @@ TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t
 }
 
 // q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+// With `ahead` > 0, prefetches the input `ahead` elements past each 32 it casts.
 template <typename In, typename Out, bool kStream>
-TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256 sc, int64_t b, int64_t e) {
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256 sc, int64_t b, int64_t e,
+                               int64_t ahead) {
   int64_t i = b;
   for (; i + 32 <= e; i += 32) {
+    if (ahead > 0) quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + ahead);
     __m256 v[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
@@ -102,6 +106,89 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256
   }
 }
 
+// block_scale_of for 8 blocks: amax[0, 8) -> scale[0, 8), scale_inv[index, index + 8), bitwise the
+// scalar function (the same IEEE divisions; E8M0 with the ceil rule only).
+TL_LANE_INLINE void block_scales8(const float* amax, const quantize_block::ScaleRule& rule, void* scale_inv,
+                                  int64_t index, float* scale) {
+  const __m256 a = _mm256_loadu_ps(amax);
+  const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000));
+  const __m256 abs_a = _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  // amax > 0 and finite; other lanes take the fallback (scale 1, E8M0 exponent 0).
+  const __m256 valid = _mm256_and_ps(_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                     _mm256_cmp_ps(abs_a, inf, _CMP_LT_OQ));
+  const __m256 fp8_max = _mm256_set1_ps(rule.fp8_max);
+  if (rule.e8m0) {
+    const __m256i v = _mm256_castps_si256(_mm256_div_ps(a, fp8_max));
+    const __m256i biased = _mm256_srli_epi32(v, 23);
+    const __m256i mantissa = _mm256_and_si256(v, _mm256_set1_epi32(0x7fffff));
+    const __m256i inexact = _mm256_xor_si256(_mm256_cmpeq_epi32(mantissa, _mm256_setzero_si256()),
+                                             _mm256_set1_epi32(-1));
+    const __m256i above_half = _mm256_cmpgt_epi32(mantissa, _mm256_set1_epi32(0x400000));
+    const __m256i up = _mm256_blendv_epi8(above_half, inexact, _mm256_cmpgt_epi32(biased, _mm256_setzero_si256()));
+    __m256i e = _mm256_sub_epi32(_mm256_sub_epi32(biased, _mm256_set1_epi32(fp8::kE8M0Bias)), up);
+    e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(-fp8::kE8M0Bias)), _mm256_set1_epi32(fp8::kE8M0Bias));
+    e = _mm256_and_si256(e, _mm256_castps_si256(valid));
+    const __m256i bits = _mm256_add_epi32(e, _mm256_set1_epi32(fp8::kE8M0Bias));  // 0..254
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(scale_inv) + index), _mm_packus_epi16(w, w));
+    // exp2_int(-e): 2^-127 is the subnormal 0x00400000, the rest normal.
+    const __m256i ne_biased = _mm256_sub_epi32(_mm256_set1_epi32(127), e);  // -e + 127 in [0, 254]
+    const __m256i sc = _mm256_blendv_epi8(_mm256_slli_epi32(ne_biased, 23), _mm256_set1_epi32(0x00400000),
+                                          _mm256_cmpeq_epi32(ne_biased, _mm256_setzero_si256()));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale), sc);
+    return;
+  }
+  __m256 sc = _mm256_div_ps(fp8_max, a);
+  sc = _mm256_blendv_ps(_mm256_set1_ps(fp8::kFloatMax), sc, _mm256_cmp_ps(sc, inf, _CMP_LT_OQ));
+  sc = _mm256_max_ps(sc, _mm256_set1_ps(fp8::kFloatMinNormal));
+  sc = _mm256_blendv_ps(_mm256_set1_ps(1.0f), sc, valid);
+  if (rule.power_2) sc = _mm256_and_ps(sc, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xff800000u))));
+  _mm256_storeu_ps(scale, sc);
+  _mm256_storeu_ps(static_cast<float*>(scale_inv) + index, _mm256_div_ps(_mm256_set1_ps(1.0f), sc));
+}
+
+// block_scale_of for blocks [0, n): 8 at a time where the rule allows.
+TL_LANE_INLINE void block_scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule, void* scale_inv,
+                                 int64_t index, float* scale) {
+  int64_t j = 0;
+  if (!(rule.e8m0 && rule.e8m0_floor)) {
+    for (; j + 8 <= n; j += 8) block_scales8(amax + j, rule, scale_inv, index + j, scale + j);
+  }
+  for (; j < n; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, index + j);
+}
+
+// amax_range, inlined into the row kernel (one call per block of 32 cost as much as its loads).
+template <typename In>
+TL_LANE_INLINE float block_amax(const typename In::storage* x, int64_t b, int64_t e) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = b;
+    for (; i + 16 <= e; i += 16) {
+      acc0 = _mm256_max_epu32(acc0, abs_bits(_mm256_loadu_ps(x + i)));
+      acc1 = _mm256_max_epu32(acc1, abs_bits(_mm256_loadu_ps(x + i + 8)));
+    }
+    for (; i < e; i += 8) acc0 = _mm256_max_epu32(acc0, abs_bits(load_hp<In>(x + i, std::min<int64_t>(8, e - i))));
+    return fp8::float_of(reduce_max_epu32(_mm256_max_epu32(acc0, acc1)));
+  } else {  // 16-bit formats straight on the bits
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = b;
+    for (; i + 32 <= e; i += 32) {
+      acc0 = _mm256_max_epu16(acc0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), mag));
+      acc1 = _mm256_max_epu16(acc1,
+                              _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16)), mag));
+    }
+    acc0 = _mm256_max_epu16(acc0, acc1);
+    __m128i m = _mm_max_epu16(_mm256_castsi256_si128(acc0), _mm256_extracti128_si256(acc0, 1));
+    m = _mm_max_epu16(m, _mm_shuffle_epi32(m, 0x4e));
+    m = _mm_max_epu16(m, _mm_shuffle_epi32(m, 0xb1));
+    m = _mm_max_epu16(m, _mm_srli_epi32(m, 16));
+    uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffu;
+    for (; i < e; ++i) bits = std::max<uint32_t>(bits, x[i] & 0x7fffu);
+    return In::load(static_cast<uint16_t>(bits));
+  }
+}
+
 template <typename In, typename Out, bool kStream>
 void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
                      const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
@@ -110,16 +197,21 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
   // between its amax and its cast.
   constexpr int64_t kGroup = 32;
   float amax[kGroup], scale[kGroup];
+  // Rows as long as a page: the casts of a group prefetch the next group's
+  // input (the next row's start past the last), so that its amax pass reads
+  // from cache while the casts keep the core busy. Shorter rows are
+  // prefetched by the driver.
+  const int64_t ahead = quantize_block::kernel_prefetches(n * sizeof(*x)) ? std::min(n, kGroup * seg) : 0;
   for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
     const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
-      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
+      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : block_amax<In>(x, b, e);
     }
-    for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
+    block_scales(amax, nj, rule, scale_inv, first + j0, scale);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg;
-      cast_block<In, Out, kStream>(x, q, _mm256_set1_ps(scale[j]), b, std::min(n, b + seg));
+      cast_block<In, Out, kStream>(x, q, _mm256_set1_ps(scale[j]), b, std::min(n, b + seg), ahead);
     }
   }
 }
@@ -256,6 +348,10 @@ void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t col
   } else {
     transpose_out_impl<false>(src, ld_src, rows, cols, dst, ld_dst);
   }
+}
+
+void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule, void* scale_inv, float* scale) {
+  block_scales(amax, n, rule, scale_inv, 0, scale);
 }
 
 void fence() { _mm_sfence(); }

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "quantize_block_cpu.h"
 #include "quantize_lanes_avx512.h"
@@ -63,9 +64,23 @@ TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t
 }
 
 // q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+// With `ahead` > 0, prefetches the input `ahead` elements past each 32 it casts.
 template <typename In, typename Out, bool kStream>
-TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512 sc, int64_t b, int64_t e) {
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512 sc, int64_t b, int64_t e,
+                               int64_t ahead) {
   int64_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    if (ahead > 0) quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + ahead);
+    const __m128i v0 = to_fp8<Out>(load_hp<In>(x + i), sc);
+    const __m128i v1 = to_fp8<Out>(load_hp<In>(x + i + 16), sc);
+    if (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), v0);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), v1);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), v0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i + 16), v1);
+    }
+  }
   for (; i + 16 <= e; i += 16) {
     const __m128i v = to_fp8<Out>(load_hp<In>(x + i), sc);
     if (kStream) {
@@ -80,6 +95,85 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512
   }
 }
 
+// block_scale_of for 16 blocks: amax[0, 16) -> scale[0, 16), scale_inv[index, index + 16), bitwise the
+// scalar function (the same IEEE divisions; E8M0 with the ceil rule only).
+TL_LANE_INLINE void block_scales16(const float* amax, const quantize_block::ScaleRule& rule, void* scale_inv,
+                                   int64_t index, float* scale) {
+  const __m512 a = _mm512_loadu_ps(amax);
+  const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));
+  const __m512 abs_a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+  // amax > 0 and finite; other lanes take the fallback (scale 1, E8M0 exponent 0).
+  const __mmask16 valid = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                          _mm512_cmp_ps_mask(abs_a, inf, _CMP_LT_OQ);
+  const __m512 fp8_max = _mm512_set1_ps(rule.fp8_max);
+  if (rule.e8m0) {
+    const __m512i v = _mm512_castps_si512(_mm512_div_ps(a, fp8_max));
+    const __m512i biased = _mm512_srli_epi32(v, 23);
+    const __m512i mantissa = _mm512_and_si512(v, _mm512_set1_epi32(0x7fffff));
+    const __mmask16 up = (_mm512_cmpgt_epi32_mask(biased, _mm512_setzero_si512()) &
+                          _mm512_test_epi32_mask(mantissa, mantissa)) |
+                         (_mm512_cmpeq_epi32_mask(biased, _mm512_setzero_si512()) &
+                          _mm512_cmpgt_epi32_mask(mantissa, _mm512_set1_epi32(0x400000)));
+    __m512i e = _mm512_sub_epi32(biased, _mm512_set1_epi32(fp8::kE8M0Bias));
+    e = _mm512_mask_add_epi32(e, up, e, _mm512_set1_epi32(1));
+    e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(-fp8::kE8M0Bias)), _mm512_set1_epi32(fp8::kE8M0Bias));
+    e = _mm512_maskz_mov_epi32(valid, e);
+    const __m512i bits = _mm512_add_epi32(e, _mm512_set1_epi32(fp8::kE8M0Bias));  // 0..254
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(scale_inv) + index), _mm512_cvtepi32_epi8(bits));
+    // exp2_int(-e): 2^-127 is the subnormal 0x00400000, the rest normal.
+    const __m512i ne_biased = _mm512_sub_epi32(_mm512_set1_epi32(127), e);  // -e + 127 in [0, 254]
+    const __m512i sc = _mm512_mask_mov_epi32(_mm512_slli_epi32(ne_biased, 23),
+                                             _mm512_cmpeq_epi32_mask(ne_biased, _mm512_setzero_si512()),
+                                             _mm512_set1_epi32(0x00400000));
+    _mm512_storeu_si512(scale, sc);
+    return;
+  }
+  __m512 sc = _mm512_div_ps(fp8_max, a);
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(fp8::kFloatMax), _mm512_cmp_ps_mask(sc, inf, _CMP_LT_OQ), sc);
+  sc = _mm512_max_ps(sc, _mm512_set1_ps(fp8::kFloatMinNormal));
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), valid, sc);
+  if (rule.power_2) {
+    sc = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(sc), _mm512_set1_epi32(static_cast<int>(0xff800000u))));
+  }
+  _mm512_storeu_ps(scale, sc);
+  _mm512_storeu_ps(static_cast<float*>(scale_inv) + index, _mm512_div_ps(_mm512_set1_ps(1.0f), sc));
+}
+
+// block_scale_of for blocks [0, n): 16 at a time where the rule allows.
+TL_LANE_INLINE void block_scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule, void* scale_inv,
+                                 int64_t index, float* scale) {
+  int64_t j = 0;
+  if (!(rule.e8m0 && rule.e8m0_floor)) {
+    for (; j + 16 <= n; j += 16) block_scales16(amax + j, rule, scale_inv, index + j, scale + j);
+  }
+  for (; j < n; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, index + j);
+}
+
+// amax_range, inlined into the row kernel (one call per block of 32 cost as much as its loads).
+template <typename In>
+TL_LANE_INLINE float block_amax(const typename In::storage* x, int64_t b, int64_t e) {
+  if constexpr (std::is_same_v<In, Float32>) {
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    int64_t i = b;
+    for (; i + 32 <= e; i += 32) {
+      acc0 = _mm512_max_epu32(acc0, abs_bits(load_hp<In>(x + i)));
+      acc1 = _mm512_max_epu32(acc1, abs_bits(load_hp<In>(x + i + 16)));
+    }
+    for (; i < e; i += 16) acc0 = _mm512_max_epu32(acc0, abs_bits(load_hp<In>(x + i, tail_mask(std::min<int64_t>(16, e - i)))));
+    return fp8::float_of(_mm512_reduce_max_epu32(_mm512_max_epu32(acc0, acc1)));
+  } else {  // 16-bit formats straight on the bits
+    const __m512i mag = _mm512_set1_epi16(0x7fff);
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = b; i < e; i += 32) {
+      const __mmask32 m = e - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (e - i)) - 1u);
+      acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x + i), mag));
+    }
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(acc));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(acc, 1));
+    return In::load(static_cast<uint16_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(lo, hi))));
+  }
+}
+
 template <typename In, typename Out, bool kStream>
 void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
                      const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
@@ -88,16 +182,21 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
   // between its amax and its cast.
   constexpr int64_t kGroup = 32;
   float amax[kGroup], scale[kGroup];
+  // Rows as long as a page: the casts of a group prefetch the next group's
+  // input (the next row's start past the last), so that its amax pass reads
+  // from cache while the casts keep the core busy. Shorter rows are
+  // prefetched by the driver.
+  const int64_t ahead = quantize_block::kernel_prefetches(n * sizeof(*x)) ? std::min(n, kGroup * seg) : 0;
   for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
     const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
-      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : amax_range<In>(x, b, e);
+      amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : block_amax<In>(x, b, e);
     }
-    for (int64_t j = 0; j < nj; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, first + j0 + j);
+    block_scales(amax, nj, rule, scale_inv, first + j0, scale);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg;
-      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg));
+      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg), ahead);
     }
   }
 }
@@ -216,6 +315,10 @@ void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t col
   } else {
     transpose_out_impl<false>(src, ld_src, rows, cols, dst, ld_dst);
   }
+}
+
+void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule, void* scale_inv, float* scale) {
+  block_scales(amax, n, rule, scale_inv, 0, scale);
 }
 
 void fence() { _mm_sfence(); }
