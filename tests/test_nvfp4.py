@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import QUANTIZE_ISAS
+from cpu_paths import QUANTIZE_ISAS, SUPPORTED_ISAS
 from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 
 from transformer_linear import _C
@@ -30,6 +30,14 @@ OPTIONS = {
 @pytest.fixture(params=QUANTIZE_ISAS)
 def cpu_isa(request):
     """The NVFP4 kernels are portable; every path must give the same bits all the same."""
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def gemm_isa(request):
+    """Each GEMM path (avx512_bf16 has its own vdpbf16ps micro-kernel) must give the reference's bits."""
     _C.set_cpu_isa(request.param)
     yield request.param
     _C.set_cpu_isa("auto")
@@ -268,9 +276,10 @@ def quantized_operand(rows, k, seed, option="rowwise"):
 @pytest.mark.parametrize("out_dtype", HP_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (0, 8, 32), (8, 0, 32), (5, 6, 0)]
+    "m, n, k",
+    [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (350, 45, 1072), (0, 8, 32), (8, 0, 32), (5, 6, 0)],
 )
-def test_gemm(cpu_isa, m, n, k, out_dtype, with_bias):
+def test_gemm(gemm_isa, m, n, k, out_dtype, with_bias):
     a, b = quantized_operand(m, k, 1), quantized_operand(n, k, 2, "2d")
     bias = torch.randn(n).to(out_dtype) if with_bias else None
     got = ops.nvfp4_gemm(a.data, a.scale, a.global_scale, b.data, b.scale, b.global_scale, out_dtype, bias)
@@ -281,6 +290,39 @@ def test_gemm(cpu_isa, m, n, k, out_dtype, with_bias):
     b_values = ref.dequantize_nvfp4(b.data, b.scale, one)
     alpha = (a.global_scale * b.global_scale).item()
     assert_nvfp4_gemm_close(got, a_values, b_values, alpha, bias)
+
+
+def test_gemm_extreme_scales_and_values(gemm_isa):
+    """Largest and subnormal E4M3 scales, +-6 and +-0 codes, a NaN scale: still the reference's bits.
+
+    The vdpbf16ps path flushes denormals; every folded value and product must stay normal.
+    """
+    m, n, k = 20, 40, 96
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=gen)
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    b[0] = 0x77  # +6 everywhere
+    b[1] = 0xFF  # -6 everywhere
+    b[2] = 0x88  # -0 everywhere
+    a_scale = torch.randint(0, 0x7F, (m, k // 16), dtype=torch.uint8, generator=gen)
+    b_scale = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)
+    a_scale[0] = 0x7E  # 448
+    a_scale[1] = 0x01  # 2^-9, the smallest subnormal
+    b_scale[0:2] = 0x7E
+    b_scale[3] = 0x01
+    a_scale[2, 1] = 0x7F  # NaN: row 2 of the output is NaN
+    args = (
+        a.view(fmt.FP4_DTYPE),
+        a_scale.view(torch.float8_e4m3fn),
+        torch.tensor(0.5),
+        b.view(fmt.FP4_DTYPE),
+        b_scale.view(torch.float8_e4m3fn),
+        torch.tensor(0.25),
+    )
+    got = ops.nvfp4_gemm(*args, torch.float32)
+    expected = ref.nvfp4_gemm(*args, torch.float32)
+    assert got[2].isnan().all()
+    assert_bitwise_equal(got, expected, "nvfp4_gemm vs reference", any_nan=True)
 
 
 def test_gemm_ignores_thread_count():

@@ -44,7 +44,9 @@ FoldFn fold_avx512() { absent("gemm_block::fold_avx512"); }
 }  // namespace gemm_block
 
 namespace gemm_nvfp4 {
-MicroKernelFn micro_kernel_avx2() { absent("gemm_nvfp4::micro_kernel_avx2"); }
+KernelSet avx2_kernels() { absent("gemm_nvfp4::avx2_kernels"); }
+KernelSet avx512_kernels() { absent("gemm_nvfp4::avx512_kernels"); }
+KernelSet avx512_bf16_kernels() { absent("gemm_nvfp4::avx512_bf16_kernels"); }
 }  // namespace gemm_nvfp4
 
 }  // namespace cpu
