@@ -7,7 +7,7 @@
 // fp32 and in bf16), so a 16-element K block's products sum exactly in any order and
 // the micro-kernel only has to add each block's sum to the fp32 total in K order, as
 // reference/nvfp4.py nvfp4_gemm does. The fp32 totals stay in a tile on the stack when
-// one chunk covers K, else in an M x NC buffer across chunks; the global scales (alpha)
+// one chunk covers K, else in an M x NC buffer (tile by tile) across chunks; the global scales (alpha)
 // and the bias come in the fp32 epilogue. Every output element is computed the same way
 // whatever the thread count, so results do not depend on it.
 #include <algorithm>
@@ -188,14 +188,12 @@ void run(const GemmNvfp4Params& p, const KernelSet& ks) {
             const uint8_t* b_panel = b_packed + q * panel_bytes;
             for (int64_t ir = 0; ir < mb; ir += mr) {
               const int64_t i = ic + ir;
-              float* total = totals ? totals + i * nc + j : acc;
-              const int64_t ld_total = totals ? nc : nr;
-              if (first) {
-                for (int r = 0; r < mr; ++r) std::fill(total + r * ld_total, total + r * ld_total + nr, 0.0f);
-              }
-              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, ld_total);
+              // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+              float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
+              if (first) std::fill(total, total + mr * nr, 0.0f);
+              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
               if (last) {
-                gemm::store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
+                gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
                                       p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
               }
             }
