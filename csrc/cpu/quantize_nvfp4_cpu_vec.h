@@ -4,10 +4,12 @@
 // (quantize_nvfp4_cpu.cpp) and compute what its portable code computes, element for
 // element (same float32 operations, no contraction; per-block scales by the same scalar
 // functions of quantize_nvfp4_cpu.h), so results are bitwise equal to it:
-//   - 1x16 rowwise blocks: lanes are the 16 values of a block (16 / W vectors);
-//   - 1x16 columnwise blocks (optionally after the Hadamard transform): lanes are W
-//     columns, the 16 rows of a block are 16 vectors, so the transform is vertical;
-//   - 16x16 tiles: lanes are the tile's columns.
+//   - 1x16 blocks in lanes: lane l of vector i holds value i of block l, so a block's
+//     amax, scale, encode factor and codes are all lane-wise (the scales in vector form
+//     of block_scale_bits / block_encode_factor). Columnwise blocks (W columns of the
+//     band, after the Hadamard transform, itself lane-wise) load this way directly;
+//     rowwise blocks are loaded W at a time and transposed in registers.
+//   - 16x16 tiles: lanes are the tile's columns (one scale per tile, computed in scalar).
 // Amax: |x| as integer bits, whose unsigned order is the float order with every NaN above
 // +inf, so a NaN anywhere gives a NaN amax (and the 0x7f scale), as fp8::amax_update does.
 // Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters.
@@ -186,34 +188,103 @@ struct Vec {
     std::memcpy(out, &packed, sizeof(packed));
   }
 
+  // Full-width interleaves of two vectors: lanes 0.. (lo) or W / 2.. (hi) of a and b, alternating.
+  static I interleave_mask(int first) {
+    I m;
+    for (int j = 0; j < W / 2; ++j) {
+      m[2 * j] = first + j;
+      m[2 * j + 1] = first + j + W;
+    }
+    return m;
+  }
+
+  // In place: W x W transpose (log2(W) rounds of interleaving row i with row i + W / 2).
+  static void transpose(F (&r)[W]) {
+    const I lo = interleave_mask(0), hi = interleave_mask(W / 2);
+    for (int round = 1; round < W; round *= 2) {
+      F out[W];
+      for (int i = 0; i < W / 2; ++i) {
+        out[2 * i] = __builtin_shuffle(r[i], r[i + W / 2], lo);
+        out[2 * i + 1] = __builtin_shuffle(r[i], r[i + W / 2], hi);
+      }
+      for (int i = 0; i < W; ++i) r[i] = out[i];
+    }
+  }
+
+  // block_scale_bits of each lane's amax (amax >= 0 or NaN), as fp8_math.h computes it.
+  static U scale_bits(F amax, float s_enc) {
+    const F s = amax * (s_enc * (1.0f / kE2M1Max));
+    const I nan = (bits(s) & 0x7fffffffu) > 0x7f800000u;
+    const F sat = s > fp8::kE4M3Max ? splat(fp8::kE4M3Max) : s;
+    const U fb = bits(sat);
+    constexpr uint32_t kDenormMask = 141u << 23;
+    const U sub = bits(sat + from_bits(usplat(kDenormMask))) - kDenormMask;
+    const U norm = (fb + ((static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu) + ((fb >> 20) & 1u)) >> 20;
+    const U result = (fb < (121u << 23) ? sub : norm) & 0xffu;
+    return nan ? usplat(0x7f) : result;
+  }
+
+  // block_encode_factor of each lane's scale bits.
+  static F encode_factor(U sb, float s_enc) {
+    const float s_dec = 1.0f / s_enc;
+    const U exp = (sb >> 3) & 0xfu, man = sb & 7u;
+    const F sub = __builtin_convertvector(man, F) * 0.001953125f;
+    const F norm = from_bits(((exp + 120u) << 23) | (man << 20));
+    F dec = exp == 0 ? sub : norm;
+    dec = sb == 0x7fu ? from_bits(usplat(0x7fc00000u)) : dec;
+    const F q = 1.0f / (dec * s_dec);
+    return q < fp8::kFloatMax ? q : splat(fp8::kFloatMax);  // fmin: NaN and inf give FLT_MAX
+  }
+
+  // Quantize W blocks held in lanes (v[i] lane l: value i of block l): scale bits to sb[l],
+  // the 16 packed codes to packed[l]. g[l]: the Philox counter of the block's first value
+  // (its index / 4) in copy `usage`.
+  static void quantize_blocks(const F (&v)[kBlock], float s_enc, const QuantizeNvfp4Params& p, uint32_t usage,
+                              const U64& g, uint8_t* sb, uint64_t* packed) {
+    U m = U{};
+    for (int i = 0; i < kBlock; ++i) m = umax(m, abs_bits(v[i]));
+    const U sbits = scale_bits(from_bits(m), s_enc);
+    const F factor = encode_factor(sbits, s_enc);
+    I codes[kBlock];
+    if (p.stochastic_rounding) {
+      for (int q = 0; q < 4; ++q) {
+        const U64 gq = g + static_cast<uint64_t>(q);
+        U ctr[4] = {__builtin_convertvector(gq, U), __builtin_convertvector(gq >> 32, U),
+                    usplat(static_cast<uint32_t>(p.offset)),
+                    usplat(static_cast<uint32_t>(p.offset >> 32) | (usage << 31))};
+        philox(ctr, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+        for (int t = 0; t < 4; ++t) codes[4 * q + t] = codes_sr(v[4 * q + t] * factor, ctr[t]);
+      }
+    } else {
+      for (int i = 0; i < kBlock; ++i) codes[i] = codes_rne(v[i] * factor);
+    }
+    pack_rows(codes, packed);
+    for (int l = 0; l < W; ++l) sb[l] = static_cast<uint8_t>(sbits[l]);
+  }
+
   static void rows_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0,
                       int64_t c1) {
     const int64_t w = c1 - c0;
     uint8_t* out = p.output.ptr<uint8_t>();
     uint8_t* scale = static_cast<uint8_t*>(p.scale.data);
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t c = c0; c < c1; c += kBlock) {
+      for (int64_t c = c0; c < c1; c += kBlock * W) {
+        const int blocks = static_cast<int>((c1 - c) / kBlock < W ? (c1 - c) / kBlock : W);
         const float* src = tile + (r - r0) * w + (c - c0);
-        F v[kNB];
-        U m = U{};
-        for (int i = 0; i < kNB; ++i) {
-          v[i] = load(src + i * W);
-          m = umax(m, abs_bits(v[i]));
+        F v[kBlock];
+        for (int h = 0; h < kNB; ++h) {  // values h * W .. of each block
+          F t[W];
+          for (int b = 0; b < W; ++b) t[b] = b < blocks ? load(src + b * kBlock + h * W) : F{};
+          transpose(t);
+          for (int i = 0; i < W; ++i) v[h * W + i] = t[i];
         }
-        uint32_t amax_bits = 0;
-        for (int l = 0; l < W; ++l) amax_bits = m[l] > amax_bits ? m[l] : amax_bits;
-        float amax;
-        std::memcpy(&amax, &amax_bits, sizeof(amax));
-        const uint8_t sb = block_scale_bits(amax, p.s_enc);
-        scale[r * (p.k / kBlock) + c / kBlock] = sb;
-        const F factor = splat(block_encode_factor(sb, p.s_enc));
-        I codes[kNB];
-        const uint64_t first = static_cast<uint64_t>(r * p.k + c);
-        for (int i = 0; i < kNB; ++i) {
-          codes[i] = p.stochastic_rounding ? codes_sr(v[i] * factor, row_bits(p, 0, first + i * W))
-                                           : codes_rne(v[i] * factor);
-        }
-        pack_lanes(codes, out + (r * p.k + c) / 2);
+        U64 g;
+        for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>(r * p.k + c + l * kBlock) >> 2;
+        uint8_t sb[W];
+        uint64_t packed[W];
+        quantize_blocks(v, p.s_enc, p, 0, g, sb, packed);
+        std::memcpy(scale + r * (p.k / kBlock) + c / kBlock, sb, blocks);
+        std::memcpy(out + (r * p.k + c) / 2, packed, blocks * sizeof(uint64_t));
       }
     }
   }
@@ -249,34 +320,15 @@ struct Vec {
         }
       }
       if (p.rht) hadamard(v);
-      U m = U{};
-      for (int i = 0; i < kBlock; ++i) m = umax(m, abs_bits(v[i]));
-      F factor = F{};
-      for (int l = 0; l < lanes; ++l) {
-        const uint32_t ab = m[l];
-        float amax;
-        std::memcpy(&amax, &ab, sizeof(amax));
-        const uint8_t sb = block_scale_bits(amax, p.s_enc_t);
-        scale[(c + l) * (p.m / kBlock) + r0 / kBlock] = sb;
-        factor[l] = block_encode_factor(sb, p.s_enc_t);
-      }
-      I codes[kBlock];
-      if (p.stochastic_rounding) {
-        U64 g;
-        for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>((c + l) * p.m + r0) >> 2;
-        for (int q = 0; q < 4; ++q) {
-          const U64 gq = g + static_cast<uint64_t>(q);
-          U ctr[4] = {__builtin_convertvector(gq, U), __builtin_convertvector(gq >> 32, U),
-                      usplat(static_cast<uint32_t>(p.offset)), usplat(static_cast<uint32_t>(p.offset >> 32) | (1u << 31))};
-          philox(ctr, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
-          for (int t = 0; t < 4; ++t) codes[4 * q + t] = codes_sr(v[4 * q + t] * factor, ctr[t]);
-        }
-      } else {
-        for (int i = 0; i < kBlock; ++i) codes[i] = codes_rne(v[i] * factor);
-      }
+      U64 g;
+      for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>((c + l) * p.m + r0) >> 2;
+      uint8_t sb[W];
       uint64_t packed[W];
-      pack_rows(codes, packed);
-      for (int l = 0; l < lanes; ++l) std::memcpy(out + ((c + l) * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+      quantize_blocks(v, p.s_enc_t, p, 1, g, sb, packed);
+      for (int l = 0; l < lanes; ++l) {
+        scale[(c + l) * (p.m / kBlock) + r0 / kBlock] = sb[l];
+        std::memcpy(out + ((c + l) * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+      }
     }
   }
 
