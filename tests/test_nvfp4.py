@@ -108,7 +108,7 @@ def test_columnwise_takes_any_k():
 
 
 @pytest.mark.parametrize("option", ["rowwise", "rht", "2d", "sr"])
-def test_special_values(option):
+def test_special_values(cpu_isa, option):
     """Zero blocks, NaN, +-inf (saturate to 6 x 448), tiny blocks (subnormal E4M3 scales), -0."""
     x = torch.randn(32, 64)
     x[0, :16] = 0.0
@@ -127,6 +127,23 @@ def test_special_values(option):
         assert got.scale[2, 0].float() == 448.0
         assert 0 < got.scale[4, 1].float() < 2.0**-6  # subnormal E4M3
         assert got.data.view(torch.uint8)[5, 0] & 0xF == 0x8  # -0
+
+
+@pytest.mark.parametrize("option", ["rowwise", "columnwise", "2d", "sr"])
+def test_rounding_ties_and_thresholds(cpu_isa, option):
+    """Values on and next to every E2M1 rounding threshold, both signs, with a unit encode factor.
+
+    A global amax of 6 x 448 gives S_enc = 1 and, in a block whose amax is 6, a block scale and
+    factor of 1: the kernels round exactly these values (ties to the even code, saturation at 6).
+    """
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(-1.0)), torch.nextafter(points, torch.tensor(9.0))])
+    values = torch.cat([near, -near, near[:9]])  # 105 values: 7 blocks of 15
+    blocks = torch.cat([torch.full((7, 1), 6.0), values.reshape(7, 15)], dim=1)  # every block's amax is 6: factor 1
+    x = blocks.repeat(32, 1).reshape(112, 32)
+    amax = torch.tensor(6.0 * 448.0)
+    options = OPTIONS[option]
+    assert_same_copies(ops.quantize_nvfp4(x, amax, amax, **options), ref.quantize_nvfp4(x, amax, amax, **options))
 
 
 FLT_MAX = torch.finfo(torch.float32).max

@@ -87,11 +87,19 @@ struct Vec {
   static U abs_bits(F v) { return bits(v) & 0x7fffffffu; }
   static U umax(U a, U b) { return a > b ? a : b; }
 
-  // e2m1_rne of each lane, as int codes.
+  // e2m1_rne of each lane, as int codes. Below 1 (E2M1's subnormals, steps of 0.5) a float
+  // addition of 2^22 (whose ulp is 0.5) rounds to nearest even; from 1 to 6 the float's
+  // mantissa is rounded to one bit like fp8_math.h's e4m3 conversion; above 6 saturates.
+  // Same codes as the threshold comparisons of e2m1_rne.
   static I codes_rne(F x) {
     const U ub = bits(x);
     const F a = from_bits(ub & 0x7fffffffu);
-    const I code = -((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f));
+    const F a6 = a < kE2M1Max ? a : splat(kE2M1Max);  // NaN lanes are replaced below
+    constexpr uint32_t kMagic = 149u << 23;           // 2^22
+    const U sub = bits(a6 + from_bits(usplat(kMagic))) - kMagic;
+    const U fb = bits(a6);
+    const U norm = ((fb + 0x1fffffu + ((fb >> 22) & 1u)) >> 22) - 252u;
+    const I code = (I)(a6 < 1.0f ? sub : norm);
     const I sign = (I)((ub >> 31) << 3);
     return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
   }
