@@ -18,6 +18,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "../common/backend_nvfp4.h"
 #include "quantize_nvfp4_cpu.h"
 
@@ -141,6 +145,32 @@ struct Vec {
     return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
   }
 
+  // The high and low 32 bits of each lane's product with m: even and odd lanes through the
+  // 32 x 32 -> 64-bit multiply (vpmuludq) where the instruction set is compiled in.
+  static void mulhilo(U c, uint32_t m, U& hi, U& lo) {
+#if defined(__AVX512F__)
+    if constexpr (W == 16) {
+      const __m512i x = (__m512i)c, mm = _mm512_set1_epi64(m);
+      const __m512i even = _mm512_mul_epu32(x, mm), odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mm);
+      lo = (U)_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+      hi = (U)_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+      return;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) {
+      const __m256i x = (__m256i)c, mm = _mm256_set1_epi64x(m);
+      const __m256i even = _mm256_mul_epu32(x, mm), odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mm);
+      lo = (U)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+      hi = (U)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+      return;
+    }
+#endif
+    const U64 p = __builtin_convertvector(c, U64) * static_cast<uint64_t>(m);
+    hi = __builtin_convertvector(p >> 32, U);
+    lo = __builtin_convertvector(p, U);
+  }
+
   // Philox4x32-10 in lanes.
   static void philox(U (&c)[4], uint32_t k0, uint32_t k1) {
     for (int r = 0; r < 10; ++r) {
@@ -148,10 +178,9 @@ struct Vec {
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
       }
-      const U64 p0 = __builtin_convertvector(c[0], U64) * 0xD2511F53ull;
-      const U64 p1 = __builtin_convertvector(c[2], U64) * 0xCD9E8D57ull;
-      const U hi0 = __builtin_convertvector(p0 >> 32, U), lo0 = __builtin_convertvector(p0, U);
-      const U hi1 = __builtin_convertvector(p1 >> 32, U), lo1 = __builtin_convertvector(p1, U);
+      U hi0, lo0, hi1, lo1;
+      mulhilo(c[0], 0xD2511F53u, hi0, lo0);
+      mulhilo(c[2], 0xCD9E8D57u, hi1, lo1);
       const U c1 = c[1], c3 = c[3];
       c[0] = hi1 ^ c1 ^ k0;
       c[1] = lo1;
