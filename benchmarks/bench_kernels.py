@@ -20,7 +20,8 @@ GEMM against the tensorwise FP8 GEMM and fp32 ``torch.mm``.
 NVFP4 rows: ``ops.nvfp4.quantize_nvfp4`` per layout (1x16 rowwise, with the
 columnwise copy, with its RHT, 16x16 tiles, stochastic rounding) in GB/s
 (input read + E2M1 data and E4M3 scales written) against the same copy; the
-NVFP4 GEMM against the tensorwise FP8 GEMM and fp32 ``torch.mm``.
+NVFP4 GEMM against the tensorwise FP8 GEMM, the FP8 block GEMM (1x128 x 128x128) and fp32
+``torch.mm``.
 
 Usage::
 
@@ -389,7 +390,7 @@ NVFP4_QUANTIZE_CASES = [
 
 
 def bench_nvfp4(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: int, warmup: int) -> dict:
-    """NVFP4 quantize GB/s vs memcpy; the NVFP4 GEMM vs the tensorwise FP8 GEMM and fp32 torch.mm."""
+    """NVFP4 quantize GB/s vs memcpy; the NVFP4 GEMM vs the tensorwise and block FP8 GEMMs and fp32 torch.mm."""
     quantize_rows, gemm_rows = [], []
     print(f"{'nvfp4 quantize':<20}{'dtype':<10}{'numel':>10}{'GB/s':>8}{'best':>8}{'memcpy':>8}{'of memcpy':>11}")
     for dtype in (torch.float32, torch.bfloat16):
@@ -421,12 +422,15 @@ def bench_nvfp4(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: i
                     f"{row['memcpy_gbs']:>8.1f}{row['of_memcpy']:>10.1%}",
                     flush=True,
                 )
-    print(f"\n{'nvfp4 GEMM':<12}{'M x N x K':<18}{'GFLOP/s':>9}{'fp8 tensorwise':>16}{'mm fp32':>9}"
-          f"{'of fp8':>8}{'of mm':>8}")
+    print(f"\n{'nvfp4 GEMM':<12}{'M x N x K':<18}{'GFLOP/s':>9}{'fp8 tensorwise':>16}{'fp8 block':>11}{'mm fp32':>9}"
+          f"{'of fp8':>8}{'of block':>10}{'of mm':>8}")
     for m, n, k in shapes:
         a_hp, b_hp = torch.randn(m, k), torch.randn(n, k)
         a_t, sa_t, _ = ops.quantize_current(a_hp, E4M3)
         b_t, sb_t, _ = ops.quantize_current(b_hp, E4M3)
+        # The FP8 block GEMM of the same shape: 1x128 activations x 128x128 weights (DeepSeek-V3).
+        a_b, sa_b = ops.quantize_blockwise(a_hp, E4M3, (1, 128), torch.float32, True)
+        b_b, sb_b = ops.quantize_blockwise(b_hp, E4M3, (128, 128), torch.float32, True)
         qa = nvfp4.quantize_nvfp4(a_hp, nvfp4.nvfp4_amax(a_hp))
         qb = nvfp4.quantize_nvfp4(b_hp, nvfp4.nvfp4_amax(b_hp))
         t = measure(
@@ -434,6 +438,7 @@ def bench_nvfp4(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: i
                 "ours": lambda: nvfp4.nvfp4_gemm(qa.data, qa.scale, qa.global_scale, qb.data, qb.scale,
                                                  qb.global_scale, torch.bfloat16),
                 "fp8": lambda: ops.fp8_gemm(a_t, sa_t, b_t, sb_t, torch.bfloat16),
+                "fp8_block": lambda: ops.fp8_gemm(a_b, sa_b, b_b, sb_b, torch.bfloat16),
                 "mm": lambda: torch.mm(a_hp, b_hp.t()),
             },
             repeats,
@@ -443,11 +448,13 @@ def bench_nvfp4(sizes: list[int], shapes: list[tuple[int, int, int]], repeats: i
         row = {"m": m, "n": n, "k": k}
         row.update({f"{key}_gflops": flop / v[0] / 1e9 for key, v in t.items()})
         row["of_fp8"] = row["ours_gflops"] / row["fp8_gflops"]
+        row["of_fp8_block"] = row["ours_gflops"] / row["fp8_block_gflops"]
         row["of_mm"] = row["ours_gflops"] / row["mm_gflops"]
         gemm_rows.append(row)
         print(
             f"{'nvfp4':<12}{f'{m}x{n}x{k}':<18}{row['ours_gflops']:>9.1f}{row['fp8_gflops']:>16.1f}"
-            f"{row['mm_gflops']:>9.1f}{row['of_fp8']:>8.0%}{row['of_mm']:>8.0%}",
+            f"{row['fp8_block_gflops']:>11.1f}{row['mm_gflops']:>9.1f}{row['of_fp8']:>8.0%}"
+            f"{row['of_fp8_block']:>10.0%}{row['of_mm']:>8.0%}",
             flush=True,
         )
     return {"quantize": quantize_rows, "gemm": gemm_rows}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import QUANTIZE_ISAS
+from cpu_paths import QUANTIZE_ISAS, SUPPORTED_ISAS
 from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 
 from transformer_linear import _C
@@ -30,6 +30,14 @@ OPTIONS = {
 @pytest.fixture(params=QUANTIZE_ISAS)
 def cpu_isa(request):
     """The NVFP4 kernels are portable; every path must give the same bits all the same."""
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def gemm_isa(request):
+    """Each GEMM path (avx512_bf16 has its own vdpbf16ps micro-kernel) must give the reference's bits."""
     _C.set_cpu_isa(request.param)
     yield request.param
     _C.set_cpu_isa("auto")
@@ -100,7 +108,7 @@ def test_columnwise_takes_any_k():
 
 
 @pytest.mark.parametrize("option", ["rowwise", "rht", "2d", "sr"])
-def test_special_values(option):
+def test_special_values(cpu_isa, option):
     """Zero blocks, NaN, +-inf (saturate to 6 x 448), tiny blocks (subnormal E4M3 scales), -0."""
     x = torch.randn(32, 64)
     x[0, :16] = 0.0
@@ -119,6 +127,23 @@ def test_special_values(option):
         assert got.scale[2, 0].float() == 448.0
         assert 0 < got.scale[4, 1].float() < 2.0**-6  # subnormal E4M3
         assert got.data.view(torch.uint8)[5, 0] & 0xF == 0x8  # -0
+
+
+@pytest.mark.parametrize("option", ["rowwise", "columnwise", "2d", "sr"])
+def test_rounding_ties_and_thresholds(cpu_isa, option):
+    """Values on and next to every E2M1 rounding threshold, both signs, with a unit encode factor.
+
+    A global amax of 6 x 448 gives S_enc = 1 and, in a block whose amax is 6, a block scale and
+    factor of 1: the kernels round exactly these values (ties to the even code, saturation at 6).
+    """
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(-1.0)), torch.nextafter(points, torch.tensor(9.0))])
+    values = torch.cat([near, -near, near[:9]])  # 105 values: 7 blocks of 15
+    blocks = torch.cat([torch.full((7, 1), 6.0), values.reshape(7, 15)], dim=1)  # every block's amax is 6: factor 1
+    x = blocks.repeat(32, 1).reshape(112, 32)
+    amax = torch.tensor(6.0 * 448.0)
+    options = OPTIONS[option]
+    assert_same_copies(ops.quantize_nvfp4(x, amax, amax, **options), ref.quantize_nvfp4(x, amax, amax, **options))
 
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -268,9 +293,10 @@ def quantized_operand(rows, k, seed, option="rowwise"):
 @pytest.mark.parametrize("out_dtype", HP_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (0, 8, 32), (8, 0, 32), (5, 6, 0)]
+    "m, n, k",
+    [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (350, 45, 1072), (0, 8, 32), (8, 0, 32), (5, 6, 0)],
 )
-def test_gemm(cpu_isa, m, n, k, out_dtype, with_bias):
+def test_gemm(gemm_isa, m, n, k, out_dtype, with_bias):
     a, b = quantized_operand(m, k, 1), quantized_operand(n, k, 2, "2d")
     bias = torch.randn(n).to(out_dtype) if with_bias else None
     got = ops.nvfp4_gemm(a.data, a.scale, a.global_scale, b.data, b.scale, b.global_scale, out_dtype, bias)
@@ -281,6 +307,39 @@ def test_gemm(cpu_isa, m, n, k, out_dtype, with_bias):
     b_values = ref.dequantize_nvfp4(b.data, b.scale, one)
     alpha = (a.global_scale * b.global_scale).item()
     assert_nvfp4_gemm_close(got, a_values, b_values, alpha, bias)
+
+
+def test_gemm_extreme_scales_and_values(gemm_isa):
+    """Largest and subnormal E4M3 scales, +-6 and +-0 codes, a NaN scale: still the reference's bits.
+
+    The vdpbf16ps path flushes denormals; every folded value and product must stay normal.
+    """
+    m, n, k = 20, 40, 96
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=gen)
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    b[0] = 0x77  # +6 everywhere
+    b[1] = 0xFF  # -6 everywhere
+    b[2] = 0x88  # -0 everywhere
+    a_scale = torch.randint(0, 0x7F, (m, k // 16), dtype=torch.uint8, generator=gen)
+    b_scale = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)
+    a_scale[0] = 0x7E  # 448
+    a_scale[1] = 0x01  # 2^-9, the smallest subnormal
+    b_scale[0:2] = 0x7E
+    b_scale[3] = 0x01
+    a_scale[2, 1] = 0x7F  # NaN: row 2 of the output is NaN
+    args = (
+        a.view(fmt.FP4_DTYPE),
+        a_scale.view(torch.float8_e4m3fn),
+        torch.tensor(0.5),
+        b.view(fmt.FP4_DTYPE),
+        b_scale.view(torch.float8_e4m3fn),
+        torch.tensor(0.25),
+    )
+    got = ops.nvfp4_gemm(*args, torch.float32)
+    expected = ref.nvfp4_gemm(*args, torch.float32)
+    assert got[2].isnan().all()
+    assert_bitwise_equal(got, expected, "nvfp4_gemm vs reference", any_nan=True)
 
 
 def test_gemm_ignores_thread_count():

@@ -1,136 +1,230 @@
 // CPU NVFP4 GEMM: d = (A @ B^T) * alpha [+ bias]. Micro-kernels: gemm_nvfp4_cpu.h.
 //
-// The output is cut into MC x NC tiles, run in parallel. For each chunk of KC columns
-// of K, a tile's rows of A and of B are decoded into float32 panels, k-major, with each
-// element's E4M3 block scale folded in (E2M1 times E4M3 is exact in float32). A 4 x 8
-// register micro-kernel then sums each 16-element K block's products from zero (exact:
-// every partial sum is an integer below 2^24 times a power of two, so the order inside
-// a block does not matter, nor does fusing its multiply-adds) and adds the block to the
-// float32 total in K order, as
-// reference/nvfp4.py nvfp4_gemm does; the global scales (alpha) and the bias come in the
-// float32 epilogue.
+// Loop nest as the FP8 GEMMs' (gemm_cpu.cpp, gemm_block_cpu.cpp): NC blocks of B rows,
+// KC chunks of k (multiples of 16), the B chunk decoded and packed by all threads, then
+// MC blocks of A rows decoded and packed per thread and run through the register-tiled
+// micro-kernel. Decoding multiplies each E2M1 value by its E4M3 block scale (exact in
+// fp32 and in bf16), so a 16-element K block's products sum exactly in any order and
+// the micro-kernel only has to add each block's sum to the fp32 total in K order, as
+// reference/nvfp4.py nvfp4_gemm does. The fp32 totals stay in a tile on the stack when
+// one chunk covers K, else in an M x NC buffer (tile by tile) across chunks; the global scales (alpha)
+// and the bias come in the fp32 epilogue. Every output element is computed the same way
+// whatever the thread count, so results do not depend on it.
 #include <algorithm>
-#include <vector>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 
 #include "../common/backend_nvfp4.h"
 #include "cpu_features.h"
+#include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
+#include "transformer_linear/check.h"
 #include "transformer_linear/dispatch.h"
-#include "transformer_linear/element_types.h"
 
 namespace tl {
 namespace cpu {
+namespace gemm_nvfp4 {
 namespace {
 
-using namespace nvfp4;
-using gemm_nvfp4::kMC;
-using gemm_nvfp4::kMR;
-using gemm_nvfp4::kNC;
-using gemm_nvfp4::kNR;
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-constexpr int64_t kKC = 256;  // a multiple of kBlock
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
 
-struct Scratch {
-  std::vector<float> a, b, acc;  // (kKC, kMC), (kKC, kNC) panels; (kMC, kNC) totals
+Buffer aligned_buffer(size_t bytes) {
+  Buffer b(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
+  TL_CHECK(b != nullptr, "nvfp4_gemm: out of memory allocating ", bytes, " bytes");
+  return b;
+}
+
+// The two E2M1 values of each byte (low nibble first).
+struct PairTable {
+  float v[256][2];
+  PairTable() {
+    for (int b = 0; b < 256; ++b) {
+      v[b][0] = nvfp4::kE2M1Values[b & 0xF];
+      v[b][1] = nvfp4::kE2M1Values[b >> 4];
+    }
+  }
 };
 
-// Rows [r0, r1) (at most `ld`) of a packed operand, K columns [k0, k1), decoded into
-// panel[(k - k0) * ld + (r - r0)]; rows up to `ld` beyond r1 are zero.
-void decode_panel(const uint8_t* data, const uint8_t* scale, int64_t k, int64_t r0, int64_t r1,
-                  int64_t k0, int64_t k1, int64_t ld, float* panel) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t r = r0; r < r0 + ld; ++r) {
-    float* col = panel + (r - r0);
-    if (r >= r1) {
-      for (int64_t kk = k0; kk < k1; ++kk) col[(kk - k0) * ld] = 0.0f;
-      continue;
-    }
-    const uint8_t* row = data + r * (k / 2);
-    for (int64_t kk = k0; kk < k1; kk += kBlock) {
-      const float s = fp8::float_from_e4m3_bits(scale[r * blocks + kk / kBlock]);
-      for (int i = 0; i < kBlock; i += 2) {
-        const uint8_t byte = row[(kk + i) / 2];
-        col[(kk + i - k0) * ld] = kE2M1Values[byte & 0xF] * s;
-        col[(kk + i + 1 - k0) * ld] = kE2M1Values[byte >> 4] * s;
+// A packed NVFP4 operand: row r holds k / 2 bytes and k / 16 E4M3 scales.
+struct Operand {
+  const uint8_t* data;
+  const uint8_t* scale;
+  int64_t k;
+};
+
+// Decode rows [row0, row0 + rows) x k [pc, pc + kc) (kc a multiple of 16) of `op`, block
+// scales applied, into micro-panels of r rows (layout in gemm_nvfp4_cpu.h); rows up to
+// the next multiple of r are zero.
+void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc, int r, int kpack, void* dst) {
+  static const PairTable table;
+  const int64_t row_bytes = op.k / 2, row_scales = op.k / kBlockK;
+  for (int64_t p0 = 0; p0 < rows; p0 += r) {
+    const int64_t panel = (p0 / r) * kc * r;
+    for (int i = 0; i < r; ++i) {
+      const int64_t row = row0 + p0 + i;
+      const bool valid = p0 + i < rows;
+      const uint8_t* bytes = op.data + row * row_bytes;
+      const uint8_t* scales = op.scale + row * row_scales;
+      for (int64_t kk = 0; kk < kc; kk += kBlockK) {
+        const float s = valid ? fp8::float_from_e4m3_bits(scales[(pc + kk) / kBlockK]) : 0.0f;
+        for (int t = 0; t < kBlockK; t += 2) {
+          float v0 = 0.0f, v1 = 0.0f;
+          if (valid) {
+            const uint8_t byte = bytes[(pc + kk + t) / 2];
+            v0 = table.v[byte][0] * s;
+            v1 = table.v[byte][1] * s;
+          }
+          const int64_t k = kk + t;
+          if (kpack == 1) {
+            float* out = static_cast<float*>(dst) + panel;
+            out[k * r + i] = v0;
+            out[(k + 1) * r + i] = v1;
+          } else {  // bf16 pairs: v0 and v1 have at most 5 significant bits, exact in bf16
+            uint32_t* out = static_cast<uint32_t*>(dst) + panel / 2;
+            out[(k / 2) * r + i] = (fp8::bits_of(v0) >> 16) | (fp8::bits_of(v1) & 0xffff0000u);
+          }
+        }
       }
     }
   }
 }
 
-// The portable gemm_nvfp4::MicroKernelFn.
-void micro_kernel(const float* a, const float* b, int64_t kc, int64_t i0, int64_t j0, float* acc,
-                  int64_t ld_acc) {
-  float total[kMR][kNR];
-  for (int i = 0; i < kMR; ++i) {
-    for (int j = 0; j < kNR; ++j) total[i][j] = acc[(i0 + i) * ld_acc + j0 + j];
-  }
-  for (int64_t k0 = 0; k0 < kc; k0 += kBlock) {
-    float part[kMR][kNR] = {};
-    for (int64_t kk = k0; kk < k0 + kBlock; ++kk) {
-      const float* av = a + kk * kMC + i0;
-      const float* bv = b + kk * kNC + j0;
-      for (int i = 0; i < kMR; ++i) {
-        for (int j = 0; j < kNR; ++j) part[i][j] += av[i] * bv[j];
+// The portable MicroFn: kMr x kNr tile.
+constexpr int kMr = 4, kNr = 8;
+
+void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, float* total, int64_t ld_total) {
+  const float* a = static_cast<const float*>(a_packed);
+  const float* b = static_cast<const float*>(b_packed);
+  for (int64_t k0 = 0; k0 < kc; k0 += kBlockK) {
+    float part[kMr][kNr] = {};
+    for (int64_t k = k0; k < k0 + kBlockK; ++k) {
+      for (int i = 0; i < kMr; ++i) {
+        for (int j = 0; j < kNr; ++j) part[i][j] += a[k * kMr + i] * b[k * kNr + j];
       }
     }
-    for (int i = 0; i < kMR; ++i) {
-      for (int j = 0; j < kNR; ++j) total[i][j] += part[i][j];
+    for (int i = 0; i < kMr; ++i) {
+      for (int j = 0; j < kNr; ++j) total[i * ld_total + j] += part[i][j];
     }
-  }
-  for (int i = 0; i < kMR; ++i) {
-    for (int j = 0; j < kNR; ++j) acc[(i0 + i) * ld_acc + j0 + j] = total[i][j];
   }
 }
 
 template <typename Out>
-void run(const GemmNvfp4Params& p, gemm_nvfp4::MicroKernelFn kernel) {
-  const int64_t tiles_m = (p.m + kMC - 1) / kMC, tiles_n = (p.n + kNC - 1) / kNC;
-  const auto* a = p.a.ptr<const uint8_t>();
-  const auto* b = p.b.ptr<const uint8_t>();
-  const auto* sa = static_cast<const uint8_t*>(p.a_scale.data);
-  const auto* sb = static_cast<const uint8_t*>(p.b_scale.data);
-  const auto* bias = p.bias.defined() ? p.bias.ptr<const typename Out::storage>() : nullptr;
-  auto* d = p.d.ptr<typename Out::storage>();
-  parallel_for(tiles_m * tiles_n, 1, [&](int64_t t0, int64_t t1) {
-    thread_local Scratch s;
-    s.a.resize(kKC * kMC);
-    s.b.resize(kKC * kNC);
-    s.acc.resize(kMC * kNC);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t m0 = (t / tiles_n) * kMC, m1 = std::min(p.m, m0 + kMC);
-      const int64_t n0 = (t % tiles_n) * kNC, n1 = std::min(p.n, n0 + kNC);
-      std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-      for (int64_t k0 = 0; k0 < p.k; k0 += kKC) {
-        const int64_t k1 = std::min(p.k, k0 + kKC);
-        decode_panel(a, sa, p.k, m0, m1, k0, k1, kMC, s.a.data());
-        decode_panel(b, sb, p.k, n0, n1, k0, k1, kNC, s.b.data());
-        for (int64_t i = 0; i < m1 - m0; i += kMR) {
-          for (int64_t j = 0; j < n1 - n0; j += kNR) {
-            kernel(s.a.data(), s.b.data(), k1 - k0, i, j, s.acc.data(), kNC);
+void run(const GemmNvfp4Params& p, const KernelSet& ks) {
+  using T = typename Out::storage;
+  T* d = p.d.ptr<T>();
+  const T* bias = p.bias.defined() ? p.bias.ptr<const T>() : nullptr;
+  const int64_t m = p.m, n = p.n, k = p.k;
+  if (k == 0) {  // empty product: D = 0 * alpha [+ bias]
+    const std::vector<float> zeros(n, 0.0f);
+    for (int64_t i = 0; i < m; ++i) gemm::store_tile<Out>(zeros.data(), 0, 1, n, p.alpha, bias, false, d + i * n, n);
+    return;
+  }
+  const int mr = ks.mr, nr = ks.nr;
+  const int elem_bytes = ks.kpack == 1 ? 4 : 2;
+  const int64_t m_pad = round_up(m, mr);
+  const int64_t kc = ks.kc;
+  const bool multi_pass = k > kc;
+  int64_t nc = std::min(ks.nc, round_up(n, nr));
+  if (multi_pass) {  // bound the fp32 totals (M x NC) to 64 MiB
+    const int64_t budget_cols = (int64_t{16} << 20) / m_pad;
+    nc = std::max<int64_t>(nr, std::min(nc, budget_cols / nr * nr));
+  }
+  const int64_t kc_max = std::min(kc, k);
+  Buffer b_buffer = aligned_buffer(static_cast<size_t>(ceil_div(nc, nr) * kc_max * nr * elem_bytes));
+  Buffer totals_buffer = multi_pass ? aligned_buffer(static_cast<size_t>(m_pad * nc) * sizeof(float)) : nullptr;
+  uint8_t* b_packed = b_buffer.get();
+  float* totals = reinterpret_cast<float*>(totals_buffer.get());
+  const Operand a_op{p.a.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.a_scale.data), k};
+  const Operand b_op{p.b.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.b_scale.data), k};
+  constexpr double kMinParallelFlops = 1 << 22;
+  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
+  const int threads = serial ? 1 : get_num_threads();
+
+  for (int64_t jc = 0; jc < n; jc += nc) {
+    const int64_t nb = std::min(nc, n - jc);
+    const int64_t b_panels = ceil_div(nb, nr);
+    for (int64_t pc = 0; pc < k; pc += kc) {
+      const int64_t kb = std::min(kc, k - pc);
+      const bool first = pc == 0, last = pc + kb == k;
+      const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
+      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t j = jc + q * nr;
+          pack(b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, ks.kpack, b_packed + q * panel_bytes);
+        }
+      });
+      // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
+      const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
+      const int64_t mc = round_up(ceil_div(m, blocks), mr);
+      const int64_t m_blocks = ceil_div(m, mc);
+      const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+      const size_t a_panel_bytes = static_cast<size_t>(kb) * mr * elem_bytes;
+      parallel_for(m_blocks * n_splits, serial ? m_blocks * n_splits : 1, [&](int64_t w0, int64_t w1) {
+        // Grown once per thread, reused by every call.
+        thread_local Buffer a_buffer;
+        thread_local size_t a_capacity = 0;
+        const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
+        if (a_bytes > a_capacity) {
+          a_buffer = aligned_buffer(a_bytes);
+          a_capacity = a_bytes;
+        }
+        alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+        for (int64_t w = w0; w < w1; ++w) {
+          const int64_t ic = (w / n_splits) * mc;
+          const int64_t split = w % n_splits;
+          const int64_t mb = std::min(mc, m - ic);
+          pack(a_op, ic, mb, pc, kb, mr, ks.kpack, a_buffer.get());
+          for (int64_t q = split * b_panels / n_splits; q < (split + 1) * b_panels / n_splits; ++q) {
+            const int64_t j = q * nr;  // within the NC block
+            const uint8_t* b_panel = b_packed + q * panel_bytes;
+            for (int64_t ir = 0; ir < mb; ir += mr) {
+              const int64_t i = ic + ir;
+              // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+              float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
+              if (first) std::fill(total, total + mr * nr, 0.0f);
+              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
+              if (last) {
+                gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
+                                      p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
+              }
+            }
           }
         }
-      }
-      for (int64_t i = m0; i < m1; ++i) {
-        for (int64_t j = n0; j < n1; ++j) {
-          float v = s.acc[(i - m0) * kNC + (j - n0)] * p.alpha;
-          if (bias) v = v + Out::load(bias[j]);
-          d[i * p.n + j] = Out::store(v);
-        }
-      }
+      });
     }
-  });
+  }
 }
 
 }  // namespace
 
+KernelSet generic_kernels() { return KernelSet{kMr, kNr, 1, 256, 64, 512, micro_generic}; }
+
+}  // namespace gemm_nvfp4
+
 void nvfp4_gemm(const GemmNvfp4Params& p) {
   if (p.m == 0 || p.n == 0) return;
-  // Every vector path's CPU has AVX2 and FMA.
-  const gemm_nvfp4::MicroKernelFn kernel =
-      current_isa() == Isa::kGeneric ? micro_kernel : gemm_nvfp4::micro_kernel_avx2();
-  dispatch_high_precision(p.d.dtype, "nvfp4_gemm: argument 'd'", [&](auto tag) { run<decltype(tag)>(p, kernel); });
+  gemm_nvfp4::KernelSet ks = gemm_nvfp4::generic_kernels();
+  switch (current_isa()) {
+    case Isa::kAvx2: ks = gemm_nvfp4::avx2_kernels(); break;
+    case Isa::kAvx512: ks = gemm_nvfp4::avx512_kernels(); break;
+    // vdpbf16ps runs at about half the fp32-FMA rate on CPUs with AMX (Sapphire Rapids),
+    // twice it on AMD Zen 4 (see gemm_cpu_avx512.cpp): where AMX is usable, take fp32.
+    case Isa::kAvx512Bf16:
+      ks = gemm::amx_usable() ? gemm_nvfp4::avx512_kernels() : gemm_nvfp4::avx512_bf16_kernels();
+      break;
+    case Isa::kGeneric: break;
+  }
+  dispatch_high_precision(p.d.dtype, "nvfp4_gemm: argument 'd'",
+                          [&](auto tag) { gemm_nvfp4::run<decltype(tag)>(p, ks); });
 }
 
 }  // namespace cpu

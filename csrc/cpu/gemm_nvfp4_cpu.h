@@ -1,7 +1,15 @@
-// Internal interface of the NVFP4 CPU GEMM: the driver (gemm_nvfp4_cpu.cpp: tiling,
-// decoding, threading, epilogue) and its micro-kernel, portable (gemm_nvfp4_cpu.cpp) or
-// AVX2 (gemm_nvfp4_cpu_avx2.cpp). Both give the same bits: inside a 16-element K block
-// every partial sum is exact in float32, so a fused multiply-add rounds nothing either.
+// Internal interface of the NVFP4 CPU GEMM: the driver (gemm_nvfp4_cpu.cpp: blocking,
+// decoding while packing, threading, epilogue) and the micro-kernels of each path,
+// portable (gemm_nvfp4_cpu.cpp), AVX2 (gemm_nvfp4_cpu_avx2.cpp), AVX-512 fp32 and
+// AVX512_BF16 (gemm_nvfp4_cpu_avx512.cpp). All give the same bits: the packed operands
+// hold E2M1 values times their E4M3 block scales (exact in fp32 and in bf16), so inside
+// a 16-element K block every partial sum is exact, in any order, fused or not, and the
+// only rounding is the addition of each block's sum to the fp32 total, in K order.
+//
+// Packed layout (as gemm_cpu.h): a block of `rows` x `kc` is packed into micro-panels of
+// R rows, each kc * R elements, k-groups of `kpack` consecutive k stored row after row:
+//   panel[g][r][t] = value(src[r, g * kpack + t])
+// kpack = 1 for fp32 elements, 2 for bf16 pairs (vdpbf16ps). Rows past `rows` are zero.
 #pragma once
 
 #include <cstdint>
@@ -10,21 +18,32 @@ namespace tl {
 namespace cpu {
 namespace gemm_nvfp4 {
 
-/*! \brief Rows and columns of output one micro-kernel call computes. */
-constexpr int kMR = 4, kNR = 8;
-/*! \brief Panel strides: decoded A holds kMC rows per K, decoded B kNC columns per K. */
-constexpr int64_t kMC = 64, kNC = 64;
+/*! \brief Width of a K block (one E4M3 scale per 16 E2M1 values). */
+constexpr int kBlockK = 16;
 
 /*!
- * \brief acc[(i0 + i) * ld_acc + j0 + j] += each 16-element K block of
- *        sum_k a[k * kMC + i0 + i] * b[k * kNC + j0 + j], block by block in K order
- *        (each block's sum starting from zero), for i < kMR, j < kNR, k < kc.
+ * \brief For each 16-k block b of the kc (a multiple of 16) packed k values, in order:
+ *        total[i * ld_total + j] += sum_{k in b} a[i, k] * b[j, k] (the block's sum from
+ *        zero, then one fp32 addition), for one full mr x nr tile.
  */
-using MicroKernelFn = void (*)(const float* a, const float* b, int64_t kc, int64_t i0, int64_t j0,
-                               float* acc, int64_t ld_acc);
+using MicroFn = void (*)(int64_t kc, const void* a, const void* b, float* total, int64_t ld_total);
 
-/*! \brief AVX2 + FMA micro-kernel; call only when the CPU has them. */
-MicroKernelFn micro_kernel_avx2();
+/*! \brief The micro-kernel and block sizes of one instruction-set path. */
+struct KernelSet {
+  int mr, nr;          // register tile (rows of A, rows of B)
+  int kpack;           // k values per packed group: 1 (fp32) or 2 (bf16 pairs)
+  int64_t kc, mc, nc;  // cache blocks: k per pass (a multiple of 16), rows of A, rows of B
+  MicroFn micro;
+};
+
+/*! \brief Portable fp32 path (gemm_nvfp4_cpu.cpp). */
+KernelSet generic_kernels();
+/*! \brief AVX2 + FMA fp32 path; call only when the CPU has them. */
+KernelSet avx2_kernels();
+/*! \brief AVX-512F fp32 path; call only when the CPU has it. */
+KernelSet avx512_kernels();
+/*! \brief AVX512_BF16 vdpbf16ps path; call only when the CPU has it. */
+KernelSet avx512_bf16_kernels();
 
 }  // namespace gemm_nvfp4
 }  // namespace cpu

@@ -1,5 +1,6 @@
-// AVX2 micro-kernel of the NVFP4 CPU GEMM (see gemm_nvfp4_cpu.h): one 8-lane row of
-// partial sums per output row, fused multiply-adds (exact inside a K block).
+// AVX2 micro-kernel of the NVFP4 CPU GEMM (see gemm_nvfp4_cpu.h): a 6 x 16 register tile
+// (the tile of gemm_cpu_avx2.cpp), fused multiply-adds from zero over each 16-k block
+// (exact there), then one addition of the block's sums into the fp32 total in memory.
 #include <immintrin.h>
 
 #include "gemm_nvfp4_cpu.h"
@@ -9,29 +10,46 @@ namespace cpu {
 namespace gemm_nvfp4 {
 namespace {
 
-constexpr int kBlock = 16;
-static_assert(kNR == 8 && kMR == 4, "one __m256 per output row");
-
-void micro_kernel(const float* a, const float* b, int64_t kc, int64_t i0, int64_t j0, float* acc,
-                  int64_t ld_acc) {
-  __m256 total[kMR];
-  for (int i = 0; i < kMR; ++i) total[i] = _mm256_loadu_ps(acc + (i0 + i) * ld_acc + j0);
-  for (int64_t k0 = 0; k0 < kc; k0 += kBlock) {
-    __m256 part[kMR];
-    for (int i = 0; i < kMR; ++i) part[i] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k0 + kBlock; ++k) {
-      const __m256 bv = _mm256_loadu_ps(b + k * kNC + j0);
-      const float* av = a + k * kMC + i0;
-      for (int i = 0; i < kMR; ++i) part[i] = _mm256_fmadd_ps(_mm256_set1_ps(av[i]), bv, part[i]);
+template <int MR, int NV>
+void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, float* total, int64_t ld_total) {
+  const float* a = static_cast<const float*>(a_packed);
+  const float* b = static_cast<const float*>(b_packed);
+  for (int64_t k0 = 0; k0 < kc; k0 += kBlockK) {
+    __m256 acc[MR][NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
     }
-    for (int i = 0; i < kMR; ++i) total[i] = _mm256_add_ps(total[i], part[i]);
+#pragma GCC unroll 2
+    for (int k = 0; k < kBlockK; ++k, a += MR, b += 8 * NV) {
+      __m256 bv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m256 av = _mm256_broadcast_ss(a + i);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        float* t = total + i * ld_total + 8 * v;
+        _mm256_storeu_ps(t, _mm256_add_ps(_mm256_loadu_ps(t), acc[i][v]));
+      }
+    }
   }
-  for (int i = 0; i < kMR; ++i) _mm256_storeu_ps(acc + (i0 + i) * ld_acc + j0, total[i]);
 }
+
+constexpr int kMr = 6;
+constexpr int kNv = 2;
 
 }  // namespace
 
-MicroKernelFn micro_kernel_avx2() { return micro_kernel; }
+KernelSet avx2_kernels() { return KernelSet{kMr, 8 * kNv, 1, 256, 144, 2048, micro_fp32<kMr, kNv>}; }
 
 }  // namespace gemm_nvfp4
 }  // namespace cpu

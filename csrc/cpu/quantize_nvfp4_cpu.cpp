@@ -7,12 +7,16 @@
 // transform with `rht`. With 16x16 tiles the columnwise copy is the rowwise codes and
 // tile scales written transposed. Random bits are a function of each element's index in
 // its output, so results do not depend on the band size or the thread count.
+// On the AVX2 and AVX-512 paths the per-block work runs in vector kernels
+// (quantize_nvfp4_cpu_vec.h) that compute the same bits as the portable code here.
 #include <algorithm>
 #include <vector>
 
 #include "../common/backend_nvfp4.h"
+#include "cpu_features.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
+#include "quantize_nvfp4_cpu_vec.h"
 #include "transformer_linear/dispatch.h"
 
 namespace tl {
@@ -32,7 +36,7 @@ struct Scratch {
 
 class Nvfp4Quantizer {
  public:
-  explicit Nvfp4Quantizer(const QuantizeNvfp4Params& p) : p_(p) {}
+  Nvfp4Quantizer(const QuantizeNvfp4Params& p, const VecKernels* vec) : p_(p), vec_(vec) {}
 
   // Rows [r0, r1) x columns [c0, c1) of the input as float32 into `tile` (ld = c1 - c0).
   template <typename In>
@@ -145,6 +149,15 @@ class Nvfp4Quantizer {
         const int64_t r0 = (t / chunks) * kBlock, r1 = std::min(p_.m, r0 + kBlock);
         const int64_t c0 = (t % chunks) * kChunkCols, c1 = std::min(p_.k, c0 + kChunkCols);
         load<In>(r0, r1, c0, c1, s.tile.data());
+        if (vec_) {
+          if (p_.scaling_2d) {
+            vec_->tiles_2d(p_, s.tile.data(), r0, r1, c0, c1);
+            continue;
+          }
+          if (p_.output.defined()) vec_->rows_1d(p_, s.tile.data(), r0, r1, c0, c1);
+          if (p_.output_t.defined()) vec_->columns_1d(p_, s.tile.data(), r0, c0, c1);
+          continue;
+        }
         if (p_.scaling_2d) {
           tiles_2d(s.tile.data(), r0, r1, c0, c1, s);
           continue;
@@ -157,13 +170,18 @@ class Nvfp4Quantizer {
 
  private:
   const QuantizeNvfp4Params& p_;
+  const VecKernels* vec_;  // null on the portable path
 };
 
 }  // namespace
 
 void quantize_nvfp4(const QuantizeNvfp4Params& p) {
   if (p.m == 0 || p.k == 0) return;
-  const Nvfp4Quantizer q(p);
+  VecKernels vec{};
+  const Isa isa = current_isa();
+  if (isa == Isa::kAvx2) vec = avx2_vec_kernels();
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) vec = avx512_vec_kernels();
+  const Nvfp4Quantizer q(p, isa == Isa::kGeneric ? nullptr : &vec);
   dispatch_high_precision(p.input.dtype, "quantize_nvfp4: argument 'x'", [&](auto tag) {
     q.template run<decltype(tag)>();
   });

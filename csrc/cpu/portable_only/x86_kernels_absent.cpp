@@ -7,6 +7,7 @@
 #include "../gemm_cpu.h"
 #include "../gemm_nvfp4_cpu.h"
 #include "../quantize_block_cpu.h"
+#include "../quantize_nvfp4_cpu_vec.h"
 #include "../quantize_cpu_isa.h"
 #include "transformer_linear/check.h"
 
@@ -44,8 +45,15 @@ FoldFn fold_avx512() { absent("gemm_block::fold_avx512"); }
 }  // namespace gemm_block
 
 namespace gemm_nvfp4 {
-MicroKernelFn micro_kernel_avx2() { absent("gemm_nvfp4::micro_kernel_avx2"); }
+KernelSet avx2_kernels() { absent("gemm_nvfp4::avx2_kernels"); }
+KernelSet avx512_kernels() { absent("gemm_nvfp4::avx512_kernels"); }
+KernelSet avx512_bf16_kernels() { absent("gemm_nvfp4::avx512_bf16_kernels"); }
 }  // namespace gemm_nvfp4
+
+namespace nvfp4 {
+VecKernels avx2_vec_kernels() { absent("nvfp4::avx2_vec_kernels"); }
+VecKernels avx512_vec_kernels() { absent("nvfp4::avx512_vec_kernels"); }
+}  // namespace nvfp4
 
 }  // namespace cpu
 }  // namespace tl

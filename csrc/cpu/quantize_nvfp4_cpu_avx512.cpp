@@ -1,0 +1,12 @@
+// NVFP4 quantize vector kernels for avx512 (W = 16 float lanes): quantize_nvfp4_cpu_vec.h.
+#include "quantize_nvfp4_cpu_vec.h"
+
+namespace tl {
+namespace cpu {
+namespace nvfp4 {
+
+VecKernels avx512_vec_kernels() { return Vec<16>::kernels(); }
+
+}  // namespace nvfp4
+}  // namespace cpu
+}  // namespace tl

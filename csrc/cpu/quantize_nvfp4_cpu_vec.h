@@ -1,0 +1,427 @@
+// Vector NVFP4 quantize kernels, written once with GCC vector extensions for W float
+// lanes and compiled per instruction set (quantize_nvfp4_cpu_avx2.cpp: W = 8,
+// quantize_nvfp4_cpu_avx512.cpp: W = 16). They run on the float32 band tile of the driver
+// (quantize_nvfp4_cpu.cpp) and compute what its portable code computes, element for
+// element (same float32 operations, no contraction; per-block scales by the same scalar
+// functions of quantize_nvfp4_cpu.h), so results are bitwise equal to it:
+//   - 1x16 blocks in lanes: lane l of vector i holds value i of block l, so a block's
+//     amax, scale, encode factor and codes are all lane-wise (the scales in vector form
+//     of block_scale_bits / block_encode_factor). Columnwise blocks (W columns of the
+//     band, after the Hadamard transform, itself lane-wise) load this way directly;
+//     rowwise blocks are loaded W at a time and transposed in registers.
+//   - 16x16 tiles: lanes are the tile's columns (one scale per tile, computed in scalar).
+// Amax: |x| as integer bits, whose unsigned order is the float order with every NaN above
+// +inf, so a NaN anywhere gives a NaN amax (and the 0x7f scale), as fp8::amax_update does.
+// Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "../common/backend_nvfp4.h"
+#include "quantize_nvfp4_cpu.h"
+
+namespace tl {
+namespace cpu {
+namespace nvfp4 {
+
+/*! \brief The vector kernels of one instruction set (arguments as the portable driver's). */
+struct VecKernels {
+  void (*rows_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
+  void (*columns_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1);
+  void (*tiles_2d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
+};
+
+VecKernels avx2_vec_kernels();
+VecKernels avx512_vec_kernels();
+
+// The vector types of W lanes (GCC takes vector_size only as a non-dependent constant),
+// and of W / 2 lanes (the halves of the float64 comparison, the u64 view of code pairs).
+template <int W>
+struct VecTypes;
+
+#define TL_NVFP4_VEC_TYPES(W)                                      \
+  template <>                                                      \
+  struct VecTypes<W> {                                             \
+    typedef float F __attribute__((vector_size(4 * W)));           \
+    typedef int32_t I __attribute__((vector_size(4 * W)));         \
+    typedef uint32_t U __attribute__((vector_size(4 * W)));        \
+    typedef uint64_t U64 __attribute__((vector_size(8 * W)));      \
+    typedef uint64_t Q __attribute__((vector_size(4 * W)));        \
+    typedef uint8_t B __attribute__((vector_size(W / 2)));         \
+    typedef float FH __attribute__((vector_size(2 * W)));          \
+    typedef uint32_t UH __attribute__((vector_size(2 * W)));       \
+    typedef int32_t IH __attribute__((vector_size(2 * W)));        \
+    typedef double DH __attribute__((vector_size(4 * W)));         \
+    typedef int64_t LH __attribute__((vector_size(4 * W)));        \
+  };
+TL_NVFP4_VEC_TYPES(8)
+TL_NVFP4_VEC_TYPES(16)
+#undef TL_NVFP4_VEC_TYPES
+
+template <int W>
+struct Vec {
+  using F = typename VecTypes<W>::F;
+  using I = typename VecTypes<W>::I;
+  using U = typename VecTypes<W>::U;
+  using U64 = typename VecTypes<W>::U64;
+  static constexpr int kNB = kBlock / W;  // vectors per 16-value block
+
+  static F load(const float* p) {
+    F v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static F splat(float x) { return F{} + x; }
+  static U usplat(uint32_t x) { return U{} + x; }
+  static U bits(F v) {
+    U u;
+    std::memcpy(&u, &v, sizeof(u));
+    return u;
+  }
+  static F from_bits(U u) {
+    F v;
+    std::memcpy(&v, &u, sizeof(v));
+    return v;
+  }
+  static U abs_bits(F v) { return bits(v) & 0x7fffffffu; }
+  static U umax(U a, U b) { return a > b ? a : b; }
+
+  // e2m1_rne of each lane, as int codes. Below 1 (E2M1's subnormals, steps of 0.5) a float
+  // addition of 2^22 (whose ulp is 0.5) rounds to nearest even; from 1 to 6 the float's
+  // mantissa is rounded to one bit like fp8_math.h's e4m3 conversion; above 6 saturates.
+  // Same codes as the threshold comparisons of e2m1_rne.
+  static I codes_rne(F x) {
+    const U ub = bits(x);
+    const F a = from_bits(ub & 0x7fffffffu);
+    const F a6 = a < kE2M1Max ? a : splat(kE2M1Max);  // NaN lanes are replaced below
+    constexpr uint32_t kMagic = 149u << 23;           // 2^22
+    const U sub = bits(a6 + from_bits(usplat(kMagic))) - kMagic;
+    const U fb = bits(a6);
+    const U norm = ((fb + 0x1fffffu + ((fb >> 22) & 1u)) >> 22) - 252u;
+    const I code = (I)(a6 < 1.0f ? sub : norm);
+    const I sign = (I)((ub >> 31) << 3);
+    return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
+  }
+
+  // e2m1_stochastic of each lane with its random bits.
+  static I codes_sr(F x, U rbits) {
+    const U ub = bits(x);
+    const F fa = from_bits(ub & 0x7fffffffu);
+    const F a = fa < kE2M1Max ? fa : splat(kE2M1Max);  // fmin(|x|, 6); NaN lanes are replaced below
+    I lo = I{};
+    F lo_v = F{}, hi_v = splat(kE2M1Values[1]);
+#pragma GCC unroll 7
+    for (int c = 1; c < 8; ++c) {
+      const I ge = a >= kE2M1Values[c];
+      lo -= ge;
+      lo_v = ge ? splat(kE2M1Values[c]) : lo_v;
+      hi_v = ge ? splat(kE2M1Values[c < 7 ? c + 1 : 7]) : hi_v;
+    }
+    const F width = lo < 7 ? hi_v - lo_v : splat(1.0f);
+    const F frac = (a - lo_v) / width;
+    // frac * 2^32 > rbits in float64, in two halves of W / 2 lanes.
+    using FH = typename VecTypes<W>::FH;
+    using UH = typename VecTypes<W>::UH;
+    using IH = typename VecTypes<W>::IH;
+    using DH = typename VecTypes<W>::DH;
+    using LH = typename VecTypes<W>::LH;
+    I up;
+    for (int h = 0; h < 2; ++h) {
+      FH f;
+      UH r;
+      std::memcpy(&f, reinterpret_cast<const char*>(&frac) + h * 2 * W, sizeof(f));
+      std::memcpy(&r, reinterpret_cast<const char*>(&rbits) + h * 2 * W, sizeof(r));
+      const LH gt = __builtin_convertvector(f, DH) * 4294967296.0 > __builtin_convertvector(r, DH);
+      const IH g = __builtin_convertvector(gt, IH);
+      std::memcpy(reinterpret_cast<char*>(&up) + h * 2 * W, &g, sizeof(g));
+    }
+    const I code = lo - ((lo < 7) & up);
+    const I sign = (I)((ub >> 31) << 3);
+    return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
+  }
+
+  // The high and low 32 bits of each lane's product with m: even and odd lanes through the
+  // 32 x 32 -> 64-bit multiply (vpmuludq) where the instruction set is compiled in.
+  static void mulhilo(U c, uint32_t m, U& hi, U& lo) {
+#if defined(__AVX512F__)
+    if constexpr (W == 16) {
+      const __m512i x = (__m512i)c, mm = _mm512_set1_epi64(m);
+      const __m512i even = _mm512_mul_epu32(x, mm), odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mm);
+      lo = (U)_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+      hi = (U)_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+      return;
+    }
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) {
+      const __m256i x = (__m256i)c, mm = _mm256_set1_epi64x(m);
+      const __m256i even = _mm256_mul_epu32(x, mm), odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mm);
+      lo = (U)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+      hi = (U)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+      return;
+    }
+#endif
+    const U64 p = __builtin_convertvector(c, U64) * static_cast<uint64_t>(m);
+    hi = __builtin_convertvector(p >> 32, U);
+    lo = __builtin_convertvector(p, U);
+  }
+
+  // Philox4x32-10 in lanes.
+  static void philox(U (&c)[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+      if (r) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+      }
+      U hi0, lo0, hi1, lo1;
+      mulhilo(c[0], 0xD2511F53u, hi0, lo0);
+      mulhilo(c[2], 0xCD9E8D57u, hi1, lo1);
+      const U c1 = c[1], c3 = c[3];
+      c[0] = hi1 ^ c1 ^ k0;
+      c[1] = lo1;
+      c[2] = hi0 ^ c3 ^ k1;
+      c[3] = lo0;
+    }
+  }
+
+  // Random bits of W consecutive indices first.. (first a multiple of 4) of one usage.
+  static U row_bits(const QuantizeNvfp4Params& p, uint32_t usage, uint64_t first) {
+    U64 idx;
+    for (int l = 0; l < W; ++l) idx[l] = first + static_cast<uint64_t>(l);
+    const U64 g = idx >> 2;
+    U c[4] = {__builtin_convertvector(g, U), __builtin_convertvector(g >> 32, U), usplat(static_cast<uint32_t>(p.offset)),
+              usplat(static_cast<uint32_t>(p.offset >> 32) | (usage << 31))};
+    philox(c, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+    const U word = __builtin_convertvector(idx & 3u, U);
+    return word == 0 ? c[0] : word == 1 ? c[1] : word == 2 ? c[2] : c[3];
+  }
+
+  // 16 codes (lane order, kNB vectors) -> 8 bytes, the first of each pair in the low nibble.
+  static void pack_lanes(const I (&codes)[kNB], uint8_t* out) {
+    using Q = typename VecTypes<W>::Q;
+    using B = typename VecTypes<W>::B;
+    for (int v = 0; v < kNB; ++v) {
+      Q q;
+      std::memcpy(&q, &codes[v], sizeof(q));
+      const B b = __builtin_convertvector((q | (q >> 28)) & 0xffu, B);
+      std::memcpy(out + v * (W / 2), &b, sizeof(b));
+    }
+  }
+
+  // Codes of 16 row vectors (lane = column), packed per lane: out[l] holds the 16 codes of
+  // lane l, pairs of rows per byte. (Written to memory: a 64-byte vector return value
+  // would change the ABI on the AVX2 path.)
+  static void pack_rows(const I (&codes)[kBlock], uint64_t* out) {
+    U64 packed = U64{};
+    for (int pr = 0; pr < kBlock / 2; ++pr) {
+      const I byte = codes[2 * pr] | (codes[2 * pr + 1] << 4);
+      packed |= __builtin_convertvector(byte, U64) << (8 * pr);
+    }
+    std::memcpy(out, &packed, sizeof(packed));
+  }
+
+  // Full-width interleaves of two vectors: lanes 0.. (lo) or W / 2.. (hi) of a and b, alternating.
+  static I interleave_mask(int first) {
+    I m;
+    for (int j = 0; j < W / 2; ++j) {
+      m[2 * j] = first + j;
+      m[2 * j + 1] = first + j + W;
+    }
+    return m;
+  }
+
+  // In place: W x W transpose (log2(W) rounds of interleaving row i with row i + W / 2).
+  static void transpose(F (&r)[W]) {
+    const I lo = interleave_mask(0), hi = interleave_mask(W / 2);
+    for (int round = 1; round < W; round *= 2) {
+      F out[W];
+      for (int i = 0; i < W / 2; ++i) {
+        out[2 * i] = __builtin_shuffle(r[i], r[i + W / 2], lo);
+        out[2 * i + 1] = __builtin_shuffle(r[i], r[i + W / 2], hi);
+      }
+      for (int i = 0; i < W; ++i) r[i] = out[i];
+    }
+  }
+
+  // block_scale_bits of each lane's amax (amax >= 0 or NaN), as fp8_math.h computes it.
+  static U scale_bits(F amax, float s_enc) {
+    const F s = amax * (s_enc * (1.0f / kE2M1Max));
+    const I nan = (bits(s) & 0x7fffffffu) > 0x7f800000u;
+    const F sat = s > fp8::kE4M3Max ? splat(fp8::kE4M3Max) : s;
+    const U fb = bits(sat);
+    constexpr uint32_t kDenormMask = 141u << 23;
+    const U sub = bits(sat + from_bits(usplat(kDenormMask))) - kDenormMask;
+    const U norm = (fb + ((static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu) + ((fb >> 20) & 1u)) >> 20;
+    const U result = (fb < (121u << 23) ? sub : norm) & 0xffu;
+    return nan ? usplat(0x7f) : result;
+  }
+
+  // block_encode_factor of each lane's scale bits.
+  static F encode_factor(U sb, float s_enc) {
+    const float s_dec = 1.0f / s_enc;
+    const U exp = (sb >> 3) & 0xfu, man = sb & 7u;
+    const F sub = __builtin_convertvector(man, F) * 0.001953125f;
+    const F norm = from_bits(((exp + 120u) << 23) | (man << 20));
+    F dec = exp == 0 ? sub : norm;
+    dec = sb == 0x7fu ? from_bits(usplat(0x7fc00000u)) : dec;
+    const F q = 1.0f / (dec * s_dec);
+    return q < fp8::kFloatMax ? q : splat(fp8::kFloatMax);  // fmin: NaN and inf give FLT_MAX
+  }
+
+  // Quantize W blocks held in lanes (v[i] lane l: value i of block l): scale bits to sb[l],
+  // the 16 packed codes to packed[l]. g[l]: the Philox counter of the block's first value
+  // (its index / 4) in copy `usage`.
+  static void quantize_blocks(const F (&v)[kBlock], float s_enc, const QuantizeNvfp4Params& p, uint32_t usage,
+                              const U64& g, uint8_t* sb, uint64_t* packed) {
+    U m = U{};
+    for (int i = 0; i < kBlock; ++i) m = umax(m, abs_bits(v[i]));
+    const U sbits = scale_bits(from_bits(m), s_enc);
+    const F factor = encode_factor(sbits, s_enc);
+    I codes[kBlock];
+    if (p.stochastic_rounding) {
+      for (int q = 0; q < 4; ++q) {
+        const U64 gq = g + static_cast<uint64_t>(q);
+        U ctr[4] = {__builtin_convertvector(gq, U), __builtin_convertvector(gq >> 32, U),
+                    usplat(static_cast<uint32_t>(p.offset)),
+                    usplat(static_cast<uint32_t>(p.offset >> 32) | (usage << 31))};
+        philox(ctr, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+        for (int t = 0; t < 4; ++t) codes[4 * q + t] = codes_sr(v[4 * q + t] * factor, ctr[t]);
+      }
+    } else {
+      for (int i = 0; i < kBlock; ++i) codes[i] = codes_rne(v[i] * factor);
+    }
+    pack_rows(codes, packed);
+    for (int l = 0; l < W; ++l) sb[l] = static_cast<uint8_t>(sbits[l]);
+  }
+
+  static void rows_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0,
+                      int64_t c1) {
+    const int64_t w = c1 - c0;
+    uint8_t* out = p.output.ptr<uint8_t>();
+    uint8_t* scale = static_cast<uint8_t*>(p.scale.data);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; c += kBlock * W) {
+        const int blocks = static_cast<int>((c1 - c) / kBlock < W ? (c1 - c) / kBlock : W);
+        const float* src = tile + (r - r0) * w + (c - c0);
+        F v[kBlock];
+        for (int h = 0; h < kNB; ++h) {  // values h * W .. of each block
+          F t[W];
+          for (int b = 0; b < W; ++b) t[b] = b < blocks ? load(src + b * kBlock + h * W) : F{};
+          transpose(t);
+          for (int i = 0; i < W; ++i) v[h * W + i] = t[i];
+        }
+        U64 g;
+        for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>(r * p.k + c + l * kBlock) >> 2;
+        uint8_t sb[W];
+        uint64_t packed[W];
+        quantize_blocks(v, p.s_enc, p, 0, g, sb, packed);
+        std::memcpy(scale + r * (p.k / kBlock) + c / kBlock, sb, blocks);
+        std::memcpy(out + (r * p.k + c) / 2, packed, blocks * sizeof(uint64_t));
+      }
+    }
+  }
+
+  static void hadamard(F (&v)[kBlock]) {
+    for (int i = 0; i < kBlock; ++i) v[i] = v[i] * kRhtSigns[i];
+    for (int half = 1; half < kBlock; half *= 2) {
+      for (int base = 0; base < kBlock; base += 2 * half) {
+        for (int j = base; j < base + half; ++j) {
+          const F a = v[j], b = v[j + half];
+          v[j] = a + b;
+          v[j + half] = a - b;
+        }
+      }
+    }
+    for (int i = 0; i < kBlock; ++i) v[i] = v[i] * 0.25f;
+  }
+
+  static void columns_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    uint8_t* out = p.output_t.ptr<uint8_t>();
+    uint8_t* scale = static_cast<uint8_t*>(p.scale_t.data);
+    for (int64_t c = c0; c < c1; c += W) {
+      const int lanes = static_cast<int>(c1 - c < W ? c1 - c : W);
+      F v[kBlock];
+      for (int i = 0; i < kBlock; ++i) {
+        const float* src = tile + i * w + (c - c0);
+        if (lanes == W) {
+          v[i] = load(src);
+        } else {
+          v[i] = F{};
+          for (int l = 0; l < lanes; ++l) v[i][l] = src[l];
+        }
+      }
+      if (p.rht) hadamard(v);
+      U64 g;
+      for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>((c + l) * p.m + r0) >> 2;
+      uint8_t sb[W];
+      uint64_t packed[W];
+      quantize_blocks(v, p.s_enc_t, p, 1, g, sb, packed);
+      for (int l = 0; l < lanes; ++l) {
+        scale[(c + l) * (p.m / kBlock) + r0 / kBlock] = sb[l];
+        std::memcpy(out + ((c + l) * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+      }
+    }
+  }
+
+  static void tiles_2d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0,
+                       int64_t c1) {
+    const int64_t w = c1 - c0, h = r1 - r0;
+    for (int64_t c = c0; c < c1; c += kBlock) {
+      F v[kBlock][kNB];
+      U m = U{};
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kNB; ++j) {
+          v[i][j] = i < h ? load(tile + i * w + (c - c0) + j * W) : F{};
+          m = umax(m, abs_bits(v[i][j]));
+        }
+      }
+      uint32_t amax_bits = 0;
+      for (int l = 0; l < W; ++l) amax_bits = m[l] > amax_bits ? m[l] : amax_bits;
+      float amax;
+      std::memcpy(&amax, &amax_bits, sizeof(amax));
+      const uint8_t sb = block_scale_bits(amax, p.s_enc);
+      const F factor = splat(block_encode_factor(sb, p.s_enc));
+      I codes[kBlock][kNB];
+      for (int i = 0; i < h; ++i) {
+        const uint64_t first = static_cast<uint64_t>((r0 + i) * p.k + c);
+        for (int j = 0; j < kNB; ++j) {
+          codes[i][j] = p.stochastic_rounding ? codes_sr(v[i][j] * factor, row_bits(p, 0, first + j * W))
+                                              : codes_rne(v[i][j] * factor);
+        }
+      }
+      if (p.output.defined()) {
+        uint8_t* scale = static_cast<uint8_t*>(p.scale.data);
+        for (int64_t i = 0; i < h; ++i) {
+          scale[(r0 + i) * (p.k / kBlock) + c / kBlock] = sb;
+          pack_lanes(codes[i], p.output.ptr<uint8_t>() + ((r0 + i) * p.k + c) / 2);
+        }
+      }
+      if (p.output_t.defined()) {  // h == 16 here: M % 16 == 0 was checked
+        uint8_t* scale = static_cast<uint8_t*>(p.scale_t.data);
+        for (int j = 0; j < kNB; ++j) {
+          I col[kBlock];
+          for (int i = 0; i < kBlock; ++i) col[i] = codes[i][j];
+          uint64_t packed[W];
+          pack_rows(col, packed);
+          for (int l = 0; l < W; ++l) {
+            const int64_t cc = c + j * W + l;
+            scale[cc * (p.m / kBlock) + r0 / kBlock] = sb;
+            std::memcpy(p.output_t.ptr<uint8_t>() + (cc * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+          }
+        }
+      }
+    }
+  }
+
+  static VecKernels kernels() { return VecKernels{rows_1d, columns_1d, tiles_2d}; }
+};
+
+}  // namespace nvfp4
+}  // namespace cpu
+}  // namespace tl
