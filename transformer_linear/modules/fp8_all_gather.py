@@ -314,6 +314,9 @@ class GatheredFP8Weight(torch.Tensor):
     parameter through :func:`weight_for_op`; any other use raises (there is no high-precision weight).
     """
 
+    source = "all-gathered in FP8 by fully_shard(fp8_all_gather=...)"
+    """Where the weight's quantized form comes from, for error messages (a subclass says its own)."""
+
     @staticmethod
     def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "GatheredFP8Weight":
         data = cached_weight.weight_fp8
@@ -386,7 +389,7 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
     """
     if quantizer != weight.quantizer:
         raise ValueError(
-            f"Linear: the weight was all-gathered in FP8 as {weight.quantizer} (fully_shard(fp8_all_gather=...)); "
+            f"Linear: the weight was {weight.source} as {weight.quantizer}; "
             f"the forward's recipe quantizes it as {quantizer}"
         )
     return weight.cached_weight
