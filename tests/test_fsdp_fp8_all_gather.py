@@ -20,7 +20,12 @@ from torch import nn
 import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.formats.dtypes import FP8_DTYPES
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight, check_shardable
+from transformer_linear.modules.fp8_all_gather import (
+    FP8AllGatherWeight,
+    GatheredFP8Weight,
+    check_shardable,
+    is_fp8_all_gathered,
+)
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe.quantization import quantization_spec
 
@@ -244,16 +249,17 @@ def _autocast_rank(rank, world, name):
 
 
 def _quantized_init_rank(rank, world):
-    """quantized_model_init layers gathered in FP8: the stored copy goes (FSDP2's gathered FP8 weight takes
-    its place); training is bitwise the same recipe's without either."""
+    """quantized_model_init layers gathered in FP8: the FP8 Parameter becomes the high-precision master
+    (the preserved initial weight) that FSDP2 shards and gathers in FP8; training is bitwise the same
+    recipe's without quantized_model_init."""
     r = RECIPES["current"]
-    with tl.quantized_model_init(recipe=r):
+    with tl.quantized_model_init(recipe=r, preserve_high_precision_init_val=True):
         on = _sharded(None, True)
-    assert all(m.quantized_init is not None and m._quantized_weight is None for m in (on[0], on[2]))
+    for m in (on[0], on[2]):
+        assert m.quantized_init is not None and is_fp8_all_gathered(m.weight)
+        assert tl.get_high_precision_init_val(m) is None  # it became the master
     off = _sharded(None, False)
     _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
-    tl.requantize_weights(on)  # what register_requantize_hook runs after a step: nothing to store
-    assert on[0]._quantized_weight is None
 
 
 def _checkpoint_rank(rank, world, path):

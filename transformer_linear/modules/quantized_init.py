@@ -158,6 +158,12 @@ def stored_form(quantizer: TensorQuantizer, cached: CachedWeight) -> CachedWeigh
     return dataclasses.replace(cached, weight_fp8_t=None, weight_scale_inv_t=None)
 
 
+def _transposed(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` transposed (as the quantizer makes it: standard strides, also for a
+    dimension of size 1)."""
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
 def dequantize_weight(quantizer: TensorQuantizer, cached: CachedWeight, dtype: torch.dtype) -> Tensor:
     """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``."""
     data, scale_inv = cached.weight_fp8, cached.weight_scale_inv
@@ -218,11 +224,9 @@ class QuantizedWeight(GatheredFP8Weight):
             return stored
         data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
         if self.quantizer.blockwise:
-            return dataclasses.replace(
-                stored, weight_fp8_t=data.t().contiguous(), weight_scale_inv_t=scale_inv.t().contiguous()
-            )
+            return dataclasses.replace(stored, weight_fp8_t=_transposed(data), weight_scale_inv_t=_transposed(scale_inv))
         if layout.needs_columnwise(data.device):
-            return dataclasses.replace(stored, weight_fp8_t=data.t().contiguous())
+            return dataclasses.replace(stored, weight_fp8_t=_transposed(data))
         return stored
 
     def _stored(self) -> CachedWeight:
