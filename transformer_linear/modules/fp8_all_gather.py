@@ -21,7 +21,11 @@ Nothing here branches on the recipe; the quantizer says what one weight is made 
   boundary. FSDP2 shards dim 0, so the rows per shard must be a multiple of the rows a block spans (in
   either usage the quantizer produces); otherwise ``fsdp_pre_all_gather`` raises (see
   :func:`check_shardable`). Data and block scales are gathered; a square block's columnwise copy is
-  the rowwise one transposed, a non-square block's is gathered too.
+  the rowwise one transposed, a non-square block's (MXFP8's 1x32) is gathered too: it has its own blocks,
+  so it cannot be made from the gathered rowwise copy without quantizing twice, and gathering each usage
+  only in the pass that reads it is not possible under FSDP2 (torch 2.13), which fixes a parameter's
+  all-gather tensors at its first gather and does not gather again in backward without
+  ``reshard_after_forward`` (the dgrad operand is saved at forward time).
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
 the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
