@@ -157,6 +157,8 @@ def _reset_rss_peak() -> None:
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storages, a wrapper subclass (DTensor, an FP8 weight) opened to its inner tensors."""
+    if not isinstance(t, torch.Tensor):
+        return 0
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, name)) for name in names)

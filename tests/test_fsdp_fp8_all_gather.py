@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from tolerances import assert_bitwise_equal
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import transformer_linear as tl
 from transformer_linear import recipe
@@ -262,6 +263,33 @@ def _quantized_init_rank(rank, world):
     _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
 
 
+def _hsdp_rank(rank, world, name, quantized_init):
+    """HSDP (a 2-D mesh: replicate x shard): FP8 all-gather over the shard dimension (the amax all-reduced
+    there), gradients all-reduced over the replicas; bitwise the same training as the high-precision
+    gather, and the gathered tensors FP8."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    r = RECIPES[name]
+
+    def build(fp8_all_gather, quantized):
+        with tl.quantized_model_init(enabled=quantized, recipe=r, preserve_high_precision_init_val=True):
+            model = _mlp(r)
+        for layer in (model[0], model[2]):
+            tl.distributed.fully_shard(layer, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+
+    on, off = build(True, quantized_init), build(False, False)
+    assert on[0].weight.placements == (Replicate(), Shard(0))
+    assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
+    (x,) = _batches(rank, world, steps=1)
+    with _GatherCounter() as counter:
+        on(x).square().sum().backward()
+    assert counter.fp8_gathers > 0 and all(d in FP8_DTYPES for d in counter.data_dtypes), counter.data_dtypes
+    on.zero_grad(set_to_none=True)
+    _assert_same_training(rank, world, on, off, f"HSDP {name}, quantized_model_init={quantized_init}")
+
+
 def _checkpoint_rank(rank, world, path):
     import torch.distributed.checkpoint as dcp
 
@@ -341,6 +369,14 @@ class TestFP8AllGather:
 
     def test_composes_with_quantized_model_init(self):
         run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "name, quantized_init", [("current", False), ("mxfp8", False), ("current", True)],
+        ids=["current", "mxfp8", "current-quantized_model_init"],
+    )
+    def test_hsdp_2d_mesh(self, name, quantized_init):
+        run_ranks(_hsdp_rank, name, quantized_init, world_size=4, timeout=TIMEOUT)
 
     def test_checkpoint_resume(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), world_size=WORLD, timeout=TIMEOUT)
