@@ -381,7 +381,8 @@ def is_fp8_all_gathered(weight: Tensor) -> bool:
 
 
 def gathered_weight(weight: Tensor) -> Optional[GatheredFP8Weight]:
-    """``weight`` if FSDP2 gathered it in FP8 (a :class:`GatheredFP8Weight`), else None."""
+    """``weight`` if it holds only its quantized form (a :class:`GatheredFP8Weight`: FSDP2 gathered it in FP8,
+    or quantized_model_init keeps it so), else None."""
     return weight if isinstance(weight, GatheredFP8Weight) else None
 
 

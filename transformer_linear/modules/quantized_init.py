@@ -318,7 +318,6 @@ def requantize(layer: nn.Module) -> None:
     config: Optional[QuantizedInitConfig] = getattr(layer, "quantized_init", None)
     if config is None:
         return
-    layer._quantized_weight = None  # the forward reads the QuantizedWeight Parameter itself
     weight = layer.weight
     if (
         isinstance(weight, QuantizedWeight)
