@@ -104,7 +104,8 @@ def quantized_model_init(
         recipe: whose weight quantizer makes the stored weight; None: ``DelayedScaling()``, as in
             Transformer Engine. The forward must run under a recipe with the same weight quantizer.
         preserve_high_precision_init_val: keep a CPU copy of each initial weight, for
-            :func:`get_high_precision_init_val` (e.g. to initialize an external master copy).
+            :func:`get_high_precision_init_val`; ``tl.optim.MasterWeights`` (or ``fully_shard``) takes it as
+            the master (else the master starts from the dequantized weight).
 
     Raises:
         TypeError: ``enabled`` or ``preserve_high_precision_init_val`` not a bool, or an unknown recipe.
