@@ -225,7 +225,8 @@ class QuantizedWeight(GatheredFP8Weight):
             return stored
         data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
         if self.quantizer.blockwise:
-            return dataclasses.replace(stored, weight_fp8_t=_transposed(data), weight_scale_inv_t=_transposed(scale_inv))
+            transposed = {"weight_fp8_t": _transposed(data), "weight_scale_inv_t": _transposed(scale_inv)}
+            return dataclasses.replace(stored, **transposed)
         if layout.needs_columnwise(data.device):
             return dataclasses.replace(stored, weight_fp8_t=_transposed(data))
         return stored
