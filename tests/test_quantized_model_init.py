@@ -13,7 +13,10 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import transformer_linear as tl
 from transformer_linear import recipe
@@ -357,6 +360,35 @@ class TestStateDict:
         layer.to(torch.bfloat16)
         assert isinstance(layer.weight, QuantizedWeight) and layer.weight.dtype == torch.bfloat16
         assert torch.equal(_bits(clone.weight.weight_fp8), _bits(layer.weight.weight_fp8))
+
+
+def _ddp_rank(rank, world):
+    """DDP over FP8 weights: its broadcast of rank 0's parameters reaches the FP8 data (copy_ quantizes),
+    the all-reduced gradients reach the masters, and the ranks' weights stay equal."""
+    rec = recipe.from_name("current")
+    torch.manual_seed(rank)  # a different initial weight on each rank: DDP broadcasts rank 0's
+    with tl.quantized_model_init(recipe=rec):
+        layer = tl.Linear(32, 16, recipe=rec)
+    model = DistributedDataParallel(layer)
+    masters = tl.optim.MasterWeights(model)
+    opt = torch.optim.AdamW(masters.parameters(), lr=0.1)
+    masters.attach(opt)
+    equal = []
+    for step in range(3):
+        weights = [torch.empty(16, 32) for _ in range(world)]
+        dist.all_gather(weights, layer.weight.dequantize())
+        equal.append(all(torch.equal(weights[0], w) for w in weights))
+        torch.manual_seed(10 * step + rank)  # a different batch on each rank
+        model(torch.randn(4, 32)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return equal
+
+
+class TestDDP:
+    def test_ranks_stay_in_sync(self):
+        for equal in run_ranks(_ddp_rank, world_size=2, timeout=120.0):
+            assert equal == [True, True, True]
 
 
 class TestBadInput:
