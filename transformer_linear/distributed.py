@@ -154,10 +154,7 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
 
     check_fsdp_compatible(module)
     for layer in module.modules():
-        if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
-            weight = layer.weight
-            master = quantized_init.high_precision_weight(layer)
-            layer.weight = nn.Parameter(master, requires_grad=weight.requires_grad)
+        _master_weight_for_sharding(layer)
     if fp8_all_gather is not False:
         _wrap_for_fp8_all_gather(module, fp8_all_gather, kwargs.get("mesh"))
     sharded = torch_fully_shard(module, **kwargs)
@@ -166,6 +163,14 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             layer.fsdp_sharded = True
             quantized_init.requantize(layer)  # a quantized_model_init layer's whole-weight copy goes
     return sharded
+
+
+def _master_weight_for_sharding(layer: nn.Module) -> None:
+    """A ``tl.quantized_model_init`` layer's FP8 Parameter becomes the high-precision master the sharding
+    (FSDP2, tensor parallelism) splits: its preserved initial weight, else the dequantized one."""
+    if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+        weight = layer.weight
+        layer.weight = nn.Parameter(quantized_init.high_precision_weight(layer), requires_grad=weight.requires_grad)
 
 
 def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Recipe], mesh: Any) -> None:
@@ -245,6 +250,7 @@ def _styles() -> tuple[type, type]:
         )
         if base is TorchRowwise:
             style.desired_input_layouts = (Shard(-1),)
+        _master_weight_for_sharding(module)  # shards of the master, not of the dequantized FP8 weight
         module = distribute_module(
             module,
             device_mesh,
