@@ -1,8 +1,12 @@
 """Peak memory of a training step: FP8 primary weights (``tl.quantized_model_init``) or not, in one process
 and under FSDP2 (gloo ranks on the CPU) with the weights all-gathered in FP8 or in high precision.
 
-The model is an MLP stack of ``--layers`` square ``--width`` Linear layers on ``--tokens`` rows, small
-enough a batch that the weights, their gradients and AdamW's state dominate. Every variant runs in a fresh
+The model is an MLP stack of ``--layers`` square ``--width`` Linear layers on ``--tokens`` rows, or
+(``--model gpt``, one process) the built-in GPT (``tl.numerics.model.TinyGPT``: ``--layers`` blocks of
+width ``--width``, a 256-token vocabulary, one sequence of ``--tokens``), small enough a batch that the
+weights, their gradients and AdamW's state dominate. FP8 primary weights (``quantized_model_init``) step
+through ``tl.optim.MasterWeights`` (fp32 masters a stock AdamW updates) in one process; under FSDP2 the
+shards are the masters. Every variant runs in a fresh
 process (spawned), builds the model, takes one AdamW step (the optimizer state now exists), then the
 measured step (forward, backward, ``opt.step()``, ``zero_grad``).
 
@@ -12,7 +16,8 @@ tensors) and counts each storage's bytes once, until the storage is freed (a wea
 Python object, which torch keeps as long as the storage lives); sizes are read after every op, as FSDP2
 frees and refills its all-gather buffers by resizing their storages. Reported per rank, in MiB:
 
-* ``resident``: live tensor bytes between steps (parameters, AdamW's state, buffers, stored FP8 copies);
+* ``params``: the bytes the model's parameters hold (an FP8 weight's data and scales; a rank's shards);
+* ``resident``: live tensor bytes between steps (parameters, masters, AdamW's state, buffers);
 * ``peak``: the most live tensor bytes at any point of the measured step.
 
 Limits: a temporary allocated inside one op (a custom op's scratch, a GEMM's packing buffer) and freed
@@ -24,6 +29,7 @@ the system; it includes everything above but also pages touched by the allocator
 
     python benchmarks/bench_memory.py                          # 8 x 1024, 32 rows, 2 FSDP2 ranks
     python benchmarks/bench_memory.py --layers 4 --width 2048
+    python benchmarks/bench_memory.py --model gpt --layers 4 --width 1024   # the built-in GPT, one process
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import transformer_linear as tl  # noqa: E402
 from transformer_linear import recipe  # noqa: E402
+from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss  # noqa: E402
 
 MIB = 1024.0 * 1024.0
 
@@ -74,6 +81,16 @@ VARIANTS = (
     Variant("fsdp2 tl current, fp8 gather, quantized_model_init", 2, "current", True, "fp8"),
     Variant("fsdp2 tl mxfp8, fp32 gather", 2, "mxfp8"),
     Variant("fsdp2 tl mxfp8, fp8 gather", 2, "mxfp8", gather="fp8"),
+)
+
+GPT_VARIANTS = (
+    Variant("gpt nn.Linear", 1, None),
+    Variant("gpt tl current", 1, "current"),
+    Variant("gpt tl current, quantized_model_init", 1, "current", True),
+    Variant("gpt tl block", 1, "block"),
+    Variant("gpt tl block, quantized_model_init", 1, "block", True),
+    Variant("gpt tl mxfp8", 1, "mxfp8"),
+    Variant("gpt tl mxfp8, quantized_model_init", 1, "mxfp8", True),
 )
 
 
@@ -138,9 +155,29 @@ def _reset_rss_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storages, a wrapper subclass (DTensor, an FP8 weight) opened to its inner tensors."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.untyped_storage().nbytes()
+
+
+def _gpt_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab_size=256, seq_len=args.tokens, d_model=args.width, n_heads=8, n_layers=args.layers)
+
+
 def _build(v: Variant, args: argparse.Namespace) -> nn.Module:
     r = recipe.from_name(v.recipe) if v.recipe is not None else None
     torch.manual_seed(0)
+    if args.model == "gpt":
+        model = TinyGPT(_gpt_config(args))
+        if r is None:
+            return model
+        with tl.quantized_model_init(enabled=v.quantized_init, recipe=r):
+            return tl.convert_to_fp8(model, recipe=r)
     layers: list[nn.Module] = []
     with tl.quantized_model_init(enabled=v.quantized_init, recipe=r):
         for i in range(args.layers):
@@ -164,19 +201,33 @@ def _build(v: Variant, args: argparse.Namespace) -> nn.Module:
     return tl.distributed.fully_shard(model, **shard_kwargs)
 
 
-def _measure(v: Variant, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(resident, peak, rss peak growth) in MiB, on this rank."""
+def _measure(v: Variant, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(params, resident, peak, rss peak growth) in MiB, on this rank."""
     torch.set_num_threads(1)
     mode = LiveTensorBytes()
     with mode:
         model = _build(v, args)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if v.quantized_init:
-            tl.register_requantize_hook(opt, model)
-        x = torch.randn(args.tokens, args.width)
+        params = sum(_tensor_bytes(p) for p in model.parameters())
+        if v.quantized_init and v.world == 1:
+            masters = tl.optim.MasterWeights(model)
+            opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)
+            masters.attach(opt)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if args.model == "gpt":
+            x = SyntheticText(_gpt_config(args), seed=0).batch(1)
+
+            def loss() -> torch.Tensor:
+                with tl.autocast(enabled=v.recipe is not None, recipe=recipe.from_name(v.recipe or "current")):
+                    return lm_loss(model(x), x)
+        else:
+            x = torch.randn(args.tokens, args.width)
+
+            def loss() -> torch.Tensor:
+                return model(x).square().mean()
 
         def step() -> None:
-            model(x).square().mean().backward()
+            loss().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -186,7 +237,7 @@ def _measure(v: Variant, args: argparse.Namespace) -> tuple[float, float, float]
         _reset_rss_peak()
         step()
         rss_peak = _rss_kib("VmHWM") - rss_before
-    return resident / MIB, mode.peak / MIB, rss_peak / 1024.0
+    return params / MIB, resident / MIB, mode.peak / MIB, rss_peak / 1024.0
 
 
 def _rank(rank: int, world: int, port: int, v: Variant, args: argparse.Namespace, results: Any) -> None:
@@ -209,7 +260,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(v: Variant, args: argparse.Namespace) -> tuple[float, float, float]:
+def run(v: Variant, args: argparse.Namespace) -> tuple[float, float, float, float]:
     """The variant in fresh processes; the largest figure of any rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -225,7 +276,7 @@ def run(v: Variant, args: argparse.Namespace) -> tuple[float, float, float]:
         p.join()
         if p.exitcode:
             raise RuntimeError(f"{v.label}: a rank exited with {p.exitcode}")
-    return tuple(max(f[i] for f in figures) for i in range(3))  # type: ignore[return-value]
+    return tuple(max(f[i] for f in figures) for i in range(4))  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -233,18 +284,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=32, help="rows of the batch (per rank)")
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--only", default="", help="run the variants whose label contains this")
     args = parser.parse_args()
-    weights = args.layers * args.width * args.width * 4 / MIB
-    print(f"{args.layers} x Linear({args.width}, {args.width}), {args.tokens} rows; fp32 weights {weights:.1f} MiB")
+    if args.model == "gpt":
+        n = sum(p.numel() for p in TinyGPT(_gpt_config(args)).parameters())
+        print(f"built-in GPT: {args.layers} blocks, d_model {args.width}, {args.tokens} tokens; "
+              f"{n / 1e6:.1f} M parameters, fp32 {n * 4 / MIB:.1f} MiB")
+    else:
+        weights = args.layers * args.width * args.width * 4 / MIB
+        print(f"{args.layers} x Linear({args.width}, {args.width}), {args.tokens} rows; fp32 weights {weights:.1f} MiB")
     print("MiB per rank; peak: most live tensor bytes during a step; rss peak: VmHWM growth over the step\n")
-    print(f"| {'variant':<52} | resident |    peak | rss peak |")
-    print(f"|{'-' * 54}|---------:|--------:|---------:|")
-    for v in VARIANTS:
+    print(f"| {'variant':<52} |  params | resident |    peak | rss peak |")
+    print(f"|{'-' * 54}|--------:|---------:|--------:|---------:|")
+    for v in GPT_VARIANTS if args.model == "gpt" else VARIANTS:
         if args.only not in v.label:
             continue
-        resident, peak, rss = run(v, args)
-        print(f"| {v.label:<52} | {resident:8.1f} | {peak:7.1f} | {rss:8.1f} |", flush=True)
+        params, resident, peak, rss = run(v, args)
+        print(f"| {v.label:<52} | {params:7.1f} | {resident:8.1f} | {peak:7.1f} | {rss:8.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,17 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from tolerances import assert_bitwise_equal
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.formats.dtypes import FP8_DTYPES
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight, check_shardable
+from transformer_linear.modules.fp8_all_gather import (
+    FP8AllGatherWeight,
+    GatheredFP8Weight,
+    check_shardable,
+    is_fp8_all_gathered,
+)
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe.quantization import quantization_spec
 
@@ -244,16 +250,44 @@ def _autocast_rank(rank, world, name):
 
 
 def _quantized_init_rank(rank, world):
-    """quantized_model_init layers gathered in FP8: the stored copy goes (FSDP2's gathered FP8 weight takes
-    its place); training is bitwise the same recipe's without either."""
+    """quantized_model_init layers gathered in FP8: the FP8 Parameter becomes the high-precision master
+    (the preserved initial weight) that FSDP2 shards and gathers in FP8; training is bitwise the same
+    recipe's without quantized_model_init."""
     r = RECIPES["current"]
-    with tl.quantized_model_init(recipe=r):
+    with tl.quantized_model_init(recipe=r, preserve_high_precision_init_val=True):
         on = _sharded(None, True)
-    assert all(m.quantized_init is not None and m._quantized_weight is None for m in (on[0], on[2]))
+    for m in (on[0], on[2]):
+        assert m.quantized_init is not None and is_fp8_all_gathered(m.weight)
+        assert tl.get_high_precision_init_val(m) is None  # it became the master
     off = _sharded(None, False)
     _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
-    tl.requantize_weights(on)  # what register_requantize_hook runs after a step: nothing to store
-    assert on[0]._quantized_weight is None
+
+
+def _hsdp_rank(rank, world, name, quantized_init):
+    """HSDP (a 2-D mesh: replicate x shard): FP8 all-gather over the shard dimension (the amax all-reduced
+    there), gradients all-reduced over the replicas; bitwise the same training as the high-precision
+    gather, and the gathered tensors FP8."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    r = RECIPES[name]
+
+    def build(fp8_all_gather, quantized):
+        with tl.quantized_model_init(enabled=quantized, recipe=r, preserve_high_precision_init_val=True):
+            model = _mlp(r)
+        for layer in (model[0], model[2]):
+            tl.distributed.fully_shard(layer, mesh=mesh, fp8_all_gather=fp8_all_gather)
+        return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+
+    on, off = build(True, quantized_init), build(False, False)
+    assert on[0].weight.placements == (Replicate(), Shard(0))
+    assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
+    (x,) = _batches(rank, world, steps=1)
+    with _GatherCounter() as counter:
+        on(x).square().sum().backward()
+    assert counter.fp8_gathers > 0 and all(d in FP8_DTYPES for d in counter.data_dtypes), counter.data_dtypes
+    on.zero_grad(set_to_none=True)
+    _assert_same_training(rank, world, on, off, f"HSDP {name}, quantized_model_init={quantized_init}")
 
 
 def _checkpoint_rank(rank, world, path):
@@ -335,6 +369,14 @@ class TestFP8AllGather:
 
     def test_composes_with_quantized_model_init(self):
         run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "name, quantized_init", [("current", False), ("mxfp8", False), ("current", True)],
+        ids=["current", "mxfp8", "current-quantized_model_init"],
+    )
+    def test_hsdp_2d_mesh(self, name, quantized_init):
+        run_ranks(_hsdp_rank, name, quantized_init, world_size=4, timeout=TIMEOUT)
 
     def test_checkpoint_resume(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), world_size=WORLD, timeout=TIMEOUT)

@@ -23,7 +23,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "transformer_linear"
 
 LAYERS = ("_handles", "_compile_cache", "_torch_fixes", "_C", "formats", "reference", "ops", "recipe", "modules")
-TOP = ("distributed", "numerics", "cli", "__init__", "__main__")
+TOP = ("distributed", "optim", "numerics", "cli", "__init__", "__main__")
 
 # Function-local imports of the package's own modules, each with its reason.
 LOCAL_IMPORTS_ALLOWED = {

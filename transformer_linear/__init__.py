@@ -31,7 +31,6 @@ from transformer_linear.modules.quantized_init import (  # noqa: E402
     get_high_precision_init_val,
     quantized_model_init,
     quantized_weight_bytes,
-    register_requantize_hook,
     requantize_weights,
 )
 from transformer_linear.recipe.quantization import TensorQuantizer  # noqa: E402
@@ -54,9 +53,13 @@ __all__ += [
     "get_high_precision_init_val",
     "quantized_model_init",
     "quantized_weight_bytes",
-    "register_requantize_hook",
     "requantize_weights",
 ]
+
+# Optimizer-side master weights of FP8 primary weights.
+from transformer_linear import optim  # noqa: E402
+
+__all__ += ["optim"]
 
 # "Is FP8 safe for my model?": layer-by-layer comparison with nn.Linear.
 from transformer_linear import numerics  # noqa: E402

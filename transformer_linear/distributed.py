@@ -127,7 +127,10 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     The optimizer, the gradient reduce-scatter and ``state_dict`` still see the high-precision weight.
     On a 1-rank mesh nothing is gathered and the weights stay as they are (the forward quantizes the
     whole weight, as the gather would have). Every ``tl.Linear`` sharded here is marked
-    ``fsdp_sharded``: a ``tl.quantized_model_init`` layer keeps no whole-weight quantized copy.
+    ``fsdp_sharded``. A ``tl.quantized_model_init`` layer's FP8 Parameter becomes a high-precision one
+    first (its preserved initial weight, else the dequantized one), which FSDP2 shards: the shards are the
+    masters the optimizer steps (no ``tl.optim.MasterWeights`` needed), and with ``fp8_all_gather`` the
+    weight exists unsharded only in FP8.
 
     Off by default: with it, a layer's weight exists unsharded only in its recipe's form, so the layer
     must run under that recipe in every forward (a high-precision forward, or one under another recipe,
@@ -150,6 +153,8 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     check_fsdp_compatible(module)
+    for layer in module.modules():
+        _master_weight_for_sharding(layer)
     if fp8_all_gather is not False:
         _wrap_for_fp8_all_gather(module, fp8_all_gather, kwargs.get("mesh"))
     sharded = torch_fully_shard(module, **kwargs)
@@ -158,6 +163,14 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             layer.fsdp_sharded = True
             quantized_init.requantize(layer)  # a quantized_model_init layer's whole-weight copy goes
     return sharded
+
+
+def _master_weight_for_sharding(layer: nn.Module) -> None:
+    """A ``tl.quantized_model_init`` layer's FP8 Parameter becomes the high-precision master the sharding
+    (FSDP2, tensor parallelism) splits: its preserved initial weight, else the dequantized one."""
+    if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+        weight = layer.weight
+        layer.weight = nn.Parameter(quantized_init.high_precision_weight(layer), requires_grad=weight.requires_grad)
 
 
 def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Recipe], mesh: Any) -> None:
@@ -237,6 +250,7 @@ def _styles() -> tuple[type, type]:
         )
         if base is TorchRowwise:
             style.desired_input_layouts = (Shard(-1),)
+        _master_weight_for_sharding(module)  # shards of the master, not of the dequantized FP8 weight
         module = distribute_module(
             module,
             device_mesh,

@@ -21,7 +21,11 @@ Nothing here branches on the recipe; the quantizer says what one weight is made 
   boundary. FSDP2 shards dim 0, so the rows per shard must be a multiple of the rows a block spans (in
   either usage the quantizer produces); otherwise ``fsdp_pre_all_gather`` raises (see
   :func:`check_shardable`). Data and block scales are gathered; a square block's columnwise copy is
-  the rowwise one transposed, a non-square block's is gathered too.
+  the rowwise one transposed, a non-square block's (MXFP8's 1x32) is gathered too: it has its own blocks,
+  so it cannot be made from the gathered rowwise copy without quantizing twice, and gathering each usage
+  only in the pass that reads it is not possible under FSDP2 (torch 2.13), which fixes a parameter's
+  all-gather tensors at its first gather and does not gather again in backward without
+  ``reshard_after_forward`` (the dgrad operand is saved at forward time).
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
 the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
@@ -314,6 +318,9 @@ class GatheredFP8Weight(torch.Tensor):
     parameter through :func:`weight_for_op`; any other use raises (there is no high-precision weight).
     """
 
+    source = "all-gathered in FP8 by fully_shard(fp8_all_gather=...)"
+    """Where the weight's quantized form comes from, for error messages (a subclass says its own)."""
+
     @staticmethod
     def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "GatheredFP8Weight":
         data = cached_weight.weight_fp8
@@ -374,7 +381,8 @@ def is_fp8_all_gathered(weight: Tensor) -> bool:
 
 
 def gathered_weight(weight: Tensor) -> Optional[GatheredFP8Weight]:
-    """``weight`` if FSDP2 gathered it in FP8 (a :class:`GatheredFP8Weight`), else None."""
+    """``weight`` if it holds only its quantized form (a :class:`GatheredFP8Weight`: FSDP2 gathered it in FP8,
+    or quantized_model_init keeps it so), else None."""
     return weight if isinstance(weight, GatheredFP8Weight) else None
 
 
@@ -386,7 +394,7 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
     """
     if quantizer != weight.quantizer:
         raise ValueError(
-            f"Linear: the weight was all-gathered in FP8 as {weight.quantizer} (fully_shard(fp8_all_gather=...)); "
+            f"Linear: the weight was {weight.source} as {weight.quantizer}; "
             f"the forward's recipe quantizes it as {quantizer}"
         )
     return weight.cached_weight

@@ -222,11 +222,10 @@ class Linear(nn.Module):
         quantization = quantization_spec(recipe) if fp8 else NO_QUANTIZATION
         gathered = fp8_all_gather.gathered_weight(weight)
         if gathered is not None:
-            # FSDP2 all-gathered the weight quantized: its GEMM operands as they are, the gradient to it.
+            # FSDP2 all-gathered the weight quantized, or it is kept quantized (quantized_init.QuantizedWeight):
+            # its GEMM operands as they are, the gradient to it.
             cached_weight = fp8_all_gather.checked_cached_weight(gathered, quantization.weight)
             weight = fp8_all_gather.weight_for_op(gathered)
-        elif fp8 and getattr(self, "_quantized_weight", None) is not None:
-            cached_weight = quantized_init.stored_weight(self, weight, quantization.weight)
         else:
             cached_weight = self._weight_cache if fp8 and is_first_microbatch is False else None
         main_grad = None

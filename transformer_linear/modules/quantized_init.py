@@ -1,25 +1,26 @@
 """FP8 primary weights: ``tl.quantized_model_init`` (Transformer Engine's name; ``fp8_model_init`` too).
 
-A ``tl.Linear`` built (or converted by ``convert_to_fp8``) inside the context keeps its weight in the
-recipe's quantized form: data and scales in both usages the weight's quantizer produces (rowwise for the
-forward GEMM, columnwise for dgrad), a :class:`CachedWeight` the forward hands to the GEMM as it is
-(the ``is_first_microbatch=False`` path, every step). Nothing here branches on the recipe: the weight's
-quantizer says what is stored.
+A ``tl.Linear`` built (or converted by ``convert_to_fp8``) inside the context keeps its weight only in the
+recipe's quantized form: its ``weight`` Parameter is a :class:`QuantizedWeight`, a tensor of the weight's
+shape and dtype holding data and scales in both usages the weight's quantizer produces (rowwise for the
+forward GEMM, columnwise for dgrad), which the forward hands to the GEMM as it is. There is no
+high-precision weight in the model. Nothing here branches on the recipe: the weight's quantizer says
+what is stored.
 
-Optimizer design: the ``weight`` Parameter stays the high-precision master, the tensor a stock
-``torch.optim.AdamW`` updates in place and that backward gives its gradient to. After each step the
-quantized copy is rebuilt from it (:func:`requantize_weights`, or :func:`register_requantize_hook` on the
-optimizer). Transformer Engine instead makes the Parameter an FP8 tensor subclass and keeps the fp32
-master inside its optimizer; here the master is the Parameter, so no tensor subclass is needed and
-``torch.compile(fullgraph=True)`` sees plain tensors. What that costs: one quantize pass per layer per
-optimizer step (instead of one per forward), and the weight is rounded to the recipe's format after
-every step, exactly what the forward of the high-precision-weight Linear does too.
+Optimizer design (Transformer Engine's, not torchao's): the high-precision master copy lives with the
+optimizer (``tl.optim.MasterWeights``: a stock ``torch.optim.AdamW`` steps plain fp32 masters, whose
+gradients are the FP8 Parameters' gradients; after each step each Parameter is requantized from its
+master in place). torchao keeps the high-precision weight as the Parameter and casts it in each forward
+(or before FSDP2's all-gather), so it saves no parameter memory. The Parameter's other uses: any op but
+the forward's reads the dequantized weight (``state_dict`` saves it: it loads into ``nn.Linear``), and
+``copy_`` (``load_state_dict``) or an in-place op (``nn.init``) quantizes its result back. An optimizer
+stepping the FP8 Parameters themselves would round each update to FP8 and lose AdamW's small updates: a
+global optimizer pre-step hook raises instead.
 
-Under FSDP2 with ``fully_shard(fp8_all_gather=True)`` the stored copy is dropped: the weight exists
-unsharded only in the quantized form FSDP2 gathers (quantized from the updated shard at each all-gather),
-which the forward reads in its place; the layer's recipe is then this context's. A weight FSDP2
-shards otherwise (gathered in high precision, or on a 1-rank mesh) keeps no stored copy either
-(``tl.distributed.fully_shard`` sets ``layer.fsdp_sharded``): the forward quantizes the weight it gets.
+Under FSDP2 (``tl.distributed.fully_shard``) the layer's weight becomes a plain high-precision Parameter
+again (the preserved initial weight where ``preserve_high_precision_init_val``, else the dequantized one)
+that FSDP2 shards: the shards are the masters, and ``fp8_all_gather=True`` gathers them quantized, so the
+weight exists unsharded only in FP8; the layer's recipe is then this context's.
 
 A layer's weight scale is computed from the weight itself when it is quantized (current scaling), also
 under delayed scaling, whose history still records the weight's amax.
@@ -32,22 +33,27 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from transformer_linear.modules.fp8_all_gather import is_fp8_all_gathered
+from transformer_linear import ops, reference
+from transformer_linear.formats import layout
+from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec
+from transformer_linear.reference import nvfp4 as reference_nvfp4
 
 __all__ = [
     "QuantizedInitConfig",
+    "QuantizedWeight",
     "clear_high_precision_init_val",
     "fp8_model_init",
     "get_high_precision_init_val",
     "is_quantized_weight",
     "quantized_model_init",
     "quantized_weight_bytes",
-    "register_requantize_hook",
     "requantize_weights",
 ]
 
@@ -98,7 +104,8 @@ def quantized_model_init(
         recipe: whose weight quantizer makes the stored weight; None: ``DelayedScaling()``, as in
             Transformer Engine. The forward must run under a recipe with the same weight quantizer.
         preserve_high_precision_init_val: keep a CPU copy of each initial weight, for
-            :func:`get_high_precision_init_val` (e.g. to initialize an external master copy).
+            :func:`get_high_precision_init_val`; ``tl.optim.MasterWeights`` (or ``fully_shard``) takes it as
+            the master (else the master starts from the dequantized weight).
 
     Raises:
         TypeError: ``enabled`` or ``preserve_high_precision_init_val`` not a bool, or an unknown recipe.
@@ -136,62 +143,223 @@ def quantize_weight(quantizer: TensorQuantizer, weight: Tensor) -> CachedWeight:
     )
 
 
-def requantize(layer: nn.Module) -> None:
-    """Rebuild ``layer``'s quantized weight from its ``weight`` (no-op for a layer not built in the context).
+def columnwise_is_transpose(quantizer: TensorQuantizer) -> bool:
+    """Whether ``quantizer``'s columnwise usage of a weight is its rowwise data (and scales) transposed:
+    one scale per tensor, or square blocks (the same blocks either way). Such a copy is not stored: it
+    is made from the rowwise one, exactly, when a forward reads the weight."""
+    if not quantizer.blockwise:
+        return True
+    return not quantizer.is_nvfp4 and quantizer.block_shape[0] == quantizer.block_shape[1]
 
-    A weight on the meta device (deferred init) is left unquantized until the layer is materialized.
+
+def stored_form(quantizer: TensorQuantizer, cached: CachedWeight) -> CachedWeight:
+    """``cached`` without the columnwise copy where it is the rowwise one transposed."""
+    if not columnwise_is_transpose(quantizer):
+        return cached
+    return dataclasses.replace(cached, weight_fp8_t=None, weight_scale_inv_t=None)
+
+
+def _transposed(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` transposed (as the quantizer makes it: standard strides, also for a
+    dimension of size 1)."""
+    return t.t().clone(memory_format=torch.contiguous_format)
+
+
+def dequantize_weight(quantizer: TensorQuantizer, cached: CachedWeight, dtype: torch.dtype) -> Tensor:
+    """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``."""
+    data, scale_inv = cached.weight_fp8, cached.weight_scale_inv
+    if quantizer.is_nvfp4:
+        rows, cols = data.shape[0], data.shape[1] * 2
+        block_scales, global_scale = ops.nvfp4.unpack_scales(scale_inv, rows, cols)
+        return reference_nvfp4.dequantize_nvfp4(data, block_scales, global_scale, dtype)
+    if not quantizer.blockwise:
+        return reference.dequantize(data, scale_inv, dtype)
+    rows, cols = data.shape
+    scale = reference.expand_scale_inv(scale_inv, quantizer.block_for(cols), rows, cols)
+    return (data.double() * scale).to(dtype)
+
+
+_CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
+# Ops whose result is the same weight (what nn.Parameter, autograd and module code do to a parameter).
+_SAME_WEIGHT_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+_RESHAPE_OPS = (torch.ops.aten.as_strided.default, torch.ops.aten.view.default)
+_COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
+
+
+class QuantizedWeight(GatheredFP8Weight):
+    """A ``tl.Linear``'s weight kept only in its recipe's quantized form (the Parameter under
+    :func:`quantized_model_init`): the weight's shape and dtype, data and scales of both usages.
+
+    The forward reads :attr:`cached_weight` (as it reads a weight FSDP2 gathered in FP8) and gives the
+    weight gradient, in the weight's dtype, to this Parameter. Any other op reads :meth:`dequantize`;
+    ``copy_`` and in-place ops quantize their result back into the same tensors (so ``load_state_dict``
+    and ``nn.init`` work and the Parameter object stays the one the optimizer and autograd know).
+
+    Args:
+        cached_weight: the quantized weight (:func:`quantize_weight`).
+        quantizer: the quantizer that made it.
+        dtype: the weight's (nominal) dtype: its gradient's, and what :meth:`dequantize` returns.
+    """
+
+    source = "kept quantized by quantized_model_init's recipe"
+
+    @staticmethod
+    def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "QuantizedWeight":
+        data = cached_weight.weight_fp8
+        # The weight's shape: FP4 data packs two values a byte.
+        shape = (data.shape[0], data.shape[1] * (2 if quantizer.is_nvfp4 else 1))
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
+
+    @classmethod
+    def of(cls, quantizer: TensorQuantizer, weight: Tensor) -> "QuantizedWeight":
+        """``weight`` quantized by ``quantizer``."""
+        _install_optimizer_guard()
+        return cls(stored_form(quantizer, quantize_weight(quantizer, weight)), quantizer, weight.dtype)
+
+    @property
+    def cached_weight(self) -> CachedWeight:
+        """The quantized weight as the forward's GEMMs read it: the stored usages and, where the columnwise
+        usage is the rowwise one transposed, that transpose made now (exact; freed with the step)."""
+        stored = self._stored()
+        if stored.weight_fp8_t is not None or not columnwise_is_transpose(self.quantizer):
+            return stored
+        data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
+        if self.quantizer.blockwise:
+            transposed = {"weight_fp8_t": _transposed(data), "weight_scale_inv_t": _transposed(scale_inv)}
+            return dataclasses.replace(stored, **transposed)
+        if layout.needs_columnwise(data.device):
+            return dataclasses.replace(stored, weight_fp8_t=_transposed(data))
+        return stored
+
+    def _stored(self) -> CachedWeight:
+        return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(shape={list(self.shape)}, dtype={self.dtype}, quantizer={self.quantizer})"
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The weight the stored data represents, as a plain tensor in ``dtype`` (default: the weight's)."""
+        return dequantize_weight(self.quantizer, self._stored(), dtype or self.dtype)
+
+    def quantize_(self, weight: Tensor) -> None:
+        """Quantize ``weight`` (plain, the same shape) into this tensor's data and scales, in place.
+
+        Raises:
+            ValueError: ``weight`` has another shape.
+        """
+        if tuple(weight.shape) != tuple(self.shape):
+            raise ValueError(f"QuantizedWeight: cannot store a {list(weight.shape)} weight in a {list(self.shape)} one")
+        fresh = quantize_weight(self.quantizer, weight.to(device=self.device))
+        with torch.no_grad():
+            for name in _CACHED_FIELDS:
+                dst, src = getattr(self, name), getattr(fresh, name)
+                if dst is not None:
+                    dst.copy_(src)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        this = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, QuantizedWeight))
+        first = args[0] if args else None
+        if first is this and (func in _SAME_WEIGHT_OPS or (func in _RESHAPE_OPS and list(args[1]) == list(this.shape))):
+            return QuantizedWeight(this._stored(), this.quantizer, this.dtype)
+        if first is this and func in _COPY_OPS:
+            # clone (deepcopy) and .to(device/dtype): the quantized tensors copied, the dtype the nominal one.
+            device = kwargs.get("device") or this.device
+            moved = {name: getattr(this, name) for name in _CACHED_FIELDS}
+            moved = {name: None if t is None else t.to(device, copy=True) for name, t in moved.items()}
+            return QuantizedWeight(CachedWeight(**moved), this.quantizer, kwargs.get("dtype") or this.dtype)
+        if first is this and func is torch.ops.aten.copy_.default:
+            src = args[1]
+            this.quantize_(src.dequantize(this.dtype) if isinstance(src, QuantizedWeight) else src)
+            return this
+        plain_args, plain_kwargs = pytree.tree_map_only(QuantizedWeight, lambda t: t.dequantize(), (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
+        if first is this and func._schema.is_mutable:
+            # An in-place op (nn.init's uniform_, a scaling mul_): its result quantized back.
+            this.quantize_(plain_args[0])
+            return this
+        return out
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "QuantizedWeight":
+        quantizer, dtype = meta
+        cached = CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS})
+        return QuantizedWeight(cached, quantizer, dtype)
+
+
+def _optimizer_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuse an optimizer step on FP8 Parameters (each update would be rounded to FP8)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, QuantizedWeight):
+                raise TypeError(
+                    f"{type(optimizer).__name__}.step: a parameter is a tl.quantized_model_init FP8 weight "
+                    f"{list(p.shape)}; the optimizer must step its high-precision master: build it over "
+                    "tl.optim.MasterWeights(model).parameters() and call .attach(optimizer)"
+                )
+
+
+_GUARD_INSTALLED: list[bool] = [False]
+
+
+def _install_optimizer_guard() -> None:
+    """Register :func:`_optimizer_guard` for every optimizer, once (when the first FP8 weight is made)."""
+    if not _GUARD_INSTALLED[0]:
+        register_optimizer_step_pre_hook(_optimizer_guard)
+        _GUARD_INSTALLED[0] = True
+
+
+def requantize(layer: nn.Module) -> None:
+    """Make ``layer``'s plain weight a :class:`QuantizedWeight` (no-op for a layer not built in the context,
+    one whose weight is quantized already, sharded by FSDP2, or on the meta device).
+
+    Called where a layer gets a high-precision weight: ``convert_to_fp8`` (``from_linear``) and
+    materializing a meta-device layer (``to_empty``; initialize the weight after: in-place ops quantize).
     """
     config: Optional[QuantizedInitConfig] = getattr(layer, "quantized_init", None)
     if config is None:
         return
     weight = layer.weight
-    if is_fp8_all_gathered(weight) or getattr(layer, "fsdp_sharded", False):
-        # FSDP2 gathers it quantized (fp8_all_gather.py), or in high precision for the forward to quantize;
-        # a whole-weight copy kept here could not be rebuilt from the shard after a step.
-        layer._quantized_weight = None
+    if (
+        isinstance(weight, QuantizedWeight)
+        or is_fp8_all_gathered(weight)
+        or getattr(layer, "fsdp_sharded", False)
+        or hasattr(weight, "_local_tensor")
+        or weight.device.type == "meta"
+    ):
         return
-    if weight.device.type == "meta":
-        layer._quantized_weight = None
-        return
-    layer._quantized_weight = quantize_weight(config.weight_quantizer, weight)
+    if config.preserve_high_precision_init_val and not hasattr(layer, "_high_precision_init_val"):
+        layer._high_precision_init_val = weight.detach().to("cpu", copy=True)
+    layer.weight = nn.Parameter(QuantizedWeight.of(config.weight_quantizer, weight), requires_grad=weight.requires_grad)
+    if not getattr(layer, "_dequantized_state_dict_hook", False):
+        layer._register_state_dict_hook(_dequantized_weight_in_state_dict)
+        layer._dequantized_state_dict_hook = True
+
+
+def _dequantized_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` holds the dequantized weight as a plain tensor (it loads into ``nn.Linear``)."""
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if isinstance(weight, QuantizedWeight):
+        state_dict[key] = weight.dequantize()
+
+
+def high_precision_weight(layer: nn.Module) -> Tensor:
+    """A plain high-precision copy of ``layer``'s :class:`QuantizedWeight`: the preserved initial weight
+    (``preserve_high_precision_init_val``; freed here: it becomes the master), else the dequantized one."""
+    weight = layer.weight
+    init_val = getattr(layer, "_high_precision_init_val", None)
+    if init_val is not None:
+        clear_high_precision_init_val(layer)
+        return init_val.to(device=weight.device, dtype=weight.dtype)
+    return weight.dequantize()
 
 
 def init_layer(layer: nn.Module) -> None:
     """Attach the active context's config to a newly built ``layer`` and quantize its weight."""
-    config = active_config()
-    layer.quantized_init = config
-    layer._quantized_weight = None
-    if config is None:
-        return
-    if config.preserve_high_precision_init_val and layer.weight.device.type != "meta":
-        layer._high_precision_init_val = layer.weight.detach().to("cpu", copy=True)
+    layer.quantized_init = active_config()
     requantize(layer)
-
-
-def stored_weight(layer: nn.Module, weight: Tensor, weight_quantizer: TensorQuantizer) -> Optional[CachedWeight]:
-    """The quantized weight the forward reads in place of ``weight``, checked against the forward recipe's
-    weight quantizer.
-
-    Raises:
-        ValueError: the forward's recipe quantizes the weight differently from the stored one, or
-            ``weight`` is a shard (tensor parallel) of the whole weight that was stored.
-    """
-    stored: Optional[CachedWeight] = layer._quantized_weight
-    if stored is None:
-        return None
-    expected = layer.quantized_init.weight_quantizer
-    # The stored data's shape for the weight's (FP4 packs two values a byte: its quantizer says).
-    if tuple(stored.weight_fp8.shape) != expected.data_shape(*weight.shape):
-        raise ValueError(
-            f"Linear: the weight is stored quantized with shape {list(stored.weight_fp8.shape)} but the forward "
-            f"runs on a {list(weight.shape)} shard; quantized_model_init does not shard the stored weight"
-        )
-    if weight_quantizer != expected:
-        raise ValueError(
-            "Linear: the weight is stored quantized by quantized_model_init's recipe "
-            f"({expected}); the forward's recipe quantizes it as {weight_quantizer}"
-        )
-    return stored
 
 
 def is_quantized_weight(layer: nn.Module) -> bool:
@@ -200,37 +368,21 @@ def is_quantized_weight(layer: nn.Module) -> bool:
 
 
 def quantized_weight_bytes(layer: nn.Module) -> int:
-    """Bytes of ``layer``'s stored quantized weight: data and scales of every usage, and the amax."""
-    stored: Optional[CachedWeight] = getattr(layer, "_quantized_weight", None)
-    if stored is None:
-        return 0
-    tensors = [getattr(stored, f.name) for f in dataclasses.fields(stored)]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes ``layer``'s weight Parameter holds: data and scales of every usage and the amax of a
+    :class:`QuantizedWeight`, else the plain weight's (0 for a meta-device one)."""
+    weight = layer.weight
+    if isinstance(weight, QuantizedWeight):
+        tensors = [getattr(weight, name) for name in _CACHED_FIELDS]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return 0 if weight.device.type == "meta" else weight.numel() * weight.element_size()
 
 
 def requantize_weights(model: nn.Module) -> None:
-    """Rebuild the quantized weight of every layer of ``model`` built under :func:`quantized_model_init`
-    from its (just updated) high-precision weight: call after each optimizer step."""
+    """Quantize the plain weight of every layer of ``model`` built under :func:`quantized_model_init`
+    (one built on the meta device and materialized since): see :func:`requantize`."""
     for module in model.modules():
         if is_quantized_weight(module):
             requantize(module)
-
-
-def register_requantize_hook(optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
-    """Make ``optimizer.step()`` requantize ``model``'s weights after each step.
-
-    Returns:
-        The hook handle (``.remove()`` to stop).
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"register_requantize_hook: 'optimizer' must be a torch.optim.Optimizer, got {optimizer!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"register_requantize_hook: 'model' must be an nn.Module, got {type(model).__name__}")
-
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        requantize_weights(model)
-
-    return optimizer.register_step_post_hook(hook)
 
 
 def get_high_precision_init_val(layer: nn.Module) -> Optional[Tensor]:
@@ -245,6 +397,7 @@ def clear_high_precision_init_val(layer: nn.Module) -> None:
 
 
 def load_state_dict_post_hook(layer: nn.Module, incompatible_keys: Any) -> None:
-    """A loaded weight replaces the master: quantize it again."""
+    """A layer whose weight is still plain (materialized from the meta device) is quantized once loaded
+    (a :class:`QuantizedWeight` quantizes what ``load_state_dict`` copies into it itself)."""
     requantize(layer)
 
