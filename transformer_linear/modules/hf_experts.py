@@ -132,7 +132,7 @@ class ExpertsFP8State(nn.Module):
         if recipe is None:
             return high_precision_grouped_linear(inp, weight, offs, bias)
         spec = check_grouped_quantization("ExpertsFP8State", recipe)
-        return run_grouped_linear(self, inp, weight, offs, bias, spec)
+        return run_grouped_linear(self, inp, weight, offs, bias, spec).out
 
 
 def attach_fp8_states(module: nn.Module, recipe: Optional[Recipe]) -> list[str]:

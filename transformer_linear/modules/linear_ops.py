@@ -40,7 +40,11 @@ from transformer_linear.modules.linear_args import (
     LinearFwdOutputs,
     args_op,
 )
-from transformer_linear.recipe.delayed_scaling import ForwardScales, forward_scales, quantize_and_record_grad_output
+from transformer_linear.recipe.delayed_scaling import (
+    ForwardScales,
+    forward_scales,
+    quantize_and_record_grad_output,
+)
 from transformer_linear.recipe.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
@@ -69,6 +73,11 @@ class WgradQueue:
 
     def __reduce__(self) -> tuple:
         return (WgradQueue, ())
+
+    @staticmethod
+    def get(handle: int) -> Optional["WgradQueue"]:
+        """The queue of ``handle``, or None once its owner is gone."""
+        return _WGRAD_QUEUES.get(handle)
 
     def append(self, queued: QueuedWgrad) -> None:
         self._queued.append(queued)
