@@ -40,11 +40,7 @@ from transformer_linear.modules.linear_args import (
     LinearFwdOutputs,
     args_op,
 )
-from transformer_linear.recipe.delayed_scaling import (
-    ForwardScales,
-    forward_scales,
-    quantize_and_record_grad_output,
-)
+from transformer_linear.recipe.delayed_scaling import ForwardScales, forward_scales, quantize_and_record_grad_output
 from transformer_linear.recipe.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
