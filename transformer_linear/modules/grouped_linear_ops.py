@@ -622,14 +622,15 @@ class HighPrecisionGroupedLinear(torch.autograd.Function):
         inp, weight, offs = ctx.saved_tensors
         g = grad_out.contiguous()
         dgrad = wgrad_args = dbias = None
+        ends = [0, *(int(e) for e in offs.tolist())]
         if ctx.needs_input_grad[0]:
-            ends = [0, *(int(e) for e in offs.tolist())]
             dgrad = torch.zeros_like(inp)
             for e in range(weight.shape[0]):
                 dgrad[ends[e] : ends[e + 1]] = g[ends[e] : ends[e + 1]] @ weight[e].to(g.dtype)
         if ctx.needs_input_grad[1]:
             wgrad_args = GroupedWgradArgs(g, None, inp.to(g.dtype), None, offs, weight.dtype, None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = group_sums(g, offs, weight.dtype)
+            # Each group's rows summed as F.linear's backward sums them.
+            dbias = torch.stack([g[ends[e] : ends[e + 1]].sum(0) for e in range(weight.shape[0])]).to(weight.dtype)
         wgrad, dbias = finish_wgrad(ctx.wgrad_queue, ctx.main_grad, wgrad_args, dbias)
         return dgrad, wgrad, dbias, None, None, None
