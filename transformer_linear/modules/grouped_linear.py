@@ -49,7 +49,8 @@ class GroupedLinear(nn.Module):
         bias: learn an additive bias per expert.
         recipe: this module's recipe; ``None`` follows ``tl.autocast`` (no recipe: high precision).
             DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
-            Float8RowwiseScaling, or a CustomRecipe whose quantizers fit (check_grouped_quantization).
+            Float8RowwiseScaling, NVFP4BlockScaling (ops.grouped_nvfp4), or a CustomRecipe whose quantizers
+            fit (check_grouped_quantization).
         device: where to allocate the parameters.
         dtype: the parameters' dtype (float32, bfloat16 or float16).
         delay_wgrad_compute: backward computes only the input gradient; :meth:`backward_dw` computes the

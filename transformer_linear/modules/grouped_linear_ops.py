@@ -46,6 +46,7 @@ from transformer_linear.ops.grouped import (
     fp8_grouped_gemm_wgrad,
     fp8_grouped_gemm_wgrad_blockwise,
 )
+from transformer_linear.ops.grouped_nvfp4 import group_of_rows, nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.delayed_scaling import (
@@ -161,11 +162,16 @@ def check_grouped_quantization(where: str, recipe: Recipe) -> QuantizationSpec:
     def refuse(why: str) -> NotImplementedError:
         return NotImplementedError(
             f"{where}: recipe {name} {why}; the grouped GEMMs take FP8 with one scale per tensor for every role "
-            "(DelayedScaling, Float8CurrentScaling) or block scales for every role (Float8BlockScaling, "
-            "MXFP8BlockScaling, Float8RowwiseScaling)"
+            "(DelayedScaling, Float8CurrentScaling), block scales for every role (Float8BlockScaling, "
+            "MXFP8BlockScaling, Float8RowwiseScaling), or NVFP4 for every role (NVFP4BlockScaling)"
         )
 
     roles = {role: getattr(spec, role) for role in ("input", "weight", "grad_output")}
+    nvfp4_roles = [q.is_nvfp4 for q in roles.values()]
+    if all(nvfp4_roles):
+        return spec  # the NVFP4 path (ops.grouped_nvfp4)
+    if any(nvfp4_roles):
+        raise refuse("mixes NVFP4 with other formats")
     for role, q in roles.items():
         if q.dtype not in FP8_DTYPES:
             raise refuse(f"quantizes the {role} to {q.dtype}")
@@ -229,6 +235,8 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     (then each expert's weight gets its own scale).
     """
     spec = a.quantization
+    if spec.input.is_nvfp4:
+        return _nvfp4_fwd(a, x)
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     blockwise = spec.input.blockwise
     if blockwise:
@@ -268,6 +276,68 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
+
+
+def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
+    """The NVFP4 forward (ops.grouped_nvfp4): the tokens quantized rowwise once, each expert's weight rowwise
+    (and columnwise, for dgrad); for wgrad, each expert's columnwise copy of the tokens masked to its group."""
+    spec = a.quantization
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    qx = spec.input.quantize(x, rowwise=True)
+    cached = a.cached_weight
+    if cached is None:
+        qw = _stacked_nvfp4(a.quantization.weight, list(a.weight.contiguous()), rowwise=True,
+                            columnwise=a.input_requires_grad)
+        w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
+    else:
+        qw = cached.quantized()
+        no_fp4 = x.new_empty(0, dtype=spec.weight.dtype)
+        no_scale = x.new_empty(0, dtype=spec.weight.scale_dtype)
+        w_outputs = (no_fp4, no_fp4.clone(), no_scale, no_scale.clone())
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    out = nvfp4_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias)
+    if a.weight_requires_grad:
+        qx_t = _stacked_nvfp4(spec.input, masked_to_groups(x, a.offs), rowwise=False, columnwise=True)
+        inp_fp4, inp_scale_inv = qx_t.data_t, qx_t.scale_inv_t
+    else:
+        inp_fp4, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), x.new_empty(0, dtype=spec.input.scale_dtype)
+    return GroupedLinearFwdOutputs(
+        out,
+        inp_fp8=inp_fp4,
+        inp_scale_inv=inp_scale_inv,
+        weight_fp8=w_outputs[0],
+        weight_fp8_t=w_outputs[1],
+        weight_scale_inv=w_outputs[2],
+        weight_scale_inv_t=w_outputs[3],
+        amax=empty_f32.clone(),
+        grad_output_scale=empty_f32.clone(),
+        fwd_scales=empty_f32.clone(),
+    )
+
+
+def masked_to_groups(t: Tensor, offs: Tensor) -> list[Tensor]:
+    """One copy of ``t`` per group, its other rows zero (the group of a row found on the device)."""
+    group = group_of_rows(t.shape[0], offs).unsqueeze(1)
+    return [torch.where(group == g, t, torch.zeros((), dtype=t.dtype, device=t.device)) for g in range(offs.shape[0])]
+
+
+def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, columnwise: bool) -> Quantized:
+    """Each tensor quantized by the NVFP4 quantizer ``q`` in the usages asked for, the copies stacked
+    (data (G, ...), packed scales (G, S)); an absent usage is empty."""
+    qs = [q.quantize(t, rowwise=rowwise, columnwise=columnwise) for t in tensors]
+
+    def stacked(field: str, present: bool) -> Tensor:
+        if not present:
+            return getattr(qs[0], field).new_empty(0)
+        # Copied into one tensor rather than stacked: torch.autocast's stack rejects FP8 scales.
+        parts = [getattr(qt, field) for qt in qs]
+        out = parts[0].new_empty((len(parts), *parts[0].shape))
+        for g, part in enumerate(parts):
+            out[g].copy_(part)
+        return out
+
+    return Quantized(stacked("data", rowwise), stacked("scale_inv", rowwise), stacked("data_t", columnwise),
+                     stacked("scale_inv_t", columnwise))
 
 
 def _quantize_experts(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> Quantized:
@@ -362,13 +432,18 @@ class GroupedWgradArgs:
     wgrad_dtype: torch.dtype
     token_block: Optional[int]
     """The block scales' token block (grouped_scaling.TOKEN_BLOCKS); None for one scale per tensor."""
+    nvfp4: bool = False
+    """NVFP4: ``grad_output`` / ``inp`` are each expert's columnwise copies of its masked tokens, (G, N, M/2) /
+    (G, K, M/2), with (G, S) packed scales (ops.grouped_nvfp4)."""
 
 
 def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> Optional[Tensor]:
     """The (num_gemms, out_features, in_features) weight gradient, or None after adding it (computed in
     fp32) to ``main_grad``."""
     dtype = a.wgrad_dtype if main_grad is None else torch.float32
-    if a.grad_output_scale_inv is None:
+    if a.nvfp4:
+        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype)
+    elif a.grad_output_scale_inv is None:
         wgrad = high_precision_grouped_wgrad(a.grad_output, a.inp, a.offs, dtype)
     elif a.token_block is None:
         wgrad = fp8_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, a.offs, dtype)
@@ -426,7 +501,15 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     g = grad_out.contiguous()
     quantizer = c.quantization.grad_output
     dgrad = wgrad_args = None
-    if quantizer.blockwise:
+    if quantizer.is_nvfp4:
+        if c.input_requires_grad:
+            qg = quantizer.quantize(g, rowwise=True)
+            dgrad = nvfp4_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
+        if c.weight_requires_grad:
+            qg_t = _stacked_nvfp4(quantizer, masked_to_groups(g, offs), rowwise=False, columnwise=True)
+            wgrad_args = GroupedWgradArgs(qg_t.data_t, qg_t.scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype,
+                                          None, nvfp4=True)
+    elif quantizer.blockwise:
         # Rowwise for dgrad; the grouped columnwise copy for wgrad (blocks restart at each group).
         if c.input_requires_grad:
             qg = quantizer.quantize(g, rowwise=True)
