@@ -159,9 +159,10 @@ def test_saved_activations_are_fp8(name, dtype):
     assert other_bytes < data_bytes // 6, other_bytes  # scales and offs only
 
 
-def test_delay_wgrad_compute_refuses_torch_compile():
-    module = _module("current", delay_wgrad_compute=True)
+@pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
+def test_wgrad_options_refuse_torch_compile(option):
+    module = _module("current", **{option: True})
     x, _ = _data()
     compiled = torch.compile(module, backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="delay_wgrad_compute runs eagerly only"):
+    with pytest.raises(Exception, match=f"{option} runs eagerly only"):
         compiled(x, _splits("uniform"))

@@ -192,6 +192,10 @@ class GroupedLinear(nn.Module):
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("GroupedLinear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python "
                                "queue)")
+        if self.fuse_wgrad_accumulation and torch.compiler.is_compiling():
+            # AOT autograd takes no in-place update of a graph input in the backward graph.
+            raise RuntimeError("GroupedLinear: fuse_wgrad_accumulation runs eagerly only (backward adds to "
+                               "weight.main_grad in place)")
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
         main_grad = self._main_grad()
         wgrad_queue = self._wgrad_queue.handle if self.delay_wgrad_compute else NO_HANDLE
