@@ -491,6 +491,7 @@ def test_opcheck(recipe_name, bias):
         inp=x, weight=module.weight, bias=module.bias, offs=offsets(routing("skewed", T, G)),
         input_requires_grad=True, weight_requires_grad=True, bias_requires_grad=bias,
         quantization=quantization_spec(RECIPES[recipe_name]()), delayed=None, out_dtype=torch.float32,
+        cached_weight=None, main_grad=None, wgrad_queue=-1,
     )
     flat = grouped_linear_fwd.flatten(args)
     op = grouped_linear_fwd.op

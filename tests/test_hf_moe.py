@@ -16,6 +16,7 @@ import transformer_linear as tl
 from transformer_linear.modules.convert import conversion_plan
 from transformer_linear.modules.hf_experts import DEFAULT_EXPERTS_IMPLEMENTATION, ExpertsFP8State
 from transformer_linear.numerics.model import GPTConfig, SyntheticText
+from transformer_linear.recipe.quantization import quantization_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,12 +240,20 @@ def test_save_pretrained_from_pretrained_round_trip(arch, tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
+def _nvfp4_input_fp8_rest() -> tl.recipe.CustomRecipe:
+    """A recipe the grouped GEMMs lack: NVFP4 input and weight, an FP8 grad_output (a tl.Linear takes it)."""
+    nvfp4 = quantization_spec(tl.recipe.NVFP4BlockScaling())
+    quantizers = {"linear_input": nvfp4.input, "linear_weight": nvfp4.weight,
+                  "linear_grad_output": tl.TensorQuantizer(torch.float8_e5m2, [], torch.float32, False)}
+    return tl.recipe.CustomRecipe(quantizers.__getitem__)
+
+
 def test_a_recipe_the_grouped_gemms_lack_raises_clearly():
-    """NVFP4 has no grouped GEMM: converting a model with experts raises before anything changes, and
+    """A recipe with no grouped GEMM: converting a model with experts raises before anything changes, and
     keeping the experts in high precision converts the rest."""
-    recipe = tl.recipe.NVFP4BlockScaling()
+    recipe = _nvfp4_input_fp8_rest()
     model = _mixtral()
-    with pytest.raises(NotImplementedError, match=r"NVFP4BlockScaling.*grouped.*module_filter_fn"):
+    with pytest.raises(NotImplementedError, match=r"CustomRecipe.*grouped.*module_filter_fn"):
         tl.convert_to_fp8(model, recipe=recipe)
     # Nothing changed.
     assert not any(isinstance(m, (tl.Linear, ExpertsFP8State)) for m in model.modules())
@@ -265,14 +274,27 @@ def test_a_recipe_from_autocast_the_grouped_gemms_lack_raises_in_the_forward():
     for name in ("current", "mxfp8"):
         with tl.autocast(recipe=tl.recipe.from_name(name)):
             assert torch.isfinite(model(ids).logits).all()
-    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling.*grouped"), \
-            tl.autocast(recipe=tl.recipe.NVFP4BlockScaling()):
+    with pytest.raises(NotImplementedError, match="CustomRecipe.*grouped"), \
+            tl.autocast(recipe=_nvfp4_input_fp8_rest()):
         model(ids)
 
 
+def test_nvfp4_experts_train():
+    """NVFP4BlockScaling converts the experts too (ops.grouped_nvfp4): a training step is finite and moves
+    every expert weight that got tokens."""
+    model = tl.convert_to_fp8(_mixtral(), recipe=tl.recipe.NVFP4BlockScaling())
+    assert any(isinstance(m, ExpertsFP8State) for m in model.modules())
+    ids = torch.randint(0, VOCAB, (2, 16))
+    out = model(ids, labels=ids)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    experts = [p for n, p in model.named_parameters() if "experts" in n]
+    assert experts and all(p.grad is not None and torch.isfinite(p.grad).all() for p in experts)
+
+
 def test_experts_state_module_bad_input():
-    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling"):
-        ExpertsFP8State(tl.recipe.NVFP4BlockScaling())
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
+        ExpertsFP8State(_nvfp4_input_fp8_rest())
     state = ExpertsFP8State(tl.recipe.Float8CurrentScaling())
     weight = torch.randn(2, 8, 16)
     offs = torch.tensor([3, 5], dtype=torch.int32)

@@ -80,12 +80,12 @@ def test_compare_reports_each_expert(report, recipe):
     assert flags == {True, False}
 
 
-def test_recipes_the_grouped_gemms_lack_leave_the_experts_in_high_precision(report):
-    """The grouped GEMMs take the block recipes: MXFP8's experts have rows; NVFP4's (no grouped FP4
-    GEMM) stay in high precision and have none, while its other layers are reported."""
+def test_block_and_nvfp4_recipes_report_the_experts(report):
+    """The grouped GEMMs take the block recipes and NVFP4 (ops.grouped_nvfp4): their experts have rows,
+    next to the other layers."""
     assert set(_projection_rows(report, "MXFP8BlockScaling(E4M3)")) == set(PROJECTIONS)
     nvfp4 = next(name for name in report.recipes if name.startswith("NVFP4"))
-    assert _projection_rows(report, nvfp4) == {}
+    assert set(_projection_rows(report, nvfp4)) == set(PROJECTIONS)
     assert any(s.name == "lm_head" for s in report.for_recipe(nvfp4))
 
 
@@ -97,7 +97,7 @@ def test_markdown_table_and_json(report):
     data = json.loads(report.to_json())
     assert data["min_expert_tokens"] == MIN_EXPERT_TOKENS
     rows = [s for s in data["layers"] if s["experts"]]
-    assert len(rows) == 3 * len(PROJECTIONS)  # current, delayed and mxfp8; nvfp4 keeps the experts in high precision
+    assert len(rows) == 4 * len(PROJECTIONS)  # current, delayed, mxfp8 and nvfp4
     assert set(rows[0]["experts"][0]) == {"expert", "tokens", "output_sqnr", "dgrad_sqnr", "wgrad_sqnr",
                                           "too_few_tokens"}
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from transformer_linear.modules import quantized_init
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+from transformer_linear.modules.grouped_linear import GroupedLinear
 from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
 from transformer_linear.recipe import Recipe
@@ -69,7 +70,7 @@ def finish_amax_reductions(model: nn.Module) -> nn.Module:
         ``model``.
     """
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, GroupedLinear)):
             module.finish_amax_reductions()
     return model
 
@@ -87,7 +88,7 @@ def set_amax_reduction_group(model: nn.Module, group: Optional["dist.ProcessGrou
     """
     key = group_key(group)
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, GroupedLinear)):
             module.amax_reduction_group = key
     return model
 
@@ -105,11 +106,12 @@ def check_fsdp_compatible(model: nn.Module) -> None:
 
 def _check_wgrad_options(model: nn.Module, where: str, engine: str, why: str) -> None:
     for fqn, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, GroupedLinear)):
             for option in ("delay_wgrad_compute", "fuse_wgrad_accumulation"):
                 if getattr(module, option):
                     raise ValueError(
-                        f"{where}: tl.Linear {fqn or '<root>'!r} has {option}=True, which {engine} does not support "
+                        f"{where}: tl.{type(module).__name__} {fqn or '<root>'!r} has {option}=True, which {engine} "
+                        "does not support "
                         f"({why}); build the layer with {option}=False"
                     )
 

@@ -334,7 +334,7 @@ def convert_to_fp8(
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: a missing ``fp8_state`` file, or entries of the wrong shape.
         NotImplementedError: the model has experts and the grouped GEMMs do not
-            take ``recipe``'s quantization (NVFP4); keep the experts in high
+            take ``recipe``'s quantization (check_grouped_quantization); keep the experts in high
             precision with a ``module_filter_fn`` that rejects them.
     """
     _check_model("convert_to_fp8", model)

@@ -21,13 +21,18 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.grouped_linear_ops import (
+    HighPrecisionGroupedLinear,
     check_grouped_linear_args,
     check_grouped_quantization,
+    compute_grouped_wgrad,
     high_precision_grouped_linear,
     run_grouped_linear,
 )
+from transformer_linear.modules.linear_args import CachedWeight
+from transformer_linear.modules.linear_ops import WgradQueue
 from transformer_linear.recipe import Recipe, amax_reduction
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
 
@@ -44,9 +49,15 @@ class GroupedLinear(nn.Module):
         bias: learn an additive bias per expert.
         recipe: this module's recipe; ``None`` follows ``tl.autocast`` (no recipe: high precision).
             DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling,
-            Float8RowwiseScaling, or a CustomRecipe whose quantizers fit (check_grouped_quantization).
+            Float8RowwiseScaling, NVFP4BlockScaling (ops.grouped_nvfp4), or a CustomRecipe whose quantizers
+            fit (check_grouped_quantization).
         device: where to allocate the parameters.
         dtype: the parameters' dtype (float32, bfloat16 or float16).
+        delay_wgrad_compute: backward computes only the input gradient; :meth:`backward_dw` computes the
+            weight and bias gradients (Transformer Engine's option, as ``tl.Linear``'s).
+        fuse_wgrad_accumulation: add the weight gradient, in fp32, to ``weight.main_grad`` (a
+            (num_gemms, out_features, in_features) float32 tensor, created as zeros if absent) instead of
+            writing ``weight.grad``.
 
     Raises:
         ValueError: ``num_gemms`` below 1 or negative feature counts.
@@ -62,6 +73,9 @@ class GroupedLinear(nn.Module):
         recipe: Optional[Recipe] = None,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
+        *,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
     ) -> None:
         super().__init__()
         for name, value, least in (("num_gemms", num_gemms, 1), ("in_features", in_features, 0),
@@ -74,6 +88,8 @@ class GroupedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.recipe = recipe
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((num_gemms, out_features, in_features), **factory))
@@ -83,6 +99,9 @@ class GroupedLinear(nn.Module):
             self.register_parameter("bias", None)
         self.delayed_scaling_state = DelayedScalingState()
         """The module's delayed-scaling state: one history per role for every expert."""
+        # Not a state: the experts' FP8 weights of the current microbatch group.
+        self._weight_cache: Optional[CachedWeight] = None
+        self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
         self.reset_fp8_state()
 
@@ -127,13 +146,16 @@ class GroupedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         with self.delayed_scaling_state.float32_buffers(self):
             super()._apply(fn, recurse)
+        self._weight_cache = None
         return self
 
     # ------------------------------------------------------------------
     # forward
     # ------------------------------------------------------------------
 
-    def forward(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
+    def forward(
+        self, inp: Tensor, m_splits: Union[Sequence[int], Tensor], is_first_microbatch: Optional[bool] = None
+    ) -> Tensor:
         """Apply expert g to rows ``sum(m_splits[:g]):sum(m_splits[:g+1])`` of ``inp``.
 
         Args:
@@ -143,6 +165,8 @@ class GroupedLinear(nn.Module):
                 integer tensor of ``num_gemms`` entries on inp's device. A tensor's values are never read on
                 the host (with a recipe): no device sync, and under ``torch.compile`` a routing change
                 does not recompile; its sum is then not checked, and rows past it come out as 0.
+            is_first_microbatch: True quantizes the experts' weights and caches the FP8 copies; False reuses
+                them (the weights have not changed within a gradient-accumulation group); None caches nothing.
 
         Returns:
             (..., out_features).
@@ -157,19 +181,66 @@ class GroupedLinear(nn.Module):
             raise ValueError(f"GroupedLinear: argument 'inp' must have shape (..., {self.in_features}), "
                              f"got {list(inp.shape)}")
         x2d = inp.reshape(-1, self.in_features) if inp.dim() != 2 else inp
-        out = self._forward(x2d, self._offs(x2d, m_splits))
+        out = self._forward(x2d, self._offs(x2d, m_splits), is_first_microbatch)
         if inp.dim() == 2:
             return out
         return torch.ops.aten._unsafe_view.default(out, [*inp.shape[:-1], self.out_features])
 
-    def _forward(self, inp: Tensor, offs: Tensor) -> Tensor:
+    def _forward(self, inp: Tensor, offs: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
         """The forward on 2-D tokens."""
         check_grouped_linear_args("GroupedLinear", inp, self.weight, offs, self.bias)
+        if self.delay_wgrad_compute and torch.compiler.is_compiling():
+            raise RuntimeError("GroupedLinear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python "
+                               "queue)")
+        if self.fuse_wgrad_accumulation and torch.compiler.is_compiling():
+            # AOT autograd takes no in-place update of a graph input in the backward graph.
+            raise RuntimeError("GroupedLinear: fuse_wgrad_accumulation runs eagerly only (backward adds to "
+                               "weight.main_grad in place)")
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        main_grad = self._main_grad()
+        wgrad_queue = self._wgrad_queue.handle if self.delay_wgrad_compute else NO_HANDLE
         if recipe is None:
-            return high_precision_grouped_linear(inp, self.weight, offs, self.bias)
+            if main_grad is None and wgrad_queue == NO_HANDLE:
+                return high_precision_grouped_linear(inp, self.weight, offs, self.bias)
+            return HighPrecisionGroupedLinear.apply(inp, self.weight, self.bias, offs, main_grad, wgrad_queue)
         spec = check_grouped_quantization("GroupedLinear", recipe)
-        return run_grouped_linear(self, inp, self.weight, offs, self.bias, spec)
+        cached = self._weight_cache if is_first_microbatch is False else None
+        if cached is not None and cached.weight_fp8_t is None and torch.is_grad_enabled() and inp.requires_grad:
+            cached = None  # cached without the columnwise copy dgrad reads: quantize again
+        o = run_grouped_linear(self, inp, self.weight, offs, self.bias, spec, cached, main_grad, wgrad_queue)
+        if is_first_microbatch and cached is None:
+            self._weight_cache = CachedWeight(
+                weight_fp8=o.weight_fp8.detach(),
+                weight_fp8_t=o.weight_fp8_t.detach() if o.weight_fp8_t.numel() else None,
+                weight_scale_inv=o.weight_scale_inv.detach(),
+                weight_scale_inv_t=o.weight_scale_inv_t.detach() if o.weight_scale_inv_t.numel() else None,
+                weight_amax=o.amax[1].detach() if o.amax.numel() else None,  # block scaling records no amax
+            )
+        return o.out
+
+    def _main_grad(self) -> Optional[Tensor]:
+        """fuse_wgrad_accumulation: ``weight.main_grad`` (made as fp32 zeros if absent) where the weight
+        gets a gradient, else None."""
+        if not (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad):
+            return None
+        if getattr(self.weight, "main_grad", None) is None:
+            self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+        return self.weight.main_grad
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients queued by backward (delay_wgrad_compute=True).
+
+        Each queued backward adds its gradient to ``weight.grad`` / ``bias.grad`` (or to
+        ``weight.main_grad`` with fuse_wgrad_accumulation).
+        """
+        if not self.delay_wgrad_compute:
+            return
+        for queued in self._wgrad_queue.drain():
+            if queued.wgrad_args is not None:
+                main_grad = self.weight.main_grad if self.fuse_wgrad_accumulation else None
+                _accumulate_grad(self.weight, compute_grouped_wgrad(queued.wgrad_args, main_grad))
+            if queued.dbias is not None:
+                _accumulate_grad(self.bias, queued.dbias)
 
     def _offs(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
         """The (num_gemms,) int32 cumulative row ends of ``m_splits``, made on inp's device."""
@@ -210,3 +281,10 @@ def _stack_per_expert_keys(state_dict: dict, prefix: str, num_gemms: int) -> Non
         if prefix + name in state_dict or not all(k in state_dict for k in keys):
             continue
         state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
+    if grad is None:
+        return
+    grad = grad.detach()
+    param.grad = grad if param.grad is None else param.grad + grad

@@ -30,11 +30,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_linear import ops
+from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.dtypes import FP8_DTYPES
-from transformer_linear.formats.grouped_scaling import GROUPED_GEMM_SCALINGS, TOKEN_BLOCKS, WHOLE, token_scale_cols
+from transformer_linear.formats.grouped_scaling import (
+    GROUPED_GEMM_SCALINGS,
+    TOKEN_BLOCKS,
+    WHOLE,
+    token_scale_cols,
+)
 from transformer_linear.modules.autocast import get_fp8_recipe
-from transformer_linear.modules.linear_args import args_op
-from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, fp8_grouped_gemm_wgrad_blockwise
+from transformer_linear.modules.linear_args import CachedWeight, args_op
+from transformer_linear.modules.linear_ops import QueuedWgrad, WgradQueue
+from transformer_linear.ops.grouped import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_wgrad,
+    fp8_grouped_gemm_wgrad_blockwise,
+)
+from transformer_linear.ops.grouped_nvfp4 import group_of_rows, nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.delayed_scaling import (
@@ -45,6 +57,7 @@ from transformer_linear.recipe.delayed_scaling import (
 )
 from transformer_linear.recipe.quantization import (
     QuantizationSpec,
+    Quantized,
     TensorQuantizer,
     check_recipe,
     flat,
@@ -55,7 +68,10 @@ from transformer_linear.recipe.quantization import (
 __all__ = [
     "GroupedLinearFwdArgs",
     "GroupedLinearFwdOutputs",
+    "GroupedWgradArgs",
+    "HighPrecisionGroupedLinear",
     "check_grouped_quantization",
+    "compute_grouped_wgrad",
     "group_sums",
     "grouped_linear",
     "grouped_linear_fwd",
@@ -72,6 +88,9 @@ class GroupedLinearFwdArgs:
     """(num_gemms, out_features, in_features): one weight per expert."""
     bias: Optional[Tensor]
     """(num_gemms, out_features) or None."""
+    cached_weight: Optional[CachedWeight]
+    """is_first_microbatch=False: the experts' FP8 weights to reuse (stacked: (num_gemms, ...) each); None
+    quantizes the weight."""
     offs: Tensor
     """(num_gemms,) int32 cumulative row ends (torch._grouped_mm's)."""
     input_requires_grad: bool
@@ -82,6 +101,10 @@ class GroupedLinearFwdArgs:
     delayed: Optional[DelayedScalingArgs]
     """The module's delayed-scaling state where the quantizers take their scales from it, else None."""
     out_dtype: torch.dtype
+    main_grad: Optional[Tensor]
+    """fuse_wgrad_accumulation: the (num_gemms, out_features, in_features) fp32 buffer backward adds wgrad to."""
+    wgrad_queue: int
+    """delay_wgrad_compute: handle (_handles.py) of the module's WgradQueue, which backward_dw() drains; -1 off."""
 
 
 class GroupedLinearFwdOutputs(NamedTuple):
@@ -95,11 +118,16 @@ class GroupedLinearFwdOutputs(NamedTuple):
     (empty when the weight needs no gradient)."""
     inp_scale_inv: Tensor
     """inp_fp8's scales: one element, or the grouped columnwise copy's grid, flat (1-D)."""
+    weight_fp8: Tensor
+    """(num_gemms, out_features, in_features) FP8: each expert's rowwise weight, what the forward GEMM read
+    (empty when a cached weight was given); the module caches it for is_first_microbatch."""
     weight_fp8_t: Tensor
     """(num_gemms, in_features, out_features) FP8: each expert's weight transposed (block scales: its
-    columnwise copy), what dgrad reads (empty when the input needs no gradient)."""
+    columnwise copy), what dgrad reads (empty when the input needs no gradient or a cached weight was given)."""
     weight_scale_inv: Tensor
-    """weight_fp8_t's scales: (num_gemms,), or (num_gemms, ...) block scales of each copy."""
+    """weight_fp8's scales: (num_gemms,), or (num_gemms, ...) block scales of each expert."""
+    weight_scale_inv_t: Tensor
+    """weight_fp8_t's scales: (num_gemms,) (the rowwise ones), or (num_gemms, ...) block scales of each copy."""
     amax: Tensor
     """(2,) amaxes of [input, weight (over all experts)] for the delayed-scaling update, else empty."""
     grad_output_scale: Tensor
@@ -134,11 +162,16 @@ def check_grouped_quantization(where: str, recipe: Recipe) -> QuantizationSpec:
     def refuse(why: str) -> NotImplementedError:
         return NotImplementedError(
             f"{where}: recipe {name} {why}; the grouped GEMMs take FP8 with one scale per tensor for every role "
-            "(DelayedScaling, Float8CurrentScaling) or block scales for every role (Float8BlockScaling, "
-            "MXFP8BlockScaling, Float8RowwiseScaling)"
+            "(DelayedScaling, Float8CurrentScaling), block scales for every role (Float8BlockScaling, "
+            "MXFP8BlockScaling, Float8RowwiseScaling), or NVFP4 for every role (NVFP4BlockScaling)"
         )
 
     roles = {role: getattr(spec, role) for role in ("input", "weight", "grad_output")}
+    nvfp4_roles = [q.is_nvfp4 for q in roles.values()]
+    if all(nvfp4_roles):
+        return spec  # the NVFP4 path (ops.grouped_nvfp4)
+    if any(nvfp4_roles):
+        raise refuse("mixes NVFP4 with other formats")
     for role, q in roles.items():
         if q.dtype not in FP8_DTYPES:
             raise refuse(f"quantizes the {role} to {q.dtype}")
@@ -190,7 +223,7 @@ def grouped_linear_fwd(a: GroupedLinearFwdArgs) -> GroupedLinearFwdOutputs:
     scales = None
     if a.delayed is not None:
         spec = a.quantization
-        weight_2d = a.weight.reshape(-1, a.weight.shape[2])
+        weight_2d = a.weight.reshape(-1, a.weight.shape[2]) if a.cached_weight is None else None
         scales = forward_scales(a.delayed, x, weight_2d, spec.input.dtype, spec.input.margin)
     return _fp8_fwd(a, x, scales)
 
@@ -201,38 +234,140 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     ``scales``: the delayed-scaling state's (forward_scales), None where each quantizer computes its own
     (then each expert's weight gets its own scale).
     """
-    if a.quantization.input.blockwise:
-        return _fp8_fwd_blockwise(a, x)
     spec = a.quantization
+    if spec.input.is_nvfp4:
+        return _nvfp4_fwd(a, x)
     empty_f32 = x.new_empty(0, dtype=torch.float32)
-    qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
-    weight = a.weight.contiguous()
-    groups, n, k = weight.shape
-    # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
-    # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
-    # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
-    w = spec.weight
-    qws = [
-        tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None, margin=w.margin,
-                                             columnwise=a.input_requires_grad))
-        for g in range(groups)
-    ]
-    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
-    weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
+    blockwise = spec.input.blockwise
+    if blockwise:
+        qx = spec.input.quantize(x, rowwise=True)
+    else:
+        qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
+    cached = a.cached_weight
+    if cached is None:
+        qw = _quantize_experts(a, x, scales)
+        w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
+    else:
+        qw = cached.quantized()
+        # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
+        no_fp8 = x.new_empty(0, dtype=spec.weight.dtype)
+        w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
-    out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias)
-    records_amax = spec.input.records_amax and spec.weight.records_amax and scales is not None
-    weight_amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
+    scalings = (spec.input.gemm_scaling, spec.weight.gemm_scaling) if blockwise else None
+    out = fp8_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias, scalings=scalings)
+    if not blockwise:
+        inp_fp8, inp_scale_inv = qx.data, qx.scale_inv.reshape(1)
+    elif a.weight_requires_grad:
+        inp_fp8, inp_scale_inv = _grouped_columnwise(spec.input, x, a.offs)
+        inp_scale_inv = flat(inp_scale_inv)  # 1-D: no graph guard on a grid size of 1 (quantize_flat)
+    else:
+        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()
+    records_amax = not blockwise and spec.input.records_amax and spec.weight.records_amax and scales is not None
+    w_fp8, w_fp8_t, w_scale_inv, w_scale_inv_t = w_outputs
     return GroupedLinearFwdOutputs(
         out,
-        inp_fp8=qx.data,
-        inp_scale_inv=qx.scale_inv.reshape(1),
-        weight_fp8_t=weight_fp8_t,
-        weight_scale_inv=weight_scale_inv,
-        amax=torch.stack([qx.amax.reshape(()), weight_amax]) if records_amax else empty_f32.clone(),
+        inp_fp8=inp_fp8,
+        inp_scale_inv=inp_scale_inv,
+        weight_fp8=w_fp8,
+        weight_fp8_t=w_fp8_t,
+        weight_scale_inv=w_scale_inv,
+        weight_scale_inv_t=w_scale_inv_t,
+        amax=torch.stack([qx.amax.reshape(()), qw.amax.reshape(())]) if records_amax else empty_f32.clone(),
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
+
+
+def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
+    """The NVFP4 forward (ops.grouped_nvfp4): the tokens quantized rowwise once, each expert's weight rowwise
+    (and columnwise, for dgrad); for wgrad, each expert's columnwise copy of the tokens masked to its group."""
+    spec = a.quantization
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    qx = spec.input.quantize(x, rowwise=True)
+    cached = a.cached_weight
+    if cached is None:
+        qw = _stacked_nvfp4(a.quantization.weight, list(a.weight.contiguous()), rowwise=True,
+                            columnwise=a.input_requires_grad)
+        w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
+    else:
+        qw = cached.quantized()
+        no_fp4 = x.new_empty(0, dtype=spec.weight.dtype)
+        no_scale = x.new_empty(0, dtype=spec.weight.scale_dtype)
+        w_outputs = (no_fp4, no_fp4.clone(), no_scale, no_scale.clone())
+    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
+    out = nvfp4_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias)
+    if a.weight_requires_grad:
+        qx_t = _stacked_nvfp4(spec.input, masked_to_groups(x, a.offs), rowwise=False, columnwise=True)
+        inp_fp4, inp_scale_inv = qx_t.data_t, qx_t.scale_inv_t
+    else:
+        inp_fp4, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), x.new_empty(0, dtype=spec.input.scale_dtype)
+    return GroupedLinearFwdOutputs(
+        out,
+        inp_fp8=inp_fp4,
+        inp_scale_inv=inp_scale_inv,
+        weight_fp8=w_outputs[0],
+        weight_fp8_t=w_outputs[1],
+        weight_scale_inv=w_outputs[2],
+        weight_scale_inv_t=w_outputs[3],
+        amax=empty_f32.clone(),
+        grad_output_scale=empty_f32.clone(),
+        fwd_scales=empty_f32.clone(),
+    )
+
+
+def masked_to_groups(t: Tensor, offs: Tensor) -> list[Tensor]:
+    """One copy of ``t`` per group, its other rows zero (the group of a row found on the device)."""
+    group = group_of_rows(t.shape[0], offs).unsqueeze(1)
+    return [torch.where(group == g, t, torch.zeros((), dtype=t.dtype, device=t.device)) for g in range(offs.shape[0])]
+
+
+def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, columnwise: bool) -> Quantized:
+    """Each tensor quantized by the NVFP4 quantizer ``q`` in the usages asked for, the copies stacked
+    (data (G, ...), packed scales (G, S)); an absent usage is empty."""
+    qs = [q.quantize(t, rowwise=rowwise, columnwise=columnwise) for t in tensors]
+
+    def stacked(field: str, present: bool) -> Tensor:
+        if not present:
+            return getattr(qs[0], field).new_empty(0)
+        # Copied into one tensor rather than stacked: torch.autocast's stack rejects FP8 scales.
+        parts = [getattr(qt, field) for qt in qs]
+        out = parts[0].new_empty((len(parts), *parts[0].shape))
+        for g, part in enumerate(parts):
+            out[g].copy_(part)
+        return out
+
+    return Quantized(stacked("data", rowwise), stacked("scale_inv", rowwise), stacked("data_t", columnwise),
+                     stacked("scale_inv_t", columnwise))
+
+
+def _quantize_experts(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> Quantized:
+    """Each expert's weight quantized by the weight quantizer, stacked: rowwise for the forward GEMM and
+    (where the input needs a gradient) columnwise for dgrad. ``amax`` is over all experts where the
+    quantizer measures one (delayed scaling records it)."""
+    weight = a.weight.contiguous()
+    groups, n, k = weight.shape
+    w = a.quantization.weight
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    if w.blockwise:
+        qws = [w.quantize(weight[g], rowwise=True, columnwise=a.input_requires_grad) for g in range(groups)]
+        weight_scale_inv = torch.stack([q.scale_inv for q in qws])
+        weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if a.input_requires_grad else empty_f32.clone()
+        amax = None
+    else:
+        # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
+        # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
+        # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
+        qws = [
+            tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None,
+                                                 margin=w.margin, columnwise=a.input_requires_grad))
+            for g in range(groups)
+        ]
+        weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
+        weight_scale_inv_t = weight_scale_inv.clone() if a.input_requires_grad else empty_f32.clone()
+        records_amax = w.records_amax and scales is not None
+        amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
+    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
+    return Quantized(weight_fp8, weight_scale_inv, weight_fp8_t, weight_scale_inv_t, amax)
 
 
 def _stacked_weights(x: Tensor, qws, shape, dtype, with_t: bool) -> tuple[Tensor, Tensor]:
@@ -246,39 +381,6 @@ def _stacked_weights(x: Tensor, qws, shape, dtype, with_t: bool) -> tuple[Tensor
         if with_t:
             weight_fp8_t[g].copy_(q.data_t)
     return weight_fp8, weight_fp8_t
-
-
-def _fp8_fwd_blockwise(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
-    """The forward with block scales: the input quantized rowwise once (and, for wgrad, into its grouped
-    columnwise copy), each expert's weight rowwise (and columnwise, for dgrad) with its own blocks."""
-    spec = a.quantization
-    empty_f32 = x.new_empty(0, dtype=torch.float32)
-    qx = spec.input.quantize(x, rowwise=True)
-    weight = a.weight.contiguous()
-    groups, n, k = weight.shape
-    w = spec.weight
-    qws = [w.quantize(weight[g], rowwise=True, columnwise=a.input_requires_grad) for g in range(groups)]
-    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
-    weight_scale_inv = torch.stack([q.scale_inv for q in qws])
-    weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if a.input_requires_grad else empty_f32.clone()
-    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
-    out = fp8_grouped_gemm(qx.data, qx.scale_inv, weight_fp8, weight_scale_inv, a.offs, a.out_dtype, bias,
-                           scalings=(spec.input.gemm_scaling, w.gemm_scaling))
-    if a.weight_requires_grad:
-        inp_fp8, inp_scale_inv = _grouped_columnwise(spec.input, x, a.offs)
-        inp_scale_inv = flat(inp_scale_inv)  # 1-D: no graph guard on a grid size of 1 (quantize_flat)
-    else:
-        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()
-    return GroupedLinearFwdOutputs(
-        out,
-        inp_fp8=inp_fp8,
-        inp_scale_inv=inp_scale_inv,
-        weight_fp8_t=weight_fp8_t,
-        weight_scale_inv=weight_scale_inv_t,
-        amax=empty_f32.clone(),
-        grad_output_scale=empty_f32.clone(),
-        fwd_scales=empty_f32.clone(),
-    )
 
 
 @grouped_linear_fwd.op.register_fake
@@ -309,17 +411,73 @@ class _BwdContext:
     input_dtype: torch.dtype
     weight_dtype: torch.dtype
     bias_dtype: Optional[torch.dtype]
+    wgrad_queue: int
+    main_grad: Optional[Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedWgradArgs:
+    """What the grouped weight gradient reads; backward runs it, or queues it for ``backward_dw()``."""
+
+    grad_output: Tensor
+    """One scale per tensor: the (total_tokens, out_features) rowwise FP8 data; block scales: its grouped
+    columnwise copy (out_features, total_tokens); no recipe: the high-precision gradient."""
+    grad_output_scale_inv: Optional[Tensor]
+    """Its scales ((1,), or the grouped copy's 2-D grid); None without FP8."""
+    inp: Tensor
+    """As GroupedLinearFwdOutputs.inp_fp8 (no recipe: the high-precision input)."""
+    inp_scale_inv: Optional[Tensor]
+    """Its scales, 2-D for block scales; None without FP8."""
+    offs: Tensor
+    wgrad_dtype: torch.dtype
+    token_block: Optional[int]
+    """The block scales' token block (grouped_scaling.TOKEN_BLOCKS); None for one scale per tensor."""
+    nvfp4: bool = False
+    """NVFP4: ``grad_output`` / ``inp`` are each expert's columnwise copies of its masked tokens, (G, N, M/2) /
+    (G, K, M/2), with (G, S) packed scales (ops.grouped_nvfp4)."""
+
+
+def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> Optional[Tensor]:
+    """The (num_gemms, out_features, in_features) weight gradient, or None after adding it (computed in
+    fp32) to ``main_grad``."""
+    dtype = a.wgrad_dtype if main_grad is None else torch.float32
+    if a.nvfp4:
+        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype)
+    elif a.grad_output_scale_inv is None:
+        wgrad = high_precision_grouped_wgrad(a.grad_output, a.inp, a.offs, dtype)
+    elif a.token_block is None:
+        wgrad = fp8_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, a.offs, dtype)
+    else:
+        wgrad = fp8_grouped_gemm_wgrad_blockwise(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv,
+                                                 a.offs, dtype, a.token_block)
+    if main_grad is None:
+        return wgrad
+    main_grad.add_(wgrad)
+    return None
+
+
+def high_precision_grouped_wgrad(grad: Tensor, inp: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
+    """(G, N, K): ``grad[rows of g]ᵀ inp[rows of g]`` per group in ``inp``'s precision, reading ``offs`` on
+    the host (the high-precision path's group sizes are Python ints)."""
+    ends = [0, *(int(e) for e in offs.tolist())]
+    return torch.stack([grad[ends[g] : ends[g + 1]].t() @ inp[ends[g] : ends[g + 1]]
+                        for g in range(offs.shape[0])]).to(dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     a = grouped_linear_fwd.unflatten(inputs)
     o = GroupedLinearFwdOutputs(*output)
     ctx.mark_non_differentiable(*o[1:])
+    # dgrad reads each expert's columnwise weight; outputs may not alias inputs, so a cached FP8 weight is
+    # saved from the inputs.
+    cached = a.cached_weight
+    w_fp8_t, w_scale_inv_t = (o.weight_fp8_t, o.weight_scale_inv_t) if cached is None else (
+        cached.weight_fp8_t, cached.weight_scale_inv_t)
     ctx.save_for_backward(
         o.inp_fp8 if a.weight_requires_grad else None,
         o.inp_scale_inv,
-        o.weight_fp8_t if a.input_requires_grad else None,
-        o.weight_scale_inv,
+        w_fp8_t if a.input_requires_grad else None,
+        w_scale_inv_t,
         a.offs,
         o.grad_output_scale if a.delayed is not None else None,
     )
@@ -332,6 +490,8 @@ def _setup_context(ctx, inputs, output) -> None:
         input_dtype=a.inp.dtype,
         weight_dtype=a.weight.dtype,
         bias_dtype=a.bias.dtype if a.bias is not None else None,
+        wgrad_queue=a.wgrad_queue,
+        main_grad=a.main_grad,
     )
 
 
@@ -340,8 +500,16 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     c: _BwdContext = ctx.bwd
     g = grad_out.contiguous()
     quantizer = c.quantization.grad_output
-    dgrad = wgrad = dbias = None
-    if quantizer.blockwise:
+    dgrad = wgrad_args = None
+    if quantizer.is_nvfp4:
+        if c.input_requires_grad:
+            qg = quantizer.quantize(g, rowwise=True)
+            dgrad = nvfp4_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
+        if c.weight_requires_grad:
+            qg_t = _stacked_nvfp4(quantizer, masked_to_groups(g, offs), rowwise=False, columnwise=True)
+            wgrad_args = GroupedWgradArgs(qg_t.data_t, qg_t.scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype,
+                                          None, nvfp4=True)
+    elif quantizer.blockwise:
         # Rowwise for dgrad; the grouped columnwise copy for wgrad (blocks restart at each group).
         if c.input_requires_grad:
             qg = quantizer.quantize(g, rowwise=True)
@@ -351,7 +519,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             block = token_block(quantizer)
             x_scale_t = x_scale_inv.reshape(x_fp8.shape[0], token_scale_cols(x_fp8.shape[1], offs.shape[0], block))
             g_t, g_scale_t = _grouped_columnwise(quantizer, g, offs)
-            wgrad = fp8_grouped_gemm_wgrad_blockwise(g_t, g_scale_t, x_fp8, x_scale_t, offs, c.weight_dtype, block)
+            wgrad_args = GroupedWgradArgs(g_t, g_scale_t, x_fp8, x_scale_t, offs, c.weight_dtype, block)
     else:
         if c.delayed is not None:
             qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
@@ -362,10 +530,23 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             # Each expert's weight read columnwise: its transpose, with the expert's one scale.
             dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
         if c.weight_requires_grad:
-            wgrad = fp8_grouped_gemm_wgrad(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype)
-    if c.bias_requires_grad:
-        dbias = group_sums(g, offs, c.bias_dtype)
+            wgrad_args = GroupedWgradArgs(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype, None)
+    dbias = group_sums(g, offs, c.bias_dtype) if c.bias_requires_grad else None
+    wgrad, dbias = finish_wgrad(c.wgrad_queue, c.main_grad, wgrad_args, dbias)
     return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)
+
+
+def finish_wgrad(
+    queue_handle: int, main_grad: Optional[Tensor], wgrad_args: Optional[GroupedWgradArgs], dbias: Optional[Tensor]
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The (weight, bias) gradients backward returns: computed now, or (delay_wgrad_compute) queued for
+    ``backward_dw()`` with both returned as None; with ``main_grad`` the weight gradient is added to it."""
+    if queue_handle != NO_HANDLE:
+        queue = WgradQueue.get(queue_handle)  # None: its module is gone, and nothing would drain it
+        if queue is not None and (wgrad_args is not None or dbias is not None):
+            queue.append(QueuedWgrad(wgrad_args, dbias))
+        return None, None
+    return (compute_grouped_wgrad(wgrad_args, main_grad) if wgrad_args is not None else None), dbias
 
 
 grouped_linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)
@@ -469,20 +650,28 @@ def grouped_linear(
             f"grouped_linear: recipe {type(recipe).__name__} takes its scales from an amax history, which the "
             "functional form does not keep: use tl.GroupedLinear (or Float8CurrentScaling)"
         )
-    return run_grouped_linear(None, inp, weight, offs, bias, spec)
+    return run_grouped_linear(None, inp, weight, offs, bias, spec).out
 
 
 def run_grouped_linear(
     owner: Optional[nn.Module], inp: Tensor, weight: Tensor, offs: Tensor, bias: Optional[Tensor],
-    spec: QuantizationSpec,
-) -> Tensor:
+    spec: QuantizationSpec, cached_weight: Optional[CachedWeight] = None, main_grad: Optional[Tensor] = None,
+    wgrad_queue: int = NO_HANDLE,
+) -> GroupedLinearFwdOutputs:
     """The FP8 grouped Linear's forward under ``spec`` (checked by check_grouped_quantization), through
-    ``owner``'s delayed-scaling state where ``spec`` takes its scales from an amax history."""
+    ``owner``'s delayed-scaling state where ``spec`` takes its scales from an amax history.
+
+    Args:
+        cached_weight: the experts' FP8 weights to reuse (is_first_microbatch=False), or None.
+        main_grad: fuse_wgrad_accumulation's fp32 buffer, or None (the gradient goes to ``weight.grad``).
+        wgrad_queue: delay_wgrad_compute's queue handle, or NO_HANDLE.
+    """
     grad = torch.is_grad_enabled()
     args = GroupedLinearFwdArgs(
         inp=inp,
         weight=weight,
         bias=bias,
+        cached_weight=cached_weight,
         offs=offs,
         input_requires_grad=grad and inp.requires_grad,
         weight_requires_grad=grad and weight.requires_grad,
@@ -490,7 +679,41 @@ def run_grouped_linear(
         quantization=spec,
         delayed=owner.delayed_scaling_state.op_args(owner, spec.history) if spec.history is not None else None,
         out_dtype=output_dtype(inp),
+        main_grad=main_grad if grad and weight.requires_grad else None,
+        wgrad_queue=wgrad_queue,
     )
     if args.delayed is not None:
-        return owner.delayed_scaling_state.forward(owner, args, grouped_linear_fwd).out
-    return grouped_linear_fwd(args).out
+        return owner.delayed_scaling_state.forward(owner, args, grouped_linear_fwd)
+    return grouped_linear_fwd(args)
+
+
+class HighPrecisionGroupedLinear(torch.autograd.Function):
+    """The grouped Linear without FP8 where the weight gradient is delayed (``wgrad_queue``) or added to
+    ``main_grad``: the forward and the input gradient as high_precision_grouped_linear's ``F.linear`` loop,
+    the weight gradient through finish_wgrad as the FP8 path's. Reads ``offs`` on the host."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, offs, main_grad, wgrad_queue):
+        ctx.save_for_backward(inp, weight, offs)
+        ctx.has_bias, ctx.main_grad, ctx.wgrad_queue = bias is not None, main_grad, wgrad_queue
+        out_dtype = output_dtype(inp)
+        return high_precision_grouped_linear(inp.to(out_dtype), weight.to(out_dtype), offs,
+                                             None if bias is None else bias.to(out_dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inp, weight, offs = ctx.saved_tensors
+        g = grad_out.contiguous()
+        dgrad = wgrad_args = dbias = None
+        ends = [0, *(int(e) for e in offs.tolist())]
+        if ctx.needs_input_grad[0]:
+            dgrad = torch.zeros_like(inp)
+            for e in range(weight.shape[0]):
+                dgrad[ends[e] : ends[e + 1]] = g[ends[e] : ends[e + 1]] @ weight[e].to(g.dtype)
+        if ctx.needs_input_grad[1]:
+            wgrad_args = GroupedWgradArgs(g, None, inp.to(g.dtype), None, offs, weight.dtype, None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # Each group's rows summed as F.linear's backward sums them.
+            dbias = torch.stack([g[ends[e] : ends[e + 1]].sum(0) for e in range(weight.shape[0])]).to(weight.dtype)
+        wgrad, dbias = finish_wgrad(ctx.wgrad_queue, ctx.main_grad, wgrad_args, dbias)
+        return dgrad, wgrad, dbias, None, None, None

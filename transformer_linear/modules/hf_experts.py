@@ -80,7 +80,7 @@ class ExpertsFP8State(nn.Module):
         device: where the state lives (the weight's device).
 
     Raises:
-        NotImplementedError: a recipe the grouped GEMMs do not support (NVFP4).
+        NotImplementedError: a recipe the grouped GEMMs do not support (check_grouped_quantization).
     """
 
     def __init__(self, recipe: Optional[Recipe] = None, device: Optional[torch.device | str] = None) -> None:
@@ -132,7 +132,7 @@ class ExpertsFP8State(nn.Module):
         if recipe is None:
             return high_precision_grouped_linear(inp, weight, offs, bias)
         spec = check_grouped_quantization("ExpertsFP8State", recipe)
-        return run_grouped_linear(self, inp, weight, offs, bias, spec)
+        return run_grouped_linear(self, inp, weight, offs, bias, spec).out
 
 
 def attach_fp8_states(module: nn.Module, recipe: Optional[Recipe]) -> list[str]:
@@ -220,8 +220,8 @@ def register_hf_experts(name: str = DEFAULT_EXPERTS_IMPLEMENTATION, recipe: Opti
 
     Raises:
         ImportError: transformers is not installed (or has no ExpertsInterface).
-        NotImplementedError: a recipe the grouped GEMMs do not support (NVFP4), or one taking its scales from an amax
-            history (DelayedScaling: keeping its state takes ``tl.convert_to_fp8``).
+        NotImplementedError: a recipe the grouped GEMMs do not support (check_grouped_quantization), or one
+            taking its scales from an amax history (DelayedScaling: keeping its state takes ``tl.convert_to_fp8``).
     """
     from transformers.integrations.moe import ExpertsInterface  # noqa: PLC0415 (optional dependency)
 

@@ -70,6 +70,11 @@ class WgradQueue:
     def __reduce__(self) -> tuple:
         return (WgradQueue, ())
 
+    @staticmethod
+    def get(handle: int) -> Optional["WgradQueue"]:
+        """The queue of ``handle``, or None once its owner is gone."""
+        return _WGRAD_QUEUES.get(handle)
+
     def append(self, queued: QueuedWgrad) -> None:
         self._queued.append(queued)
 

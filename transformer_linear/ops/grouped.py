@@ -5,7 +5,8 @@ grouped GEMM; the layouts and scalings are described in ``transformer_linear.for
 Each op is a ``torch.library`` custom op whose fake implementation takes its output shape from the
 operands alone, so ``torch.compile`` traces one graph for any routing. CPU tensors run the
 extension's kernel, which reads and checks ``offs`` itself; CUDA tensors run the Triton kernels of
-``transformer_linear.ops.triton`` (cuBLASLt's grouped FP8 GEMM is not used yet). Neither path copies
+``transformer_linear.ops.triton``, and the tensorwise forward / dgrad GEMM cuBLASLt's grouped matmul where
+the build, the loaded cuBLASLt (13.10+) and the GPU (sm_89+) have it. No path copies
 ``offs`` to the host: there is no device sync, and ``offs`` can change between calls without
 recompiling. On CUDA, ``offs`` values are not checked (that would sync); out-of-range values are
 clamped by the kernels so that they never access memory outside the operands.
@@ -28,7 +29,8 @@ from transformer_linear.formats.grouped_scaling import (
     check_grouped_wgrad_blockwise_args,
     resolve_grouped_scalings,
 )
-from transformer_linear.ops.descriptors import desc, stream_for
+from transformer_linear.ops import torch_cuda
+from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
 
 __all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "fp8_grouped_gemm_wgrad_blockwise"]
 
@@ -74,9 +76,36 @@ def _fp8_grouped_gemm_op(
 @_fp8_grouped_gemm_op.register_kernel("cuda")
 def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, a_block, b_block):
     check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    if tuple(a_block) == tuple(b_block) == (WHOLE, WHOLE) and torch_cuda.build_info() is not None:
+        out = _cublaslt_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+        if out is not None:
+            return out
     return _triton_kernels().fp8_grouped_gemm_resolved(
         a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, tuple(a_block), tuple(b_block)
     )
+
+
+def _cublaslt_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias) -> Optional[torch.Tensor]:
+    """The tensorwise grouped GEMM through cuBLASLt's grouped matmul (csrc/cuda/gemm_grouped_cuda.h: cuBLAS
+    13.10+, sm_89+, N and K multiples of 16), or None where it declines (the Triton kernel runs). The bias is
+    added per row from its group, found on the device."""
+    op = "fp8_grouped_gemm"
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    workspace = cublas_workspace(a.device)
+    ran = _C.fp8_grouped_gemm_cublaslt(
+        desc(a, op, "a"), desc(a_scale_inv.reshape(1), op, "a_scale_inv"), desc(b, op, "b"),
+        desc(b_scale_inv.reshape(-1), op, "b_scale_inv"), desc(offs, op, "offs"), desc(out, op, "d"),
+        desc(workspace, op, "workspace"), stream_for(a),
+    )
+    if not ran:
+        return None
+    if bias is not None:
+        groups = offs.shape[0]
+        group = torch.searchsorted(offs, torch.arange(a.shape[0], device=a.device, dtype=offs.dtype), right=True)
+        in_a_group = (group < groups).unsqueeze(1)
+        out += torch.where(in_a_group, bias[group.clamp(max=groups - 1)], torch.zeros((), dtype=out_dtype,
+                                                                                         device=a.device))
+    return out
 
 
 @_fp8_grouped_gemm_op.register_fake
