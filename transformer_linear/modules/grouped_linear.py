@@ -205,8 +205,9 @@ class GroupedLinear(nn.Module):
             return HighPrecisionGroupedLinear.apply(inp, self.weight, self.bias, offs, main_grad, wgrad_queue)
         spec = check_grouped_quantization("GroupedLinear", recipe)
         cached = self._weight_cache if is_first_microbatch is False else None
-        if cached is not None and cached.weight_fp8_t is None and torch.is_grad_enabled() and inp.requires_grad:
-            cached = None  # cached without the columnwise copy dgrad reads: quantize again
+        if (cached is not None and cached.weight_fp8_t is None and torch.is_grad_enabled() and inp.requires_grad
+                and spec.backward_operands == "quantized"):
+            cached = None  # cached without the columnwise copy a quantized dgrad reads: quantize again
         o = run_grouped_linear(self, inp, self.weight, offs, self.bias, spec, cached, main_grad, wgrad_queue)
         if is_first_microbatch and cached is None:
             self._weight_cache = CachedWeight(

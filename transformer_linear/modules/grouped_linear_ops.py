@@ -46,6 +46,7 @@ from transformer_linear.ops.grouped import (
     fp8_grouped_gemm_wgrad,
     fp8_grouped_gemm_wgrad_blockwise,
 )
+from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
 from transformer_linear.ops.grouped_nvfp4 import group_of_rows, nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe import Recipe
@@ -239,13 +240,14 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
         return _nvfp4_fwd(a, x)
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     blockwise = spec.input.blockwise
+    quantized_bwd = spec.backward_operands == "quantized"
     if blockwise:
         qx = spec.input.quantize(x, rowwise=True)
     else:
         qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
     cached = a.cached_weight
     if cached is None:
-        qw = _quantize_experts(a, x, scales)
+        qw = _quantize_experts(a, x, scales, columnwise=a.input_requires_grad and quantized_bwd)
         w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
         qw = cached.quantized()
@@ -255,7 +257,12 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     scalings = (spec.input.gemm_scaling, spec.weight.gemm_scaling) if blockwise else None
     out = fp8_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias, scalings=scalings)
-    if not blockwise:
+    if spec.backward_operands == "dequantized":
+        # What the forward GEMM read, which backward dequantizes.
+        inp_fp8, inp_scale_inv = qx.data, flat(qx.scale_inv)
+    elif spec.backward_operands == "high_precision":
+        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()  # backward reads inp
+    elif not blockwise:
         inp_fp8, inp_scale_inv = qx.data, qx.scale_inv.reshape(1)
     elif a.weight_requires_grad:
         inp_fp8, inp_scale_inv = _grouped_columnwise(spec.input, x, a.offs)
@@ -287,7 +294,7 @@ def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
     cached = a.cached_weight
     if cached is None:
         qw = _stacked_nvfp4(a.quantization.weight, list(a.weight.contiguous()), rowwise=True,
-                            columnwise=a.input_requires_grad)
+                            columnwise=a.input_requires_grad and spec.backward_operands == "quantized")
         w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
         qw = cached.quantized()
@@ -296,7 +303,9 @@ def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
         w_outputs = (no_fp4, no_fp4.clone(), no_scale, no_scale.clone())
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     out = nvfp4_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias)
-    if a.weight_requires_grad:
+    if spec.backward_operands == "dequantized":
+        inp_fp4, inp_scale_inv = qx.data, qx.scale_inv  # what the forward GEMM read, which backward dequantizes
+    elif a.weight_requires_grad and spec.backward_operands == "quantized":
         qx_t = _stacked_nvfp4(spec.input, masked_to_groups(x, a.offs), rowwise=False, columnwise=True)
         inp_fp4, inp_scale_inv = qx_t.data_t, qx_t.scale_inv_t
     else:
@@ -340,18 +349,20 @@ def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, col
                      stacked("scale_inv_t", columnwise))
 
 
-def _quantize_experts(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> Quantized:
+def _quantize_experts(
+    a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales], columnwise: bool
+) -> Quantized:
     """Each expert's weight quantized by the weight quantizer, stacked: rowwise for the forward GEMM and
-    (where the input needs a gradient) columnwise for dgrad. ``amax`` is over all experts where the
-    quantizer measures one (delayed scaling records it)."""
+    (``columnwise``: the input needs a quantized gradient) columnwise for dgrad. ``amax`` is over all experts
+    where the quantizer measures one (delayed scaling records it)."""
     weight = a.weight.contiguous()
     groups, n, k = weight.shape
     w = a.quantization.weight
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     if w.blockwise:
-        qws = [w.quantize(weight[g], rowwise=True, columnwise=a.input_requires_grad) for g in range(groups)]
+        qws = [w.quantize(weight[g], rowwise=True, columnwise=columnwise) for g in range(groups)]
         weight_scale_inv = torch.stack([q.scale_inv for q in qws])
-        weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if a.input_requires_grad else empty_f32.clone()
+        weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if columnwise else empty_f32.clone()
         amax = None
     else:
         # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
@@ -359,14 +370,14 @@ def _quantize_experts(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[Forwa
         # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
         qws = [
             tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None,
-                                                 margin=w.margin, columnwise=a.input_requires_grad))
+                                                 margin=w.margin, columnwise=columnwise))
             for g in range(groups)
         ]
         weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
-        weight_scale_inv_t = weight_scale_inv.clone() if a.input_requires_grad else empty_f32.clone()
+        weight_scale_inv_t = weight_scale_inv.clone() if columnwise else empty_f32.clone()
         records_amax = w.records_amax and scales is not None
         amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
-    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, a.input_requires_grad)
+    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, columnwise)
     return Quantized(weight_fp8, weight_scale_inv, weight_fp8_t, weight_scale_inv_t, amax)
 
 
@@ -457,27 +468,34 @@ def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> O
 
 
 def high_precision_grouped_wgrad(grad: Tensor, inp: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
-    """(G, N, K): ``grad[rows of g]ᵀ inp[rows of g]`` per group in ``inp``'s precision, reading ``offs`` on
-    the host (the high-precision path's group sizes are Python ints)."""
-    ends = [0, *(int(e) for e in offs.tolist())]
-    return torch.stack([grad[ends[g] : ends[g + 1]].t() @ inp[ends[g] : ends[g + 1]]
-                        for g in range(offs.shape[0])]).to(dtype)
+    """(G, N, K): ``grad[rows of g]ᵀ inp[rows of g]`` per group in ``grad``'s precision
+    (ops.grouped_high_precision: reads ``offs`` on the host)."""
+    return grouped_mm_wgrad(grad, inp, offs, dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     a = grouped_linear_fwd.unflatten(inputs)
     o = GroupedLinearFwdOutputs(*output)
     ctx.mark_non_differentiable(*o[1:])
-    # dgrad reads each expert's columnwise weight; outputs may not alias inputs, so a cached FP8 weight is
-    # saved from the inputs.
+    # What backward reads (QuantizationSpec.backward_operands): each expert's columnwise weight (quantized),
+    # its rowwise weight the forward GEMM read (dequantized), or the original input and weight (high
+    # precision). Outputs may not alias inputs, so a cached FP8 weight is saved from the inputs.
     cached = a.cached_weight
-    w_fp8_t, w_scale_inv_t = (o.weight_fp8_t, o.weight_scale_inv_t) if cached is None else (
-        cached.weight_fp8_t, cached.weight_scale_inv_t)
+    operands = a.quantization.backward_operands
+    x_saved, x_scale_inv = o.inp_fp8, o.inp_scale_inv
+    if operands == "high_precision":
+        x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None
+    elif operands == "dequantized":
+        w_saved, w_scale_inv = (o.weight_fp8, o.weight_scale_inv) if cached is None else (
+            cached.weight_fp8, cached.weight_scale_inv)
+    else:
+        w_saved, w_scale_inv = (o.weight_fp8_t, o.weight_scale_inv_t) if cached is None else (
+            cached.weight_fp8_t, cached.weight_scale_inv_t)
     ctx.save_for_backward(
-        o.inp_fp8 if a.weight_requires_grad else None,
-        o.inp_scale_inv,
-        w_fp8_t if a.input_requires_grad else None,
-        w_scale_inv_t,
+        x_saved if a.weight_requires_grad else None,
+        x_scale_inv,
+        w_saved if a.input_requires_grad else None,
+        w_scale_inv,
         a.offs,
         o.grad_output_scale if a.delayed is not None else None,
     )
@@ -501,7 +519,9 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     g = grad_out.contiguous()
     quantizer = c.quantization.grad_output
     dgrad = wgrad_args = None
-    if quantizer.is_nvfp4:
+    if c.quantization.backward_operands != "quantized":
+        dgrad, wgrad_args = _high_precision_backward(c, g, x_fp8, x_scale_inv, w_fp8_t, w_scale_inv, offs)
+    elif quantizer.is_nvfp4:
         if c.input_requires_grad:
             qg = quantizer.quantize(g, rowwise=True)
             dgrad = nvfp4_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
@@ -534,6 +554,27 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     dbias = group_sums(g, offs, c.bias_dtype) if c.bias_requires_grad else None
     wgrad, dbias = finish_wgrad(c.wgrad_queue, c.main_grad, wgrad_args, dbias)
     return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)
+
+
+def _high_precision_backward(
+    c: _BwdContext, g: Tensor, x_saved: Optional[Tensor], x_scale_inv: Optional[Tensor],
+    w_saved: Optional[Tensor], w_scale_inv: Optional[Tensor], offs: Tensor,
+) -> tuple[Optional[Tensor], Optional[GroupedWgradArgs]]:
+    """backward_override: dgrad and the weight gradient's operands in the gradient's (the compute) dtype,
+    from the original input and weights (high_precision) or from the forward's quantized ones dequantized
+    (dequantized: each expert's weight with its own scales); grad_output is not quantized."""
+    spec = c.quantization
+    if spec.backward_operands == "dequantized":
+        if x_saved is not None:
+            x_saved = spec.input.dequantize(x_saved, x_scale_inv, g.dtype)
+        if w_saved is not None:
+            w_saved = torch.stack([spec.weight.dequantize(w_saved[e], w_scale_inv[e].reshape(-1), g.dtype)
+                                   for e in range(w_saved.shape[0])])
+    dgrad = grouped_mm_dgrad(g, w_saved, offs, c.input_dtype) if c.input_requires_grad else None
+    wgrad_args = None
+    if c.weight_requires_grad:
+        wgrad_args = GroupedWgradArgs(g, None, x_saved, None, offs, c.weight_dtype, None)
+    return dgrad, wgrad_args
 
 
 def finish_wgrad(

@@ -1,0 +1,64 @@
+"""The grouped GEMMs of a high-precision backward (``backward_override``): dgrad and wgrad per group.
+
+``grouped_mm_dgrad``: ``out[rows of g] = grad[rows of g] @ weight[g]`` (rows past ``offs[-1]`` zero);
+``grouped_mm_wgrad``: ``out[g] = grad[rows of g]ᵀ @ inp[rows of g]``. Each runs one ``torch.mm`` per
+group in ``grad``'s dtype (the other operand cast to it), as a high-precision Linear's backward does, and
+returns ``out_dtype``. They read ``offs`` on the host (a device sync on a GPU: the group sizes become
+Python ints); as ``torch.library`` custom ops whose fake implementations take their shapes from the
+operands alone, ``torch.compile`` traces them as one node for any routing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_mm_dgrad", "grouped_mm_wgrad"]
+
+
+def _group_ends(offs: torch.Tensor) -> list[int]:
+    return [0, *(int(e) for e in offs.tolist())]
+
+
+@torch.library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
+def grouped_mm_dgrad(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(total_tokens, in_features): ``grad[rows of g] @ weight[g]`` per group, rows past offs[-1] zero.
+
+    Args:
+        grad: (total_tokens, out_features).
+        weight: (num_gemms, out_features, in_features).
+        offs: (num_gemms,) int32 cumulative row ends.
+        out_dtype: the result's dtype.
+    """
+    ends = _group_ends(offs)
+    out = grad.new_zeros((grad.shape[0], weight.shape[2]), dtype=out_dtype)
+    for g in range(weight.shape[0]):
+        out[ends[g] : ends[g + 1]] = torch.mm(grad[ends[g] : ends[g + 1]], weight[g].to(grad.dtype)).to(out_dtype)
+    return out
+
+
+@grouped_mm_dgrad.register_fake
+def _(grad, weight, offs, out_dtype):
+    return grad.new_empty((grad.shape[0], weight.shape[2]), dtype=out_dtype)
+
+
+@torch.library.custom_op("transformer_linear::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(grad: torch.Tensor, inp: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(num_gemms, out_features, in_features): ``grad[rows of g]ᵀ @ inp[rows of g]`` per group.
+
+    Args:
+        grad: (total_tokens, out_features).
+        inp: (total_tokens, in_features).
+        offs: (num_gemms,) int32 cumulative row ends.
+        out_dtype: the result's dtype.
+    """
+    ends = _group_ends(offs)
+    out = grad.new_empty((offs.shape[0], grad.shape[1], inp.shape[1]), dtype=out_dtype)
+    for g in range(offs.shape[0]):
+        rows = slice(ends[g], ends[g + 1])
+        out[g] = torch.mm(grad[rows].t(), inp[rows].to(grad.dtype)).to(out_dtype)
+    return out
+
+
+@grouped_mm_wgrad.register_fake
+def _(grad, inp, offs, out_dtype):
+    return grad.new_empty((offs.shape[0], grad.shape[1], inp.shape[1]), dtype=out_dtype)
