@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
+from transformer_linear.modules import fp8_all_gather, quantized_init
 from transformer_linear.modules.autocast import get_fp8_recipe
 from transformer_linear.modules.grouped_linear_ops import (
     HighPrecisionGroupedLinear,
@@ -104,16 +105,25 @@ class GroupedLinear(nn.Module):
         self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
         self.reset_fp8_state()
+        # Under tl.quantized_model_init the experts' weights are kept quantized (quantized_init.py).
+        quantized_init.init_layer(self)
+        if self.quantized_init is not None:
+            self.register_load_state_dict_post_hook(quantized_init.load_state_dict_post_hook)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization, expert by expert: the random numbers of ``num_gemms`` nn.Linear layers
         built one after the other."""
         with torch.no_grad():
+            # A weight kept quantized (quantized_model_init) is initialized whole, then quantized into place.
+            kept_quantized = isinstance(self.weight, quantized_init.QuantizedWeight)
+            weight = torch.empty_like(self.weight) if kept_quantized else self.weight
             for g in range(self.num_gemms):
-                nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+                nn.init.kaiming_uniform_(weight[g], a=math.sqrt(5))
                 if self.bias is not None:
                     bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
                     nn.init.uniform_(self.bias[g], -bound, bound)
+            if weight is not self.weight:
+                self.weight.copy_(weight)
 
     def extra_repr(self) -> str:
         return (
@@ -204,6 +214,15 @@ class GroupedLinear(nn.Module):
                 return high_precision_grouped_linear(inp, self.weight, offs, self.bias)
             return HighPrecisionGroupedLinear.apply(inp, self.weight, self.bias, offs, main_grad, wgrad_queue)
         spec = check_grouped_quantization("GroupedLinear", recipe)
+        kept_quantized = fp8_all_gather.gathered_weight(self.weight)
+        if kept_quantized is not None:
+            # quantized_model_init: the stored experts' weights are the GEMM operands, the gradient goes to them.
+            if spec.backward_operands == "high_precision":
+                raise ValueError("GroupedLinear: backward_override='high_precision' reads the high-precision weight, "
+                                 "which tl.quantized_model_init does not keep; use backward_override='dequantized'")
+            cached = fp8_all_gather.checked_cached_weight(kept_quantized, spec.weight)
+            weight = fp8_all_gather.weight_for_op(kept_quantized)
+            return run_grouped_linear(self, inp, weight, offs, self.bias, spec, cached, main_grad, wgrad_queue).out
         cached = self._weight_cache if is_first_microbatch is False else None
         if (cached is not None and cached.weight_fp8_t is None and torch.is_grad_enabled() and inp.requires_grad
                 and spec.backward_operands == "quantized"):

@@ -76,6 +76,7 @@ __all__ = [
     "group_sums",
     "grouped_linear",
     "grouped_linear_fwd",
+    "quantize_expert_weights",
 ]
 
 
@@ -293,8 +294,8 @@ def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
     qx = spec.input.quantize(x, rowwise=True)
     cached = a.cached_weight
     if cached is None:
-        qw = _stacked_nvfp4(a.quantization.weight, list(a.weight.contiguous()), rowwise=True,
-                            columnwise=a.input_requires_grad and spec.backward_operands == "quantized")
+        columnwise = a.input_requires_grad and spec.backward_operands == "quantized"
+        qw = quantize_expert_weights(spec.weight, a.weight, columnwise)
         w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
         qw = cached.quantized()
@@ -352,13 +353,26 @@ def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, col
 def _quantize_experts(
     a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales], columnwise: bool
 ) -> Quantized:
-    """Each expert's weight quantized by the weight quantizer, stacked: rowwise for the forward GEMM and
-    (``columnwise``: the input needs a quantized gradient) columnwise for dgrad. ``amax`` is over all experts
-    where the quantizer measures one (delayed scaling records it)."""
-    weight = a.weight.contiguous()
-    groups, n, k = weight.shape
+    """Each expert's weight quantized by the weight quantizer, stacked (:func:`quantize_expert_weights`),
+    with the delayed-scaling state's weight scale where there is one (its amax then recorded)."""
     w = a.quantization.weight
-    empty_f32 = x.new_empty(0, dtype=torch.float32)
+    return quantize_expert_weights(w, a.weight, columnwise, scale=scales.weight if scales else None,
+                                   records_amax=w.records_amax and scales is not None)
+
+
+def quantize_expert_weights(
+    w: TensorQuantizer, weight: Tensor, columnwise: bool, scale: Optional[Tensor] = None, records_amax: bool = False
+) -> Quantized:
+    """Each expert's weight of the (num_gemms, out_features, in_features) ``weight`` quantized by ``w``, stacked:
+    rowwise for the forward GEMM and (``columnwise``: the input needs a quantized gradient) columnwise for
+    dgrad. One scale per tensor: each expert's own (or ``scale``, the delayed-scaling state's, for all),
+    scales (num_gemms,), and ``amax`` over all experts where ``records_amax``. Also what
+    ``tl.quantized_model_init`` stores of a GroupedLinear's weight."""
+    weight = weight.contiguous()
+    groups, n, k = weight.shape
+    if w.is_nvfp4:
+        return _stacked_nvfp4(w, list(weight), rowwise=True, columnwise=columnwise)
+    empty_f32 = weight.new_empty(0, dtype=torch.float32)
     if w.blockwise:
         qws = [w.quantize(weight[g], rowwise=True, columnwise=columnwise) for g in range(groups)]
         weight_scale_inv = torch.stack([q.scale_inv for q in qws])
@@ -369,15 +383,13 @@ def _quantize_experts(
         # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
         # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
         qws = [
-            tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scales.weight if scales else None,
-                                                 margin=w.margin, columnwise=columnwise))
+            tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scale, margin=w.margin, columnwise=columnwise))
             for g in range(groups)
         ]
         weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
         weight_scale_inv_t = weight_scale_inv.clone() if columnwise else empty_f32.clone()
-        records_amax = w.records_amax and scales is not None
         amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
-    weight_fp8, weight_fp8_t = _stacked_weights(x, qws, (groups, n, k), w.dtype, columnwise)
+    weight_fp8, weight_fp8_t = _stacked_weights(weight, qws, (groups, n, k), w.dtype, columnwise)
     return Quantized(weight_fp8, weight_scale_inv, weight_fp8_t, weight_scale_inv_t, amax)
 
 

@@ -1,9 +1,11 @@
 """FP8 primary weights: ``tl.quantized_model_init`` (Transformer Engine's name; ``fp8_model_init`` too).
 
-A ``tl.Linear`` built (or converted by ``convert_to_fp8``) inside the context keeps its weight only in the
-recipe's quantized form: its ``weight`` Parameter is a :class:`QuantizedWeight`, a tensor of the weight's
-shape and dtype holding data and scales in both usages the weight's quantizer produces (rowwise for the
-forward GEMM, columnwise for dgrad), which the forward hands to the GEMM as it is. There is no
+A ``tl.Linear`` built (or converted by ``convert_to_fp8``) or a ``tl.GroupedLinear`` built inside the
+context keeps its weight only in the recipe's quantized form (a GroupedLinear's (num_gemms, out, in)
+weight with each expert's own scales, as its forward quantizes it): its ``weight`` Parameter is a
+:class:`QuantizedWeight`, a tensor of the weight's shape and dtype holding data and scales in both usages
+the weight's quantizer produces (rowwise for the forward GEMM, columnwise for dgrad), which the forward
+hands to the GEMM as it is. There is no
 high-precision weight in the model. Nothing here branches on the recipe: the weight's quantizer says
 what is stored.
 
@@ -40,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformer_linear import ops, reference
 from transformer_linear.formats import layout
 from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered
+from transformer_linear.modules.grouped_linear_ops import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec
@@ -131,9 +134,14 @@ def active_config() -> Optional[QuantizedInitConfig]:
 
 
 def quantize_weight(quantizer: TensorQuantizer, weight: Tensor) -> CachedWeight:
-    """``weight`` in both usages ``quantizer`` produces, as the forward reads a cached weight."""
+    """``weight`` in both usages ``quantizer`` produces, as the forward reads a cached weight; a 3-D
+    (num_gemms, out, in) one expert by expert, stacked, as the GroupedLinear's forward quantizes it."""
     with torch.no_grad():
-        q = quantizer.quantize(weight.detach().contiguous(), rowwise=True, columnwise=True)
+        if weight.dim() == 3:
+            q = quantize_expert_weights(quantizer, weight.detach(), columnwise=True,
+                                        records_amax=quantizer.records_amax)
+        else:
+            q = quantizer.quantize(weight.detach().contiguous(), rowwise=True, columnwise=True)
     return CachedWeight(
         weight_fp8=q.data,
         weight_fp8_t=q.data_t if q.data_t.numel() else None,
@@ -160,14 +168,23 @@ def stored_form(quantizer: TensorQuantizer, cached: CachedWeight) -> CachedWeigh
 
 
 def _transposed(t: Tensor) -> Tensor:
-    """A contiguous copy of ``t`` transposed (as the quantizer makes it: standard strides, also for a
-    dimension of size 1)."""
-    return t.t().clone(memory_format=torch.contiguous_format)
+    """A contiguous copy of ``t`` with its last two dimensions swapped (as the quantizer makes it: standard
+    strides, also for a dimension of size 1); each expert's of a stacked 3-D one."""
+    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 def dequantize_weight(quantizer: TensorQuantizer, cached: CachedWeight, dtype: torch.dtype) -> Tensor:
-    """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``."""
+    """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``; a
+    stacked (num_gemms, rows, cols) one expert by expert."""
     data, scale_inv = cached.weight_fp8, cached.weight_scale_inv
+    if data.dim() == 3:
+        experts = [
+            dataclasses.replace(cached, weight_fp8=data[e], weight_scale_inv=scale_inv[e].reshape(scale_inv.shape[1:]))
+            for e in range(data.shape[0])
+        ]
+        return torch.stack([dequantize_weight(quantizer, expert, dtype) for expert in experts]) if experts else (
+            torch.empty((0, data.shape[1], data.shape[2] * (2 if quantizer.is_nvfp4 else 1)), dtype=dtype,
+                        device=data.device))
     if quantizer.is_nvfp4:
         rows, cols = data.shape[0], data.shape[1] * 2
         block_scales, global_scale = ops.nvfp4.unpack_scales(scale_inv, rows, cols)
@@ -207,7 +224,7 @@ class QuantizedWeight(GatheredFP8Weight):
     def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "QuantizedWeight":
         data = cached_weight.weight_fp8
         # The weight's shape: FP4 data packs two values a byte.
-        shape = (data.shape[0], data.shape[1] * (2 if quantizer.is_nvfp4 else 1))
+        shape = (*data.shape[:-1], data.shape[-1] * (2 if quantizer.is_nvfp4 else 1))
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
     @classmethod
@@ -224,6 +241,9 @@ class QuantizedWeight(GatheredFP8Weight):
         if stored.weight_fp8_t is not None or not columnwise_is_transpose(self.quantizer):
             return stored
         data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
+        if data.dim() == 3 and not self.quantizer.blockwise:
+            # The grouped dgrad reads each expert's transpose, with the expert's one scale.
+            return dataclasses.replace(stored, weight_fp8_t=_transposed(data), weight_scale_inv_t=scale_inv.clone())
         if self.quantizer.blockwise:
             transposed = {"weight_fp8_t": _transposed(data), "weight_scale_inv_t": _transposed(scale_inv)}
             return dataclasses.replace(stored, **transposed)

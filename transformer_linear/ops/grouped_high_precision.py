@@ -20,7 +20,9 @@ def _group_ends(offs: torch.Tensor) -> list[int]:
 
 
 @torch.library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
-def grouped_mm_dgrad(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_mm_dgrad(
+    grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """(total_tokens, in_features): ``grad[rows of g] @ weight[g]`` per group, rows past offs[-1] zero.
 
     Args:
@@ -42,7 +44,9 @@ def _(grad, weight, offs, out_dtype):
 
 
 @torch.library.custom_op("transformer_linear::grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(grad: torch.Tensor, inp: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_mm_wgrad(
+    grad: torch.Tensor, inp: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """(num_gemms, out_features, in_features): ``grad[rows of g]ᵀ @ inp[rows of g]`` per group.
 
     Args:
