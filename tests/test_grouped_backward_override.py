@@ -22,6 +22,7 @@ from tolerances import assert_bitwise_equal
 import transformer_linear as tl
 from transformer_linear import reference
 from transformer_linear.modules.grouped_linear_ops import GroupedLinearFwdArgs, grouped_linear_fwd
+from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
 from transformer_linear.recipe.quantization import quantization_spec
 
@@ -170,6 +171,23 @@ def test_functional_and_autocast(mode):
     tl.grouped_linear(xf, w, offsets(sizes), recipe=recipe).backward(g)
     assert_bitwise_equal(xf.grad, dx_ref, "functional dgrad")
     assert_bitwise_equal(w.grad, dw_ref, "functional wgrad")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["block", "nvfp4"])
+def test_hf_experts_state(name, mode):
+    """transformers' experts (register_hf_experts) run the same op through ExpertsFP8State: the override too."""
+    recipe = RECIPES[name](mode)
+    state = ExpertsFP8State(recipe)
+    sizes = routing("skewed", T, G)
+    torch.manual_seed(7)
+    x = torch.randn(T, K, requires_grad=True)
+    weight = (torch.randn(G, N, K) / 8).requires_grad_(True)
+    g = torch.randn(T, N)
+    state(x, weight, offsets(sizes)).backward(g)
+    dx_ref, dw_ref, _ = _reference(recipe, mode, x.detach(), weight.detach(), g, sizes, torch.float32)
+    assert_bitwise_equal(x.grad, dx_ref, "experts dgrad")
+    assert_bitwise_equal(weight.grad, dw_ref, "experts wgrad")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

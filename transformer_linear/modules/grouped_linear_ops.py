@@ -18,6 +18,12 @@ columnwise copies* of the input and of grad_output (ops.grouped_quantize), whose
 restart at each group's first token (scales per (column, group) for rowwise scaling), so no block
 straddles two experts and nothing is padded (formats.grouped_scaling). :func:`check_grouped_quantization`
 names what does not fit.
+
+The recipe's ``backward_override`` (QuantizationSpec.backward_operands) is asked, never the recipe: with
+"high_precision" autograd saves the original input and weights, with "dequantized" the rowwise copies the
+forward GEMM read (no columnwise copies are made either way), and backward runs dgrad and wgrad per expert
+in the gradient's dtype (ops.grouped_high_precision) on them, dequantized expert by expert for the latter;
+grad_output is not quantized.
 """
 
 # No ``from __future__ import annotations``: args_op reads the op schema from the field annotations.
