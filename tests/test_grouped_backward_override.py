@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo
 from grouped_cases import offsets, routing
 from test_backward_override import hand_dequantize
 from tolerances import assert_bitwise_equal
@@ -108,6 +109,16 @@ def test_saved_tensors(name, mode):
         assert fp8 == sorted([(T, K), (G, N, K)])
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Each compiled module's graphs dropped afterwards: GroupedLinear.forward is one code object for every
+    module, and dynamo's recompile limit counts its graphs across tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["tensorwise", "block", "nvfp4"])
 def test_compile_fullgraph_equals_eager(name, mode):

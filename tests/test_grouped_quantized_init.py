@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo
 from torch import nn
 
 import transformer_linear as tl
@@ -160,6 +161,16 @@ def test_reset_parameters_and_in_place_init_quantize():
     assert not weight.dequantize().any()
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Each compiled module's graphs dropped afterwards: GroupedLinear.forward is one code object for every
+    module, and dynamo's recompile limit counts its graphs across tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("name", ["current", "block"])
 def test_fullgraph(name):
     _, quantized = _pair(name)
