@@ -60,6 +60,10 @@ class GroupedLinear(nn.Module):
             (num_gemms, out_features, in_features) float32 tensor, created as zeros if absent) instead of
             writing ``weight.grad``.
 
+    Built under ``tl.quantized_model_init`` the weight is kept only quantized, each expert with its own
+    scales (quantized_init.QuantizedWeight; ``tl.optim.MasterWeights`` steps its masters). The recipe's
+    ``backward_override`` runs dgrad and wgrad in high precision (grouped_linear_ops).
+
     Raises:
         ValueError: ``num_gemms`` below 1 or negative feature counts.
         NotImplementedError: a recipe the grouped GEMMs do not support.
