@@ -1,5 +1,6 @@
 """Routings, offsets, the error baseline and the host-read detector shared by the grouped GEMM tests
-(test_grouped_gemm.py) and the grouped Linear tests (test_grouped_linear.py)."""
+(test_grouped_gemm.py) and the grouped Linear tests (test_grouped_linear.py), and a recipe the grouped GEMMs
+lack (the transformers experts tests)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ from contextlib import contextmanager
 
 import torch
 
+import transformer_linear as tl
 from transformer_linear import reference
+from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.reference import grouped as reference_grouped
+
+
+def recipe_without_grouped_gemms() -> tl.recipe.CustomRecipe:
+    """A recipe the grouped GEMMs lack: NVFP4 input and weight, an FP8 grad_output (a tl.Linear takes it)."""
+    nvfp4 = quantization_spec(tl.recipe.NVFP4BlockScaling())
+    quantizers = {"linear_input": nvfp4.input, "linear_weight": nvfp4.weight,
+                  "linear_grad_output": tl.TensorQuantizer(torch.float8_e5m2, [], torch.float32, False)}
+    return tl.recipe.CustomRecipe(quantizers.__getitem__)
 
 
 def routing(pattern: str, total: int, groups: int) -> list[int]:

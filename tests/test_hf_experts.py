@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grouped_cases import recipe_without_grouped_gemms
 from tolerances import sqnr
 
 import transformer_linear as tl
@@ -71,8 +72,8 @@ def test_fp8_close_to_eager_forward_and_backward(registered):
     assert torch.equal(logits, got[0])
 
 
-@pytest.mark.parametrize("recipe", [tl.recipe.DelayedScaling(), tl.recipe.NVFP4BlockScaling()],
-                         ids=["DelayedScaling", "NVFP4BlockScaling"])
+@pytest.mark.parametrize("recipe", [tl.recipe.DelayedScaling(), recipe_without_grouped_gemms()],
+                         ids=["DelayedScaling", "CustomRecipe"])
 def test_unsupported_recipes_raise_at_registration(recipe, registered):
     with pytest.raises(NotImplementedError, match=type(recipe).__name__):
         registered.append(tl.register_hf_experts("tl_test_bad", recipe=recipe))

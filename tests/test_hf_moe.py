@@ -10,13 +10,13 @@ import functools
 
 import pytest
 import torch
+from grouped_cases import recipe_without_grouped_gemms
 from torch import nn
 
 import transformer_linear as tl
 from transformer_linear.modules.convert import conversion_plan
 from transformer_linear.modules.hf_experts import DEFAULT_EXPERTS_IMPLEMENTATION, ExpertsFP8State
 from transformer_linear.numerics.model import GPTConfig, SyntheticText
-from transformer_linear.recipe.quantization import quantization_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -240,18 +240,10 @@ def test_save_pretrained_from_pretrained_round_trip(arch, tmp_path):
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
-def _nvfp4_input_fp8_rest() -> tl.recipe.CustomRecipe:
-    """A recipe the grouped GEMMs lack: NVFP4 input and weight, an FP8 grad_output (a tl.Linear takes it)."""
-    nvfp4 = quantization_spec(tl.recipe.NVFP4BlockScaling())
-    quantizers = {"linear_input": nvfp4.input, "linear_weight": nvfp4.weight,
-                  "linear_grad_output": tl.TensorQuantizer(torch.float8_e5m2, [], torch.float32, False)}
-    return tl.recipe.CustomRecipe(quantizers.__getitem__)
-
-
 def test_a_recipe_the_grouped_gemms_lack_raises_clearly():
     """A recipe with no grouped GEMM: converting a model with experts raises before anything changes, and
     keeping the experts in high precision converts the rest."""
-    recipe = _nvfp4_input_fp8_rest()
+    recipe = recipe_without_grouped_gemms()
     model = _mixtral()
     with pytest.raises(NotImplementedError, match=r"CustomRecipe.*grouped.*module_filter_fn"):
         tl.convert_to_fp8(model, recipe=recipe)
@@ -275,7 +267,7 @@ def test_a_recipe_from_autocast_the_grouped_gemms_lack_raises_in_the_forward():
         with tl.autocast(recipe=tl.recipe.from_name(name)):
             assert torch.isfinite(model(ids).logits).all()
     with pytest.raises(NotImplementedError, match="CustomRecipe.*grouped"), \
-            tl.autocast(recipe=_nvfp4_input_fp8_rest()):
+            tl.autocast(recipe=recipe_without_grouped_gemms()):
         model(ids)
 
 
@@ -294,7 +286,7 @@ def test_nvfp4_experts_train():
 
 def test_experts_state_module_bad_input():
     with pytest.raises(NotImplementedError, match="CustomRecipe"):
-        ExpertsFP8State(_nvfp4_input_fp8_rest())
+        ExpertsFP8State(recipe_without_grouped_gemms())
     state = ExpertsFP8State(tl.recipe.Float8CurrentScaling())
     weight = torch.randn(2, 8, 16)
     offs = torch.tensor([3, 5], dtype=torch.int32)
