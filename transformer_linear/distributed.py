@@ -151,6 +151,7 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             without a block straddling two ranks (each rank's rows must be a whole number of the blocks'
             rows: a 128x128 block needs rows a multiple of 128 x world size); shard that layer with
             ``fp8_all_gather=False`` first.
+        NotImplementedError: a ``GroupedLinear`` built under ``tl.quantized_model_init``.
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -170,6 +171,12 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
 def _master_weight_for_sharding(layer: nn.Module) -> None:
     """A ``tl.quantized_model_init`` layer's FP8 Parameter becomes the high-precision master the sharding
     (FSDP2, tensor parallelism) splits: its preserved initial weight, else the dequantized one."""
+    if isinstance(layer, GroupedLinear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+        raise NotImplementedError(
+            "fully_shard / tensor parallelism: a GroupedLinear built under tl.quantized_model_init cannot be "
+            "sharded yet (its experts' FP8 weights have no high-precision master to shard); build it without "
+            "quantized_model_init, or keep it out of the sharded module"
+        )
     if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
         weight = layer.weight
         layer.weight = nn.Parameter(quantized_init.high_precision_weight(layer), requires_grad=weight.requires_grad)
