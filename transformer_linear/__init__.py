@@ -22,7 +22,7 @@ from transformer_linear.modules.autocast import autocast, fp8_autocast  # noqa: 
 from transformer_linear.modules.checkpointing import selective_checkpoint_contexts  # noqa: E402
 from transformer_linear.modules.convert import convert_to_fp8, load_fp8_state  # noqa: E402
 from transformer_linear.modules.grouped_linear import GroupedLinear  # noqa: E402
-from transformer_linear.modules.grouped_linear_ops import grouped_linear  # noqa: E402
+from transformer_linear.modules.grouped_linear_functional import grouped_linear  # noqa: E402
 from transformer_linear.modules.hf_experts import register_hf_experts  # noqa: E402
 from transformer_linear.modules.linear import Linear  # noqa: E402
 from transformer_linear.modules.quantized_init import (  # noqa: E402

@@ -24,14 +24,13 @@ from torch import Tensor, nn
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules import fp8_all_gather, quantized_init
 from transformer_linear.modules.autocast import get_fp8_recipe
-from transformer_linear.modules.grouped_linear_ops import (
+from transformer_linear.modules.grouped_linear_functional import (
     HighPrecisionGroupedLinear,
     check_grouped_linear_args,
-    check_grouped_quantization,
-    compute_grouped_wgrad,
     high_precision_grouped_linear,
     run_grouped_linear,
 )
+from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization, compute_grouped_wgrad
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.linear_ops import WgradQueue
 from transformer_linear.recipe import Recipe, amax_reduction

@@ -27,13 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from transformer_linear.modules.autocast import get_fp8_recipe
-from transformer_linear.modules.grouped_linear_ops import (
+from transformer_linear.modules.grouped_linear_functional import (
     check_grouped_linear_args,
-    check_grouped_quantization,
     grouped_linear,
     high_precision_grouped_linear,
     run_grouped_linear,
 )
+from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
 from transformer_linear.recipe import Recipe, amax_reduction
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from transformer_linear.modules.grouped_linear_ops import high_precision_grouped_linear
+from transformer_linear.modules.grouped_linear_functional import high_precision_grouped_linear
 from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.numerics.blame import Recorder, err_or_nan, layer_stats, range_stats_for, scales_in_state
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, ExpertStats, LayerStats
