@@ -9,10 +9,14 @@
 //     of block_scale_bits / block_encode_factor). Columnwise blocks (W columns of the
 //     band, after the Hadamard transform, itself lane-wise) load this way directly;
 //     rowwise blocks are loaded W at a time and transposed in registers.
-//   - 16x16 tiles: lanes are the tile's columns (one scale per tile, computed in scalar).
+//   - 16x16 tiles: lanes are the tile's columns; the tile's amax is reduced across lanes and
+//     its one scale computed by the same vector scale functions.
+// The band tile itself is loaded here too (float32 copied, bfloat16 widened in vectors), with
+// the next chunk of the input prefetched.
 // Amax: |x| as integer bits, whose unsigned order is the float order with every NaN above
 // +inf, so a NaN anywhere gives a NaN amax (and the 0x7f scale), as fp8::amax_update does.
-// Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters.
+// Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters, and
+// decides rounding up by a uint32 comparison equivalent to the portable float64 one.
 #pragma once
 
 #include <cmath>
