@@ -148,7 +148,7 @@ class Nvfp4Quantizer {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r0 = (t / chunks) * kBlock, r1 = std::min(p_.m, r0 + kBlock);
         const int64_t c0 = (t % chunks) * kChunkCols, c1 = std::min(p_.k, c0 + kChunkCols);
-        load<In>(r0, r1, c0, c1, s.tile.data());
+        if (!vec_ || !vec_->load_tile(p_, r0, r1, c0, c1, s.tile.data())) load<In>(r0, r1, c0, c1, s.tile.data());
         if (vec_) {
           if (p_.scaling_2d) {
             vec_->tiles_2d(p_, s.tile.data(), r0, r1, c0, c1);

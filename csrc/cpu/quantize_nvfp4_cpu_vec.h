@@ -9,12 +9,17 @@
 //     of block_scale_bits / block_encode_factor). Columnwise blocks (W columns of the
 //     band, after the Hadamard transform, itself lane-wise) load this way directly;
 //     rowwise blocks are loaded W at a time and transposed in registers.
-//   - 16x16 tiles: lanes are the tile's columns (one scale per tile, computed in scalar).
+//   - 16x16 tiles: lanes are the tile's columns; the tile's amax is reduced across lanes and
+//     its one scale computed by the same vector scale functions.
+// The band tile itself is loaded here too (float32 copied, bfloat16 widened in vectors), with
+// the next chunk of the input prefetched.
 // Amax: |x| as integer bits, whose unsigned order is the float order with every NaN above
 // +inf, so a NaN anywhere gives a NaN amax (and the 0x7f scale), as fp8::amax_update does.
-// Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters.
+// Stochastic rounding takes Philox4x32-10 computed in lanes, on the same counters, and
+// decides rounding up by a uint32 comparison equivalent to the portable float64 one.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -31,6 +36,9 @@ namespace nvfp4 {
 
 /*! \brief The vector kernels of one instruction set (arguments as the portable driver's). */
 struct VecKernels {
+  // Rows [r0, r1) x columns [c0, c1) of a float32 or bfloat16 input as float32 into `tile`
+  // (ld = c1 - c0); false for other dtypes (the driver's scalar load).
+  bool (*load_tile)(const QuantizeNvfp4Params& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* tile);
   void (*rows_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
   void (*columns_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1);
   void (*tiles_2d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
@@ -53,6 +61,7 @@ struct VecTypes;
     typedef uint64_t U64 __attribute__((vector_size(8 * W)));      \
     typedef uint64_t Q __attribute__((vector_size(4 * W)));        \
     typedef uint8_t B __attribute__((vector_size(W / 2)));         \
+    typedef uint16_t S __attribute__((vector_size(2 * W)));        \
     typedef float FH __attribute__((vector_size(2 * W)));          \
     typedef uint32_t UH __attribute__((vector_size(2 * W)));       \
     typedef int32_t IH __attribute__((vector_size(2 * W)));        \
@@ -108,41 +117,45 @@ struct Vec {
     return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
   }
 
-  // e2m1_stochastic of each lane with its random bits.
+  // e2m1_stochastic of each lane with its random bits. The lower E2M1 neighbour of
+  // a = min(|x|, 6) is a with its mantissa cut to one bit (a >= 1), or 0.5 or 0 (a < 1);
+  // the gap to the next is a power of two (2^(e - 1) for a >= 1, else 0.5), so
+  // frac = (a - lo) / gap is exact (Sterbenz subtraction, power-of-two division) and
+  // equals the portable code's. "frac * 2^32 > rbits" (float64 there, both sides exact) is
+  // ceil(frac * 2^32) > rbits in uint32: frac * 2^32 is an exact float below 2^32 - 255,
+  // and for an integer r, x > r exactly when ceil(x) > r.
   static I codes_sr(F x, U rbits) {
     const U ub = bits(x);
     const F fa = from_bits(ub & 0x7fffffffu);
     const F a = fa < kE2M1Max ? fa : splat(kE2M1Max);  // fmin(|x|, 6); NaN lanes are replaced below
-    I lo = I{};
-    F lo_v = F{}, hi_v = splat(kE2M1Values[1]);
-#pragma GCC unroll 7
-    for (int c = 1; c < 8; ++c) {
-      const I ge = a >= kE2M1Values[c];
-      lo -= ge;
-      lo_v = ge ? splat(kE2M1Values[c]) : lo_v;
-      hi_v = ge ? splat(kE2M1Values[c < 7 ? c + 1 : 7]) : hi_v;
-    }
-    const F width = lo < 7 ? hi_v - lo_v : splat(1.0f);
-    const F frac = (a - lo_v) / width;
-    // frac * 2^32 > rbits in float64, in two halves of W / 2 lanes.
-    using FH = typename VecTypes<W>::FH;
-    using UH = typename VecTypes<W>::UH;
-    using IH = typename VecTypes<W>::IH;
-    using DH = typename VecTypes<W>::DH;
-    using LH = typename VecTypes<W>::LH;
-    I up;
-    for (int h = 0; h < 2; ++h) {
-      FH f;
-      UH r;
-      std::memcpy(&f, reinterpret_cast<const char*>(&frac) + h * 2 * W, sizeof(f));
-      std::memcpy(&r, reinterpret_cast<const char*>(&rbits) + h * 2 * W, sizeof(r));
-      const LH gt = __builtin_convertvector(f, DH) * 4294967296.0 > __builtin_convertvector(r, DH);
-      const IH g = __builtin_convertvector(gt, IH);
-      std::memcpy(reinterpret_cast<char*>(&up) + h * 2 * W, &g, sizeof(g));
-    }
-    const I code = lo - ((lo < 7) & up);
+    const U fb = bits(a);
+    const I big = a >= 1.0f, half = a >= 0.5f;
+    const F lo_v = big ? from_bits(fb & 0xffc00000u) : from_bits((U)half & 0x3f000000u);
+    const F inv_gap = big ? from_bits((255u << 23) - (fb & 0x7f800000u)) : splat(2.0f);
+    const F frac = (a - lo_v) * inv_gap;
+    const I lo = big ? (I)((fb >> 22) - 252u) : -half;
+    const U up = ceil_to_u32(frac * 4294967296.0f) > rbits;
+    const I code = lo - ((lo < 7) & (I)up);
     const I sign = (I)((ub >> 31) << 3);
     return (ub & 0x7fffffffu) > 0x7f800000u ? I{} + 7 : code | sign;
+  }
+
+  // ceil of each lane (>= 0, below 2^32, as a float) as uint32.
+  static U ceil_to_u32(F x) {
+#if defined(__AVX512F__)
+    if constexpr (W == 16) return (U)_mm512_cvt_roundps_epu32((__m512)x, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) {
+      const F c = (F)_mm256_ceil_ps((__m256)x);  // an integer: the conversions below are exact
+      const I small = c < 2147483648.0f;          // else c - 2^31 is exact (c a multiple of 256)
+      const U r = (U)__builtin_convertvector(small ? c : c - 2147483648.0f, I);
+      return small ? r : r ^ 0x80000000u;
+    }
+#endif
+    U r;
+    for (int l = 0; l < W; ++l) r[l] = static_cast<uint32_t>(std::ceil(x[l]));
+    return r;
   }
 
   // The high and low 32 bits of each lane's product with m: even and odd lanes through the
@@ -299,6 +312,44 @@ struct Vec {
     for (int l = 0; l < W; ++l) sb[l] = static_cast<uint8_t>(sbits[l]);
   }
 
+  static bool load_tile(const QuantizeNvfp4Params& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                        float* tile) {
+    const int64_t w = c1 - c0;  // a multiple of 16 (K % 16 == 0)
+    // The driver walks bands of rows chunk by chunk: fetch the next chunk (the same rows
+    // further right, or the next band's first columns) into L2 while this one is worked on,
+    // as the 16 row streams of a band are more than the hardware prefetchers follow.
+    const bool right = c1 < p.k;
+    const int64_t next_c = right ? c1 : 0, next_w = right ? (p.k - c1 < w ? p.k - c1 : w) : w;
+    const int64_t next_r0 = right ? r0 : r1, next_r1 = right ? r1 : (r1 + kBlock < p.m ? r1 + kBlock : p.m);
+    const int64_t esize = p.input.dtype == DType::kFloat32 ? 4 : 2;
+    const char* base = static_cast<const char*>(p.input.data);
+    for (int64_t r = next_r0; r < next_r1; ++r) {
+      const char* row = base + (r * p.k + next_c) * esize;
+      for (int64_t off = 0; off < next_w * esize; off += 64) __builtin_prefetch(row + off, 0, 2);
+    }
+    if (p.input.dtype == DType::kFloat32) {
+      const float* x = p.input.ptr<const float>();
+      for (int64_t r = r0; r < r1; ++r) std::memcpy(tile + (r - r0) * w, x + r * p.k + c0, w * sizeof(float));
+      return true;
+    }
+    if (p.input.dtype == DType::kBFloat16) {
+      using S = typename VecTypes<W>::S;
+      const uint16_t* x = p.input.ptr<const uint16_t>();
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* src = x + r * p.k + c0;
+        float* dst = tile + (r - r0) * w;
+        for (int64_t c = 0; c < w; c += W) {
+          S h;
+          std::memcpy(&h, src + c, sizeof(h));
+          const U u = __builtin_convertvector(h, U) << 16;  // float_from_bf16_bits
+          std::memcpy(dst + c, &u, sizeof(u));
+        }
+      }
+      return true;
+    }
+    return false;
+  }
+
   static void rows_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0,
                       int64_t c1) {
     const int64_t w = c1 - c0;
@@ -320,8 +371,13 @@ struct Vec {
         uint8_t sb[W];
         uint64_t packed[W];
         quantize_blocks(v, p.s_enc, p, 0, g, sb, packed);
-        std::memcpy(scale + r * (p.k / kBlock) + c / kBlock, sb, blocks);
-        std::memcpy(out + (r * p.k + c) / 2, packed, blocks * sizeof(uint64_t));
+        if (blocks == W) {  // fixed-size copies (no library calls)
+          std::memcpy(scale + r * (p.k / kBlock) + c / kBlock, sb, W);
+          std::memcpy(out + (r * p.k + c) / 2, packed, W * sizeof(uint64_t));
+        } else {
+          std::memcpy(scale + r * (p.k / kBlock) + c / kBlock, sb, blocks);
+          std::memcpy(out + (r * p.k + c) / 2, packed, blocks * sizeof(uint64_t));
+        }
       }
     }
   }
@@ -381,12 +437,14 @@ struct Vec {
           m = umax(m, abs_bits(v[i][j]));
         }
       }
-      uint32_t amax_bits = 0;
-      for (int l = 0; l < W; ++l) amax_bits = m[l] > amax_bits ? m[l] : amax_bits;
-      float amax;
-      std::memcpy(&amax, &amax_bits, sizeof(amax));
-      const uint8_t sb = block_scale_bits(amax, p.s_enc);
-      const F factor = splat(block_encode_factor(sb, p.s_enc));
+      for (int step = W / 2; step > 0; step /= 2) {  // every lane: the tile's amax bits
+        U sh;
+        for (int l = 0; l < W; ++l) sh[l] = l ^ step;
+        m = umax(m, __builtin_shuffle(m, sh));
+      }
+      const U sbits = scale_bits(from_bits(m), p.s_enc);
+      const F factor = encode_factor(sbits, p.s_enc);
+      const uint8_t sb = static_cast<uint8_t>(sbits[0]);
       I codes[kBlock][kNB];
       for (int i = 0; i < h; ++i) {
         const uint64_t first = static_cast<uint64_t>((r0 + i) * p.k + c);
@@ -419,7 +477,7 @@ struct Vec {
     }
   }
 
-  static VecKernels kernels() { return VecKernels{rows_1d, columns_1d, tiles_2d}; }
+  static VecKernels kernels() { return VecKernels{load_tile, rows_1d, columns_1d, tiles_2d}; }
 };
 
 }  // namespace nvfp4
