@@ -319,7 +319,9 @@ def _block_quantize_ref(block, scale_dtype, power_2, columnwise: bool) -> Callab
         if not columnwise:
             return out
         block_t = columnwise_block_shape(tuple(block), *x.shape)
-        return out + ref.quantize_blockwise_ref(x.t(), E4M3, block_t, scale_dtype, power_2)
+        # x.t() made contiguous: inductor (torch 2.13) fails an assertion in its loop split on the
+        # block reshape of the transposed view.
+        return out + ref.quantize_blockwise_ref(x.t().contiguous(), E4M3, block_t, scale_dtype, power_2)
 
     return quantize
 
