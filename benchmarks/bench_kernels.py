@@ -311,17 +311,30 @@ BLOCK_GEMM_CASES = [
 ]
 
 
+def _quantize_blockwise_ref(x: torch.Tensor, block, scale_dtype, power_2: bool):
+    """reference.quantize_blockwise_ref, E8M0 scale_inv returned as its uint8 bits: inductor (torch
+    2.13) has no CPU E8M0 dtype, so the compiled baseline stops short of that free reinterpretation."""
+    if scale_dtype != torch.float8_e8m0fnu:
+        return ref.quantize_blockwise_ref(x, E4M3, block, scale_dtype, power_2)
+    (bm, bk), (m, k) = block, x.shape
+    limit = torch.finfo(E4M3).max
+    e = ref.e8m0_exponent(ref.block_amax(x, (bm, bk)), limit)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), -e)
+    full = scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
+    return torch.clamp(x.float() * full, -limit, limit).to(E4M3), (e + 127).to(torch.uint8)
+
+
 def _block_quantize_ref(block, scale_dtype, power_2, columnwise: bool) -> Callable:
     """The reference of one blockwise-quantize case: row-major blocks, and the transposed copy's."""
 
     def quantize(x: torch.Tensor):
-        out = ref.quantize_blockwise_ref(x, E4M3, block, scale_dtype, power_2)
+        out = _quantize_blockwise_ref(x, block, scale_dtype, power_2)
         if not columnwise:
             return out
         block_t = columnwise_block_shape(tuple(block), *x.shape)
         # x.t() made contiguous: inductor (torch 2.13) fails an assertion in its loop split on the
         # block reshape of the transposed view.
-        return out + ref.quantize_blockwise_ref(x.t().contiguous(), E4M3, block_t, scale_dtype, power_2)
+        return out + _quantize_blockwise_ref(x.t().contiguous(), block_t, scale_dtype, power_2)
 
     return quantize
 
