@@ -3,29 +3,30 @@
 // quantize_block_cpu.h.
 //
 // One pass over the input where the columnwise blocks span few rows (1x128,
-// 128x128, 1x32): the input is walked in tiles of about 128 KiB that hold
-// whole blocks of both outputs (a multiple of every block edge, at least 128
-// rows when the transposed copy is wanted). Each tile is read from memory
-// once, its rows prefetched ahead when they are short runs:
+// 128x128, 1x32): the input is walked in tiles that hold whole blocks of both
+// outputs (a multiple of every block edge, at least 128 rows when the
+// transposed copy is wanted):
 //   - 1 x n row-major blocks: one kernel call a row quantizes its blocks
-//     (amaxes, scales, casts) and, with the transposed copy, folds the row
-//     into the column amaxes of its band and packs it into scratch; the
-//     transposed copy is then cast from the packed tile (contiguous, so no
-//     cache set conflicts of the input's row stride) 16 x 16 at a time,
-//     transposed in registers, and written in whole lines;
-//   - blocks of several rows (128 x 128): an amax pass, then the cast from
-//     cache (packing the rows measured slower here); the transposed copy has the same
-//     blocks, so it is the row-major bytes transposed, with the same scales;
+//     (amaxes, scales, casts); with the transposed copy, the tile is a stripe
+//     of long rows (kStripeElems, as the tensorwise cast+transpose), the row
+//     pass also folds each row into the column amaxes of its band, and the
+//     rows are then read again (from L2 / L3), cast with their columns' scales
+//     into a line-padded byte stripe and transposed into output_t in whole lines;
+//   - blocks of several rows (128 x 128): tiles of about 128 KiB, an amax pass,
+//     then the cast from cache (packing the rows measured slower here); the
+//     transposed copy has the same blocks, so it is the row-major bytes
+//     transposed, with the same scales;
 //   - other shapes: column amaxes of each band from cache, the rows cast with
 //     one scale per column into a stripe, the stripe transposed.
+// Short runs of a tile's rows are prefetched ahead by the driver.
 // Outputs of 8 MiB or more are written with non-temporal stores where
 // aligned, as the tensorwise quantize does. Tiles run in parallel.
 //
 // Columnwise blocks that span all rows of a tall input (rowwise scaling's
 // transposed copy: one scale per column of x) need every row before any
 // cast, so they take two passes: the first (fused with the row-major blocks)
-// reduces per-thread column amaxes over chunks of rows, the second packs
-// tiles of rows and casts and transposes them with the finished column scales.
+// reduces per-thread column amaxes over chunks of rows, the second casts
+// stripes of rows with the finished column scales and transposes them.
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -102,22 +103,6 @@ void row_blocks(const void* xv, uint8_t* q, int64_t n, int64_t seg, const ScaleR
   }
 }
 
-template <typename In, typename Out>
-void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
-                    int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool /*stream*/) {
-  const auto* x = static_cast<const typename In::storage*>(xv);
-  constexpr int64_t kSub = 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kSub) {
-    for (int64_t c0 = 0; c0 < cols; c0 += kSub) {
-      for (int64_t c = c0; c < std::min(cols, c0 + kSub); ++c) {
-        for (int64_t r = r0; r < std::min(rows, r0 + kSub); ++r) {
-          dst[c * ld_dst + r] = Out::quantize(In::load(x[r * ld_x + c]), scale[(r / band_rows) * scale_step + c]);
-        }
-      }
-    }
-  }
-}
-
 void transpose_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
                    bool /*stream*/) {
   transpose(src, ld_src, rows, cols, dst, ld_dst);
@@ -137,6 +122,10 @@ constexpr int64_t kTileElems = 32 * 1024;
 // Rows per tile when the transposed copy is written: each row of output_t
 // then gets whole 64-byte lines.
 constexpr int64_t kMinTransposeRows = 128;
+// Elements per stripe of the 1 x n blocks with their transposed copy (and of rowwise scaling's
+// second pass): 128 rows of 4096 columns, whose input (2 MiB of fp32) is read again from L2 / L3
+// and whose FP8 bytes (512 KiB) stay in L2 for the transpose.
+constexpr int64_t kStripeElems = 512 * 1024;
 // Columnwise blocks spanning more rows than this (and all of them) take two passes.
 constexpr int64_t kMaxBandRows = 256;
 // Outputs of at least this many bytes are written with non-temporal stores
@@ -154,7 +143,7 @@ struct Tile {
 // parallel_for rethrows an allocation failure after the region).
 struct Scratch {
   std::vector<float> amax, scale;
-  std::vector<uint8_t> stripe, copy;
+  std::vector<uint8_t> stripe;
   float* floats(std::vector<float>& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
     return v.data();
@@ -199,9 +188,8 @@ class Quantizer {
   }
 
   // Row-major 1 x n blocks of rows [r0, r1) x columns [c0, c1), one kernel call a row.
-  // With `col_amax`, also folds row r into col_amax + ((r - r0) / band_rows) * (c1 - c0);
-  // with `copy`, also copies the tile's input there, rows packed.
-  void row_blocks(const Tile& t, float* col_amax, int64_t band_rows, uint8_t* copy) const {
+  // With `col_amax`, also folds row r into col_amax + ((r - r0) / band_rows) * (c1 - c0).
+  void row_blocks(const Tile& t, float* col_amax, int64_t band_rows) const {
     const BlockLayout& l = p_.block;
     const int64_t w = t.c1 - t.c0;
     uint8_t* q = p_.output.ptr<uint8_t>();
@@ -211,11 +199,10 @@ class Quantizer {
       float* ca = col_amax ? col_amax + ((r - t.r0) / band_rows) * w : nullptr;
       kn_.row_blocks(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, rule_, p_.scale_inv.data,
                      r * l.grid_cols + t.c0 / l.cols, ca, stream_);
-      if (copy) std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
     }
   }
 
-  // Rows of a tile are short runs of the input (a tile spans a few KiB of
+  // Rows of a tile can be short runs of the input (a tile spans a few KiB of
   // each of its rows), too short for the hardware prefetchers to ramp up, so
   // the row loops prefetch about kPrefetchBytes ahead: row r + ahead, and past
   // the tile's last row the first rows of the tile to its right (the next
@@ -241,30 +228,36 @@ class Quantizer {
     for (int64_t i = 0; i < bytes; i += 64) prefetch_line(b + i);
   }
 
-  // Copies the tile's input into `copy`, rows packed.
-  void pack(const Tile& t, uint8_t* copy) const {
-    const int64_t w = t.c1 - t.c0, ahead = prefetch_rows(w);
-    for (int64_t r = t.r0; r < t.r1; ++r) {
-      prefetch_ahead(t, r, ahead);
-      std::memcpy(copy + (r - t.r0) * w * esize_, at(r, t.c0), static_cast<size_t>(w * esize_));
-    }
-  }
-
-  // 1 x n row-major blocks and their transposed copy in one read of the tile from
-  // memory: the row pass also folds the column amaxes of each band and packs the
-  // tile into scratch, from where (L2, no set conflicts of the input's row stride)
-  // the columnwise cast reads it.
-  void row_blocks_and_columns(const Tile& t, Scratch& s) const {
+  // 1 x n row-major blocks and their transposed copy of a stripe of whole bands of long rows
+  // (kStripeElems), as the tensorwise cast+transpose does: the row pass (row kernels on long
+  // runs, which prefetch their own input) folds each band's column amaxes; then the rows are
+  // read again (from L2 / L3) for the columnwise cast (cast_stripe_transposed). Short tiles of
+  // packed rows measured 1.3-1.5x slower: their row pass reads short runs of many rows.
+  void row_blocks_then_columns(const Tile& t, Scratch& s) const {
     const int64_t band_rows = p_.block_t.cols, w = t.c1 - t.c0, h = t.r1 - t.r0;
     const int64_t bands = ceil_div(h, band_rows);
     float* amax = s.floats(s.amax, bands * w);
     float* scale = s.floats(s.scale, bands * w);
-    if (static_cast<int64_t>(s.copy.size()) < h * w * esize_) s.copy.resize(h * w * esize_);
     std::fill(amax, amax + bands * w, 0.0f);
-    row_blocks(t, amax, band_rows, s.copy.data());
+    row_blocks(t, amax, band_rows);
     for (int64_t b = 0; b < bands; ++b) column_scales(amax + b * w, t.c0, w, t.r0 / band_rows + b, scale + b * w);
-    kn_.cast_transpose(s.copy.data(), w, h, w, scale, w, band_rows, p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0,
-                       p_.m, stream_);
+    cast_stripe_transposed(t, scale, w, band_rows, s);
+  }
+
+  // output_t of the tile from the column scales (row r's at scale + ((r - r0) / band_rows) * scale_row_step):
+  // its rows cast into a line-padded byte stripe (rows ld bytes apart, so that a column of it does
+  // not map to one cache set), transposed into output_t in whole lines.
+  void cast_stripe_transposed(const Tile& t, const float* scale, int64_t scale_row_step, int64_t band_rows,
+                              Scratch& s) const {
+    const int64_t w = t.c1 - t.c0, h = t.r1 - t.r0, ld = ceil_div(w, 64) * 64 + 64;
+    if (static_cast<int64_t>(s.stripe.size()) < h * ld + 64) s.stripe.resize(h * ld + 64);
+    uint8_t* stripe = s.stripe.data() + ((64 - (reinterpret_cast<uintptr_t>(s.stripe.data()) & 63)) & 63);
+    const int64_t ahead = prefetch_rows(w);
+    for (int64_t r = t.r0; r < t.r1; ++r) {
+      prefetch_ahead(t, r, ahead);
+      kn_.column_cast(at(r, t.c0), stripe + (r - t.r0) * ld, w, scale + ((r - t.r0) / band_rows) * scale_row_step);
+    }
+    kn_.transpose_out(stripe, ld, h, w, p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
   }
 
   // Whether the transposed copy's blocks are the row-major blocks transposed
@@ -405,17 +398,18 @@ void Quantizer::one_pass() const {
   int64_t h = std::min(p_.m, std::lcm(row ? p_.block.rows : 1, col ? p_.block_t.cols : 1));
   int64_t w = std::min(p_.k, std::lcm(row ? p_.block.cols : 1, col ? p_.block_t.rows : 1));
   if (col) h = grow(h, kMinTransposeRows, p_.m);
-  w = grow(w, kTileElems / h, p_.k);
-  h = grow(h, kTileElems / w, p_.m);
   const bool row_vectors = row && p_.block.rows == 1;  // 1 x n row-major blocks
   const bool fused = row_vectors && col && p_.block_t.cols % 16 == 0;
+  const int64_t tile_elems = fused ? kStripeElems : kTileElems;
+  w = grow(w, tile_elems / h, p_.k);
+  h = grow(h, tile_elems / w, p_.m);
   const bool reuse = transposed_blocks();
   for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
     if (fused) {
-      row_blocks_and_columns(t, s);
+      row_blocks_then_columns(t, s);
     } else {
       if (row_vectors) {
-        row_blocks(t, nullptr, 1, nullptr);
+        row_blocks(t, nullptr, 1);
       } else if (row) {
         rowwise(t, s, nullptr);
       }
@@ -440,7 +434,7 @@ void Quantizer::two_pass() const {
   for_each_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
     float* col_amax = partial.data() + static_cast<int64_t>(omp_get_thread_num()) * k;
     if (row && p_.block.rows == 1) {
-      row_blocks(t, col_amax, t.r1 - t.r0, nullptr);
+      row_blocks(t, col_amax, t.r1 - t.r0);
       kn_.fence();
     } else if (row) {
       rowwise(t, s, col_amax);
@@ -454,14 +448,10 @@ void Quantizer::two_pass() const {
   }
   std::vector<float> scale(k);
   column_scales(partial.data(), 0, k, 0, scale.data());
-  // Pass 2: cast and transpose.
-  const int64_t w = grow(1, kTileElems / kMinTransposeRows, k);
+  // Pass 2: cast and transpose, stripes of long rows as in row_blocks_then_columns.
+  const int64_t w = grow(1, kStripeElems / kMinTransposeRows, k);
   for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
-    const int64_t tw = t.c1 - t.c0, th = t.r1 - t.r0;
-    if (static_cast<int64_t>(s.copy.size()) < th * tw * esize_) s.copy.resize(th * tw * esize_);
-    pack(t, s.copy.data());
-    kn_.cast_transpose(s.copy.data(), tw, th, tw, scale.data() + t.c0, 0, 16,
-                       p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
+    cast_stripe_transposed(t, scale.data() + t.c0, 0, kMinTransposeRows, s);
     kn_.fence();
   });
 }
@@ -473,9 +463,8 @@ RowKernels generic_kernels(DType in, DType out) {
     using In = decltype(in_tag);
     return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
       using Out = decltype(out_tag);
-      return RowKernels{segment_amax<In>,    segment_cast<In, Out>,   column_amax<In>, column_cast<In, Out>,
-                        transpose,           row_blocks<In, Out>,     cast_transpose<In, Out>,
-                        transpose_out,       scales,                  no_fence};
+      return RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>, column_cast<In, Out>, transpose,
+                        row_blocks<In, Out>, transpose_out,         scales,          no_fence};
     });
   });
 }

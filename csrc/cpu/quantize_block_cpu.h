@@ -86,12 +86,6 @@ struct RowKernels {
    */
   void (*row_blocks)(const void* x, uint8_t* q, int64_t n, int64_t seg, const ScaleRule& rule, void* scale_inv,
                      int64_t first, float* col_amax, bool stream);
-  /*!
-   * \brief dst[c * ld_dst + r] = quantize(x[r * ld_x + c], scale[(r / band_rows) * scale_step + c]) for
-   *        r < rows, c < cols (band_rows a multiple of 16). With `stream`, as in row_blocks.
-   */
-  void (*cast_transpose)(const void* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
-                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream);
   /*! \brief transpose, with non-temporal stores to dst where aligned when `stream`. */
   void (*transpose_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
                         int64_t ld_dst, bool stream);

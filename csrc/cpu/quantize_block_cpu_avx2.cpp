@@ -153,6 +153,21 @@ TL_LANE_INLINE void block_scales(const float* amax, int64_t n, const quantize_bl
   int64_t j = 0;
   if (!(rule.e8m0 && rule.e8m0_floor)) {
     for (; j + 8 <= n; j += 8) block_scales8(amax + j, rule, scale_inv, index + j, scale + j);
+    if (j < n) {
+      // The last n - j through a padded vector (an amax of 0 gives scale 1 in the unused lanes):
+      // runs of a few blocks would otherwise take the scalar path.
+      const int64_t rest = n - j;
+      alignas(64) float a[8] = {}, sc[8], inv[8];
+      std::memcpy(a, amax + j, static_cast<size_t>(rest) * sizeof(float));
+      block_scales8(a, rule, inv, 0, sc);
+      std::memcpy(scale + j, sc, static_cast<size_t>(rest) * sizeof(float));
+      if (rule.e8m0) {
+        std::memcpy(static_cast<uint8_t*>(scale_inv) + index + j, inv, static_cast<size_t>(rest));
+      } else {
+        std::memcpy(static_cast<float*>(scale_inv) + index + j, inv, static_cast<size_t>(rest) * sizeof(float));
+      }
+      return;
+    }
   }
   for (; j < n; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, index + j);
 }
@@ -247,65 +262,6 @@ TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nby
     } else {
       std::memcpy(out, row, static_cast<size_t>(nbytes));
     }
-  }
-}
-
-// The transposed cast: 16 columns x 16 rows are cast with the columns' scales,
-// transposed in registers into a buffer of 16 output rows x 128 bytes, which
-// goes out in whole lines (see transpose_bytes).
-template <typename In, typename Out, bool kStream>
-void cast_transpose_impl(const typename In::storage* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
-                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst) {
-  constexpr int64_t kChunk = 128;
-  alignas(64) uint8_t buffer[16 * kChunk];
-  for (int64_t c = 0; c < cols; c += 16) {
-    const int64_t nc = std::min<int64_t>(16, cols - c);
-    const int64_t n0 = std::min<int64_t>(nc, 8), n1 = nc - n0;
-    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-      const int64_t nr0 = std::min(kChunk, rows - r0);
-      for (int64_t r = 0; r < nr0; r += 16) {
-        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
-        const float* sp = scale + ((r0 + r) / band_rows) * scale_step + c;
-        const typename In::storage* xr = x + (r0 + r) * ld_x + c;
-        __m128i block[16];
-        if (nrows == 16 && nc == 16) {
-          const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) {
-            block[i] = pack_bytes(to_fp8<Out>(load_hp<In>(xr + i * ld_x), s0),
-                                  to_fp8<Out>(load_hp<In>(xr + i * ld_x + 8), s1));
-          }
-        } else {
-          const __m256 s0 = load_scales(sp, n0), s1 = n1 > 0 ? load_scales(sp + 8, n1) : _mm256_setzero_ps();
-          for (int64_t i = 0; i < 16; ++i) {
-            if (i < nrows) {
-              const __m256i lo = to_fp8<Out>(n0 == 8 ? load_hp<In>(xr + i * ld_x) : load_hp<In>(xr + i * ld_x, n0), s0);
-              const __m256i hi = n1 > 0 ? to_fp8<Out>(n1 == 8 ? load_hp<In>(xr + i * ld_x + 8)
-                                                              : load_hp<In>(xr + i * ld_x + 8, n1), s1)
-                                        : _mm256_setzero_si256();
-              block[i] = pack_bytes(lo, hi);
-            } else {
-              block[i] = _mm_setzero_si128();
-            }
-          }
-        }
-        sse2::transpose16x16(block);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
-      }
-      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
-    }
-  }
-}
-
-template <typename In, typename Out>
-void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale, int64_t scale_step,
-                    int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream) {
-  const auto* x = static_cast<const typename In::storage*>(xv);
-  if (stream) {
-    cast_transpose_impl<In, Out, true>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
-  } else {
-    cast_transpose_impl<In, Out, false>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "quantize_block_cpu.h"
@@ -145,6 +146,21 @@ TL_LANE_INLINE void block_scales(const float* amax, int64_t n, const quantize_bl
   int64_t j = 0;
   if (!(rule.e8m0 && rule.e8m0_floor)) {
     for (; j + 16 <= n; j += 16) block_scales16(amax + j, rule, scale_inv, index + j, scale + j);
+    if (j < n) {
+      // The last n - j through a padded vector (an amax of 0 gives scale 1 in the unused lanes):
+      // runs of a few blocks would otherwise take the scalar path.
+      const int64_t rest = n - j;
+      alignas(64) float a[16] = {}, sc[16], inv[16];
+      std::memcpy(a, amax + j, static_cast<size_t>(rest) * sizeof(float));
+      block_scales16(a, rule, inv, 0, sc);
+      std::memcpy(scale + j, sc, static_cast<size_t>(rest) * sizeof(float));
+      if (rule.e8m0) {
+        std::memcpy(static_cast<uint8_t*>(scale_inv) + index + j, inv, static_cast<size_t>(rest));
+      } else {
+        std::memcpy(static_cast<float*>(scale_inv) + index + j, inv, static_cast<size_t>(rest) * sizeof(float));
+      }
+      return;
+    }
   }
   for (; j < n; ++j) scale[j] = quantize_block::block_scale_of(amax[j], rule, scale_inv, index + j);
 }
@@ -228,52 +244,6 @@ TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nby
         _mm512_mask_storeu_epi8(out + b, m, _mm512_load_si512(row + b));
       }
     }
-  }
-}
-
-// The transposed cast: 16 columns x 16 rows are cast with the columns' scales,
-// transposed in registers into a buffer of 16 output rows x 128 bytes, which
-// goes out in whole lines (see transpose_bytes).
-template <typename In, typename Out, bool kStream>
-void cast_transpose_impl(const typename In::storage* x, int64_t ld_x, int64_t rows, int64_t cols, const float* scale,
-                         int64_t scale_step, int64_t band_rows, uint8_t* dst, int64_t ld_dst) {
-  constexpr int64_t kChunk = 128;
-  alignas(64) uint8_t buffer[16 * kChunk];
-  for (int64_t c = 0; c < cols; c += 16) {
-    const int64_t nc = std::min<int64_t>(16, cols - c);
-    const __mmask16 col_mask = tail_mask(nc);
-    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-      const int64_t nr0 = std::min(kChunk, rows - r0);
-      for (int64_t r = 0; r < nr0; r += 16) {
-        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
-        const __m512 sc = _mm512_maskz_loadu_ps(col_mask, scale + ((r0 + r) / band_rows) * scale_step + c);
-        const typename In::storage* xr = x + (r0 + r) * ld_x + c;
-        __m128i block[16];
-        if (nrows == 16 && nc == 16) {
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) block[i] = to_fp8<Out>(load_hp<In>(xr + i * ld_x), sc);
-        } else {
-          for (int64_t i = 0; i < 16; ++i) {
-            block[i] = i < nrows ? to_fp8<Out>(load_hp<In>(xr + i * ld_x, col_mask), sc) : _mm_setzero_si128();
-          }
-        }
-        sse2::transpose16x16(block);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), block[j]);
-      }
-      flush_rows<kStream>(buffer, nc, nr0, dst + c * ld_dst + r0, ld_dst);
-    }
-  }
-}
-
-template <typename In, typename Out>
-void cast_transpose(const void* xv, int64_t ld_x, int64_t rows, int64_t cols, const float* scale, int64_t scale_step,
-                    int64_t band_rows, uint8_t* dst, int64_t ld_dst, bool stream) {
-  const auto* x = static_cast<const typename In::storage*>(xv);
-  if (stream) {
-    cast_transpose_impl<In, Out, true>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
-  } else {
-    cast_transpose_impl<In, Out, false>(x, ld_x, rows, cols, scale, scale_step, band_rows, dst, ld_dst);
   }
 }
 

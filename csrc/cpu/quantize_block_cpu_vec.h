@@ -2,7 +2,7 @@
 // kernels. Textually included, like quantize_cpu_vec.h, by each path's
 // quantize_block_cpu_<isa>.cpp inside `namespace tl::cpu::<isa> { namespace {`
 // after its column_amax<In>, column_cast<In, Out>, row_blocks<In, Out>,
-// cast_transpose<In, Out>, transpose_out, scales and fence; amax_range, cast_range
+// transpose_out, scales and fence; amax_range, cast_range
 // and transpose_bytes are the path's lane kernels (quantize_lanes_<isa>.h).
 // The including file includes <algorithm>, quantize_block_cpu.h and
 // transformer_linear/dispatch.h.
@@ -28,11 +28,9 @@ quantize_block::RowKernels block_row_kernels(DType in, DType out) {
     using In = decltype(in_tag);
     return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
       using Out = decltype(out_tag);
-      return quantize_block::RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>,
-                                        column_cast<In, Out>, transpose_bytes,
-                                        row_blocks<In, Out>,  cast_transpose<In, Out>,
-                                        transpose_out,        scales,
-                                        fence};
+      return quantize_block::RowKernels{segment_amax<In>,     segment_cast<In, Out>, column_amax<In>,
+                                        column_cast<In, Out>, transpose_bytes,       row_blocks<In, Out>,
+                                        transpose_out,        scales,                fence};
     });
   });
 }
