@@ -27,6 +27,11 @@ void register_grouped(py::module_& m) {
         "grad_t_scale_inv"_a, "x_t"_a, "x_t_scale_inv"_a, "offs"_a, "token_block"_a, "d"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(),
         "d[g] = block-scaled grad_t[:, tokens of g] @ x_t[:, tokens of g].T (grouped columnwise copies)");
+  m.def("quantize_grouped_columnwise", &tl::quantize_grouped_columnwise, "input"_a, "offs"_a, "token_block"_a,
+        "power_2_scale"_a, "e8m0_floor"_a, "output_t"_a, "scale_inv_t"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "output_t (C, total) FP8, scale_inv_t = the grouped columnwise copy of input (total, C) (CPU; offs read "
+        "on the host)");
   m.def(
       "fp8_grouped_gemm_cublaslt",
       [](const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b, const TensorDesc& b_scale_inv,

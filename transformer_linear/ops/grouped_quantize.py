@@ -8,6 +8,10 @@ group comes from ``searchsorted`` over ``offs`` and each block's amax from a ``s
 ``offs`` is never read on the host (no device sync, no data-dependent shape: one graph under
 ``torch.compile`` for every routing). Per block it computes what the block quantizers compute
 (``reference.quantize_blockwise_ref``, checked bitwise in tests/test_grouped_gemm.py).
+
+Real CPU tensors take the C++ kernel instead (csrc/cpu/quantize_grouped_cpu.cpp: ``offs`` read on the
+host, which costs no sync there), bitwise the same numbers; CUDA, meta and fake tensors, and tracing,
+keep the PyTorch ops, so a compiled graph never depends on the routing.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from typing import NamedTuple
 
 import torch
 
+from transformer_linear import _C
 from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype
 from transformer_linear.formats.dtypes import E8M0_DTYPE, fp8_max
 from transformer_linear.formats.grouped_scaling import TOKEN_BLOCKS, WHOLE, check_offs, token_scale_cols
+from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["GroupedColumnwise", "quantize_grouped_columnwise"]
 
@@ -63,6 +69,28 @@ def _e8m0_exponent(amax: torch.Tensor, limit: float, rounding: str) -> torch.Ten
     return torch.where(valid, e, torch.zeros_like(e)).int()
 
 
+def _on_host(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a real (not fake, not traced) CPU tensor: one the C++ kernel can read."""
+    return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+def _quantize_cpu(
+    x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, token_block: int, power_2_scale: bool,
+    e8m0_rounding: str, width: int,
+) -> GroupedColumnwise:
+    """The C++ kernel's copy (csrc/cpu/quantize_grouped_cpu.cpp); it checks the values of ``offs``."""
+    op = "quantize_grouped_columnwise"
+    total, cols = x.shape
+    data_t = torch.empty((cols, total), dtype=dtype)
+    e8m0 = TOKEN_BLOCKS[token_block] == E8M0_DTYPE
+    scale_inv_t = torch.empty((cols, width), dtype=torch.uint8 if e8m0 else torch.float32)
+    _C.quantize_grouped_columnwise(
+        desc(x.detach().contiguous(), op, "x"), desc(offs.contiguous(), op, "offs"), token_block, power_2_scale,
+        e8m0_rounding == "floor", desc(data_t, op, "data_t"), desc(scale_inv_t, op, "scale_inv_t"), stream_for(x),
+    )
+    return GroupedColumnwise(data_t, scale_inv_t.view(E8M0_DTYPE) if e8m0 else scale_inv_t)
+
+
 def quantize_grouped_columnwise(
     x: torch.Tensor,
     offs: torch.Tensor,
@@ -75,7 +103,7 @@ def quantize_grouped_columnwise(
 
     Args:
         x: (total, C) float32, bfloat16 or float16: the tokens of every group, group by group.
-        offs: int32 (G,) cumulative row ends, on x's device (never read on the host).
+        offs: int32 (G,) cumulative row ends, on x's device (read on the host only for CPU tensors).
         dtype: the FP8 dtype.
         token_block: 128 (float32 scales), 32 (E8M0 scales) or WHOLE (one float32 scale per group).
         power_2_scale: round float32 scales down to powers of two.
@@ -87,7 +115,8 @@ def quantize_grouped_columnwise(
 
     Raises:
         TypeError: a wrong dtype or device.
-        ValueError: a wrong rank or an unsupported token_block or rounding.
+        ValueError: a wrong rank or an unsupported token_block or rounding; on the CPU, ``offs`` not
+            nondecreasing in [0, total].
     """
     op = "quantize_grouped_columnwise"
     if isinstance(token_block, bool) or token_block not in TOKEN_BLOCKS:
@@ -103,6 +132,8 @@ def quantize_grouped_columnwise(
     check_offs(op, offs, offs.shape[0])
     total, groups = x.shape[0], offs.shape[0]
     width = token_scale_cols(total, groups, token_block)
+    if _on_host(x) and _on_host(offs):
+        return _quantize_cpu(x, offs, dtype, token_block, power_2_scale, e8m0_rounding, width)
     tokens = torch.arange(total, device=x.device, dtype=torch.int32)
     group = torch.searchsorted(offs, tokens, right=True)  # G past offs[-1]
     if token_block == WHOLE:

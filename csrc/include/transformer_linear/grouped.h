@@ -75,4 +75,26 @@ void fp8_grouped_gemm_wgrad_blockwise(const TensorDesc& grad_t, const TensorDesc
                                       const TensorDesc& offs, int64_t token_block, const TensorDesc& d,
                                       Stream stream);
 
+/*!
+ * \brief The grouped columnwise copy of `input` (the operand layout of fp8_grouped_gemm_wgrad_blockwise):
+ *        input (total, C) transposed into output_t (C, total) FP8, quantized in 1 x token_block blocks
+ *        of tokens that restart at each group's first token, group g's j-th block scaled by
+ *        scale_inv_t[:, offs[g-1] / token_block + g + j]; one scale per (column, group) for token_block 0.
+ *        Tokens past offs[-1] give 0; scale columns no block uses hold 1. CPU tensors only: offs is
+ *        read on the host.
+ *
+ * \param input          contiguous (total, C) float32, bfloat16 or float16, total <= 2^31 - 1.
+ * \param offs           contiguous int32 (G), nondecreasing, each in [0, total].
+ * \param token_block    128, 32 (E8M0 scales) or 0 (the whole group).
+ * \param power_2_scale  round float32 scales down to powers of two.
+ * \param e8m0_floor     E8M0 scales by the OCP floor rule instead of TE's ceil.
+ * \param output_t       contiguous FP8 (C, total).
+ * \param scale_inv_t    contiguous (C, total / token_block + G) float32, uint8 E8M0 bits for token_block
+ *                       32; (C, G) float32 for token_block 0.
+ * \param stream         the thread count.
+ */
+void quantize_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs, int64_t token_block,
+                                 bool power_2_scale, bool e8m0_floor, const TensorDesc& output_t,
+                                 const TensorDesc& scale_inv_t, Stream stream);
+
 }  // namespace tl
