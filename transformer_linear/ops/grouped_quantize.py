@@ -84,8 +84,10 @@ def _quantize_cpu(
     data_t = torch.empty((cols, total), dtype=dtype)
     e8m0 = TOKEN_BLOCKS[token_block] == E8M0_DTYPE
     scale_inv_t = torch.empty((cols, width), dtype=torch.uint8 if e8m0 else torch.float32)
+    # Held here: a descriptor does not keep its tensor (a contiguous copy) alive.
+    x_c, offs_c = x.detach().contiguous(), offs.contiguous()
     _C.quantize_grouped_columnwise(
-        desc(x.detach().contiguous(), op, "x"), desc(offs.contiguous(), op, "offs"), token_block, power_2_scale,
+        desc(x_c, op, "x"), desc(offs_c, op, "offs"), token_block, power_2_scale,
         e8m0_rounding == "floor", desc(data_t, op, "data_t"), desc(scale_inv_t, op, "scale_inv_t"), stream_for(x),
     )
     return GroupedColumnwise(data_t, scale_inv_t.view(E8M0_DTYPE) if e8m0 else scale_inv_t)
