@@ -33,8 +33,9 @@ void quantize_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs
   const auto* ends = static_cast<const int32_t*>(offs.data);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t prev = g == 0 ? 0 : ends[g - 1];
-    TL_CHECK(ends[g] >= prev && ends[g] <= total, op, ": argument 'offs' must be nondecreasing cumulative row ends in [0, ",
-             total, "], got offs[", g, "] = ", ends[g], " after ", prev);
+    TL_CHECK(ends[g] >= prev && ends[g] <= total, op,
+             ": argument 'offs' must be nondecreasing cumulative row ends in [0, ", total, "], got offs[", g,
+             "] = ", ends[g], " after ", prev);
   }
   const int64_t grid_cols = token_block == 0 ? groups : total / token_block + groups;
   check_defined(op, "output_t", output_t);
