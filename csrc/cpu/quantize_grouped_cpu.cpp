@@ -60,7 +60,8 @@ void quantize_grouped_columnwise(const QuantizeGroupedParams& p) {
 
   const int64_t bands = (p.c + kBandCols - 1) / kBandCols;
   parallel_for(bands, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> amax(kBandCols), scale(kBandCols);
+    // Up to kTileRows / 32 blocks' amaxes and scales (one span), kBandCols apart.
+    std::vector<float> amax(kTileRows / 32 * kBandCols), scale(kTileRows / 32 * kBandCols);
     std::vector<uint8_t> band_scale_inv(kBandCols * 4);
     std::vector<uint8_t> tile(kTileRows * kBandCols);
     for (int64_t band = b0; band < b1; ++band) {
@@ -74,25 +75,34 @@ void quantize_grouped_columnwise(const QuantizeGroupedParams& p) {
         const int64_t start = g == 0 ? 0 : offs[g - 1], end = offs[g];
         const int64_t block = p.token_block == 0 ? std::max<int64_t>(end - start, 1) : p.token_block;
         const int64_t first_col = p.token_block == 0 ? g : start / p.token_block + g;
-        for (int64_t r0 = start, j = 0; r0 < end; r0 += block, ++j) {
-          const int64_t r1 = std::min(end, r0 + block);
-          std::fill(amax.begin(), amax.begin() + w, 0.0f);
-          for (int64_t r = r0; r < r1; ++r) kn.column_amax(x + (r * p.c + c0) * in_size, w, amax.data());
-          kn.block_scales(amax.data(), w, rule, band_scale_inv.data(), scale.data());
-          const int64_t col = first_col + j;
-          for (int64_t i = 0; i < w; ++i) {
-            std::memcpy(scale_inv + ((c0 + i) * p.grid_cols + col) * scale_size,
-                        band_scale_inv.data() + i * scale_size, scale_size);
+        // Spans of tokens scaled and cast together: kTileRows tokens (whole blocks of 128 or 32, the
+        // group's last one maybe partial), or the whole group; each span's tiles are transposed whole.
+        const int64_t span = p.token_block == 0 ? block : kTileRows;
+        for (int64_t s0 = start; s0 < end; s0 += span) {
+          const int64_t s1 = std::min(end, s0 + span);
+          const int64_t blocks = (s1 - s0 + block - 1) / block;
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t r0 = s0 + b * block, r1 = std::min(s1, r0 + block);
+            float* block_amax = amax.data() + b * kBandCols;
+            std::fill(block_amax, block_amax + w, 0.0f);
+            for (int64_t r = r0; r < r1; ++r) kn.column_amax(x + (r * p.c + c0) * in_size, w, block_amax);
+            kn.block_scales(block_amax, w, rule, band_scale_inv.data(), scale.data() + b * kBandCols);
+            const int64_t col = first_col + (r0 - start) / block;
+            for (int64_t i = 0; i < w; ++i) {
+              std::memcpy(scale_inv + ((c0 + i) * p.grid_cols + col) * scale_size,
+                          band_scale_inv.data() + i * scale_size, scale_size);
+            }
           }
-          for (int64_t t0 = r0; t0 < r1; t0 += kTileRows) {
-            const int64_t t1 = std::min(r1, t0 + kTileRows);
+          for (int64_t t0 = s0; t0 < s1; t0 += kTileRows) {
+            const int64_t t1 = std::min(s1, t0 + kTileRows);
             for (int64_t r = t0; r < t1; ++r) {
-              kn.column_cast(x + (r * p.c + c0) * in_size, tile.data() + (r - t0) * w, w, scale.data());
+              const float* row_scale = scale.data() + ((r - s0) / block) * kBandCols;
+              kn.column_cast(x + (r * p.c + c0) * in_size, tile.data() + (r - t0) * w, w, row_scale);
             }
             kn.transpose(tile.data(), w, t1 - t0, w, out + c0 * p.total + t0, p.total);
           }
         }
-        // An empty whole-group block still has its scale column (amax 0): already filled above.
+        // An empty group's whole-group scale column (amax 0) was filled above.
       }
     }
   });
