@@ -31,6 +31,7 @@ __all__ = [
     "FP4_DTYPE",
     "RHT_SIGNS",
     "check_quantize_shape",
+    "hadamard_amax_of_transpose",
     "hadamard_transform",
 ]
 
@@ -47,12 +48,13 @@ RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
 def _butterfly(v: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of the last dim (16) in the fixed stage order."""
-    lead = v.shape[:-1]
+    """Unnormalized Walsh-Hadamard transform along dim -2 of a (..., 16, C) tensor, in the fixed stage order
+    (each of the C columns transformed on its own)."""
+    lead, cols = v.shape[:-2], v.shape[-1]
     for half in (1, 2, 4, 8):
-        pairs = v.reshape(*lead, BLOCK // (2 * half), 2, half)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        v = torch.stack((a + b, a - b), dim=-2).reshape(*lead, BLOCK)
+        pairs = v.reshape(*lead, BLOCK // (2 * half), 2, half, cols)
+        a, b = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        v = torch.stack((a + b, a - b), dim=-3).reshape(*lead, BLOCK, cols)
     return v
 
 
@@ -71,13 +73,32 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """
     if x.dim() == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"hadamard_transform: the last dimension must be a multiple of {BLOCK}, got {tuple(x.shape)}")
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device)
-    v = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device).unsqueeze(-1)
+    v = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK, 1)
     if inverse:
         v = _butterfly(v) * 0.25 * signs
     else:
         v = _butterfly(v * signs) * 0.25
     return v.reshape(x.shape)
+
+
+def hadamard_amax_of_transpose(x: torch.Tensor) -> torch.Tensor:
+    """``hadamard_transform(x.t()).abs().amax()`` without the transposing copy.
+
+    The blocks of ``x.t()``'s rows are 16 consecutive rows of ``x`` in one column, so the transform runs
+    on ``x``'s rows, every column at once, with the same arithmetic for each element; the maximum (exact,
+    and commuting with the exact scaling by 0.25) is then bitwise the same.
+
+    Args:
+        x: (M, K) floating tensor, M a multiple of 16, not empty.
+
+    Returns:
+        () float32; NaN if x holds a NaN.
+    """
+    m, k = x.shape
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x.device).unsqueeze(-1)
+    v = _butterfly(x.float().reshape(m // BLOCK, BLOCK, k) * signs)
+    return v.abs_().amax() * 0.25
 
 
 def check_quantize_shape(op: str, shape: tuple[int, ...], rowwise: bool, columnwise: bool, scaling_2d: bool, rht: bool):

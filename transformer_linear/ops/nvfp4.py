@@ -25,7 +25,7 @@ import torch
 
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
-from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_transform
+from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_amax_of_transpose
 from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = [
@@ -241,7 +241,7 @@ def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
         # The extension's amax op (ops.amax; looked up by name: ops/__init__ imports this module): one pass,
         # no float32 and |x| copies, the same NaN-propagating max.
         return torch.ops.transformer_linear.amax(x.detach().contiguous())
-    return hadamard_transform(x.detach().t()).abs().amax()
+    return hadamard_amax_of_transpose(x.detach())
 
 
 def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=torch.uint8):
