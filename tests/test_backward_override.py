@@ -183,20 +183,7 @@ def test_wgrad_options_and_weight_cache(mode):
     assert_bitwise_equal(cached.weight.grad, expected[2], "cached-weight wgrad")
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
 def test_opcheck_linear_fwd(name, mode):

@@ -21,7 +21,6 @@ from test_backward_override import hand_dequantize
 from tolerances import assert_bitwise_equal
 
 import transformer_linear as tl
-from transformer_linear import reference
 from transformer_linear.modules.grouped_linear_ops import GroupedLinearFwdArgs, grouped_linear_fwd
 from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
@@ -214,20 +213,7 @@ def test_opcheck_high_precision_grouped_gemms(dtype):
     assert empty.shape == (G, N, K) and not empty.any()
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["tensorwise", "block"])
 def test_opcheck_grouped_linear_fwd(name, mode):

@@ -468,20 +468,7 @@ def test_bad_constructor_and_functional_arguments():
         tl.grouped_linear(torch.randn(T, K), w, [T, 0, 0, 0])
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("recipe_name", ["current", *BLOCK_RECIPES])
 def test_opcheck(recipe_name, bias):

@@ -402,20 +402,7 @@ def test_numerics_tools_take_the_block_recipes(name):
     assert record["output_sqnr_db"] > SQNR_FLOOR_DB["out"]
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES or a.dtype == E8M0:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("cached", [False, True])
 def test_opcheck_linear_fwd(name, cached):
@@ -435,7 +422,7 @@ def test_opcheck_linear_fwd(name, cached):
     torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
 
 
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_opcheck_linear_dgrad_and_wgrad(name):
     """The block path's backward ops, on what the backward hands them (1-D activation scales), agree with
@@ -466,7 +453,7 @@ def test_opcheck_linear_dgrad_and_wgrad(name):
         assert_close_to_reference(op(args), *expected, what=what)
 
 
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("tensor", ["input", "weight", "grad_output"])
 @pytest.mark.parametrize("layouts", [(True, True), (True, False), (False, True)], ids=["both", "rowwise", "columnwise"])

@@ -11,7 +11,7 @@ from tolerances import assert_bitwise_equal
 from torch._dynamo.backends.common import aot_autograd
 
 import transformer_linear as tl
-from transformer_linear import recipe, reference
+from transformer_linear import recipe
 from transformer_linear.modules import linear_ops
 from transformer_linear.modules.linear_args import CachedWeight, LinearBwdArgs, LinearFwdArgs
 from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
@@ -30,18 +30,8 @@ def _fwd_args(layer, x, **overrides):
     return args
 
 
-@pytest.fixture(autouse=True)
-def _allclose_on_fp8(monkeypatch):
-    """opcheck's test_schema compares every input before and after the call with
-    torch.allclose, which has no FP8 kernel: compare FP8 tensors bit for bit instead."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
+# opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel (conftest).
+pytestmark = pytest.mark.usefixtures("allclose_on_fp8")
 
 
 def _opcheck(op, args):

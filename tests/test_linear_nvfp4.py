@@ -359,20 +359,7 @@ def test_inference_takes_any_row_count():
 # --- opcheck: the Linear's ops and the NVFP4 ops it runs ---
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype in reference.FP8_DTYPES:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("name", ["default", "no_2d"])
 @pytest.mark.parametrize("cached", [False, True])
 def test_opcheck_linear_fwd(name, cached):
@@ -390,7 +377,7 @@ def test_opcheck_linear_fwd(name, cached):
     torch.library.opcheck(op, detached, test_utils="test_aot_dispatch_dynamic")
 
 
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_opcheck_linear_dgrad_and_wgrad(name):
     """The backward ops on what the backward hands them (SR seeds drawn before, as tensors) agree with their
@@ -411,7 +398,7 @@ def test_opcheck_linear_dgrad_and_wgrad(name):
         torch.library.opcheck(op.op, op.flatten(args))
 
 
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("rows", [0, 16, 48])
 @pytest.mark.parametrize("scaling_2d, rht, sr", [(False, False, False), (True, False, False), (False, True, True)])
 def test_opcheck_packed_nvfp4_ops(rows, scaling_2d, rht, sr):

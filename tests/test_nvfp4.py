@@ -355,19 +355,6 @@ def test_gemm_ignores_thread_count():
     assert_bitwise_equal(results[0], results[1])
 
 
-@pytest.fixture
-def _allclose_on_fp8(monkeypatch):
-    """opcheck's test_schema compares inputs before and after with torch.allclose, which has no FP8 kernel."""
-    allclose = torch.allclose
-
-    def fp8_aware(a, b, *args, **kwargs):
-        if a.dtype == torch.float8_e4m3fn:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_aware)
-
-
 def test_opcheck_quantize():
     x = torch.randn(32, 48)
     amax = ops.nvfp4_amax(x)
@@ -381,7 +368,7 @@ def test_opcheck_quantize():
         torch.library.opcheck(torch.ops.transformer_linear.quantize_nvfp4.default, (x, amax, amax, *args))
 
 
-@pytest.mark.usefixtures("_allclose_on_fp8")
+@pytest.mark.usefixtures("allclose_on_fp8")
 def test_opcheck_gemm():
     a, b = quantized_operand(8, 32, 5), quantized_operand(12, 32, 6)
     for out_dtype, bias in ((torch.float32, None), (torch.bfloat16, torch.randn(12, dtype=torch.bfloat16))):
