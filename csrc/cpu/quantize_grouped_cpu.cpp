@@ -69,7 +69,8 @@ void quantize_grouped_columnwise(const QuantizeGroupedParams& p) {
       for (int64_t c = c0; c < c0 + w; ++c) {
         uint8_t* row = scale_inv + c * p.grid_cols * scale_size;
         for (int64_t j = 0; j < p.grid_cols; ++j) std::memcpy(row + j * scale_size, unused_scale_inv, scale_size);
-        std::memset(out + c * p.total + used, 0, p.total - used);
+        // (Guarded: an empty output's data pointer may be null, which memset must not be handed.)
+        if (p.total > used) std::memset(out + c * p.total + used, 0, p.total - used);
       }
       for (int64_t g = 0; g < p.groups; ++g) {
         const int64_t start = g == 0 ? 0 : offs[g - 1], end = offs[g];
