@@ -286,6 +286,31 @@ def test_export_dynamic_batch_save_load(grad, tmp_path):
             assert_bitwise_equal(loaded(xs), layer(xs), f"batch={batch}")
 
 
+class _CalledTwice(torch.nn.Module):
+    """The export seed's case: one submodule called twice, here at NVFP4's 16-multiple sizes."""
+
+    def __init__(self, r):
+        super().__init__()
+        self.inner = tl.Linear(64, 64, recipe=r)
+        self.head = tl.Linear(64, 32, recipe=r)
+
+    def forward(self, x):
+        return self.head(self.inner(torch.relu(self.inner(x)) + 1.0))
+
+
+def test_export_unflatten_of_a_layer_called_twice():
+    """torch.export.unflatten keeps the twice-called NVFP4 layer a submodule, bitwise equal to eager."""
+    torch.manual_seed(0)
+    model = _CalledTwice(VARIANTS["default"])
+    x = torch.randn(4, 16, 64)  # a dynamic batch of whole 16-row sequences, as NVFP4's copies need
+    program = torch.export.export(model, (x[:2],), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    unflat = torch.export.unflatten(program)
+    assert any(fqn.startswith("inner") for fqn, _ in unflat.named_modules())
+    for batch in (1, 3, 4):
+        with torch.no_grad():
+            assert_bitwise_equal(unflat(x[:batch]), model(x[:batch]), f"batch={batch}")
+
+
 def test_state_dict_round_trip():
     r = VARIANTS["default"]
     x, w, b, dy = _data()
