@@ -258,12 +258,7 @@ class GroupedLinear(nn.Module):
         """
         if not self.delay_wgrad_compute:
             return
-        for queued in self._wgrad_queue.drain():
-            if queued.wgrad_args is not None:
-                main_grad = self.weight.main_grad if self.fuse_wgrad_accumulation else None
-                _accumulate_grad(self.weight, compute_grouped_wgrad(queued.wgrad_args, main_grad))
-            if queued.dbias is not None:
-                _accumulate_grad(self.bias, queued.dbias)
+        self._wgrad_queue.apply(self.weight, self.bias, self.fuse_wgrad_accumulation, compute_grouped_wgrad)
 
     def _offs(self, inp: Tensor, m_splits: Union[Sequence[int], Tensor]) -> Tensor:
         """The (num_gemms,) int32 cumulative row ends of ``m_splits``, made on inp's device."""
@@ -304,10 +299,3 @@ def _stack_per_expert_keys(state_dict: dict, prefix: str, num_gemms: int) -> Non
         if prefix + name in state_dict or not all(k in state_dict for k in keys):
             continue
         state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
-
-
-def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
-    if grad is None:
-        return
-    grad = grad.detach()
-    param.grad = grad if param.grad is None else param.grad + grad

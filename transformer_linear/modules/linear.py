@@ -269,12 +269,7 @@ class Linear(nn.Module):
         """
         if not self.delay_wgrad_compute:
             return
-        for queued in self._wgrad_queue.drain():
-            if queued.wgrad_args is not None:
-                main_grad = self.weight.main_grad if self.fuse_wgrad_accumulation else None
-                _accumulate_grad(self.weight, compute_wgrad(queued.wgrad_args, main_grad))
-            if queued.dbias is not None:
-                _accumulate_grad(self.bias, queued.dbias)
+        self._wgrad_queue.apply(self.weight, self.bias, self.fuse_wgrad_accumulation, compute_wgrad)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "Linear":
@@ -298,11 +293,3 @@ class Linear(nn.Module):
         new.train(linear.training)
         new.reset_fp8_state()
         return new
-
-
-def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
-    if grad is None:
-        return
-    grad = grad.detach()
-    param.grad = grad if param.grad is None else param.grad + grad
-

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -82,6 +82,30 @@ class WgradQueue:
         """What was queued, in order; the queue is left empty."""
         queued, self._queued = self._queued, []
         return queued
+
+    def apply(
+        self,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        fuse_wgrad_accumulation: bool,
+        compute: Callable[[Any, Optional[Tensor]], Optional[Tensor]],
+    ) -> None:
+        """``backward_dw()``: drain the queue, computing each weight gradient as ``compute(wgrad_args,
+        main_grad)`` (added into ``weight.main_grad`` with fuse_wgrad_accumulation, where it returns None)
+        and adding it and each queued bias gradient to the parameters' ``.grad``."""
+        for queued in self.drain():
+            if queued.wgrad_args is not None:
+                main_grad = weight.main_grad if fuse_wgrad_accumulation else None
+                _accumulate_grad(weight, compute(queued.wgrad_args, main_grad))
+            if queued.dbias is not None:
+                _accumulate_grad(bias, queued.dbias)
+
+
+def _accumulate_grad(param: Tensor, grad: Optional[Tensor]) -> None:
+    if grad is None:
+        return
+    grad = grad.detach()
+    param.grad = grad if param.grad is None else param.grad + grad
 
 
 _WGRAD_QUEUES: HandleTable[WgradQueue] = HandleTable()
