@@ -20,12 +20,14 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_ranks
+from tolerances import assert_bitwise_equal, relative_error
 from torch import nn
 
 import transformer_linear as tl
-from dist_harness import run_ranks
-from tolerances import assert_bitwise_equal, relative_error
 from transformer_linear import recipe
+from transformer_linear.modules.hf_experts import ExpertsFP8State
+from transformer_linear.recipe.amax_reduction import NO_GROUP
 
 WORLD = 2
 TIMEOUT = 120.0
@@ -231,6 +233,21 @@ class TestAmaxReduction:
     def test_reduction_off_keeps_scales_per_rank(self):
         scales0, scales1, _ = run_ranks(_amax_reduction_rank, False, timeout=TIMEOUT)[0]
         assert scales0 != scales1
+
+    def test_knob_reaches_every_delayed_scaling_state(self):
+        """The group (and finish_amax_reductions) reach every module that keeps a delayed-scaling state: a
+        GroupedLinear and a converted transformers model's experts' ExpertsFP8State as well as tl.Linear."""
+        delayed = recipe.DelayedScaling()
+        model = nn.ModuleDict(
+            {
+                "linear": tl.Linear(8, 8, recipe=delayed),
+                "grouped": tl.GroupedLinear(2, 8, 8, recipe=delayed),
+                "experts": ExpertsFP8State(delayed),
+            }
+        )
+        assert tl.distributed.set_amax_reduction_group(model, None) is model
+        assert {name: m.amax_reduction_group for name, m in model.items()} == dict.fromkeys(model, NO_GROUP)
+        assert tl.distributed.finish_amax_reductions(model) is model
 
     def test_knob_rejects_non_groups(self):
         with pytest.raises(TypeError, match="'group' must be a ProcessGroup or None"):

@@ -45,6 +45,7 @@ from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.amax_reduction import DEFAULT_GROUP, NO_GROUP, all_reduce_amax, group_key
+from transformer_linear.recipe.delayed_scaling import DelayedScalingState
 from transformer_linear.recipe.quantization import check_recipe, quantization_spec
 
 __all__ = [
@@ -60,8 +61,16 @@ __all__ = [
 ]
 
 
+def _delayed_scaling_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that keep a delayed-scaling state: ``tl.Linear``, ``tl.GroupedLinear`` and
+    the experts' ``ExpertsFP8State`` of a converted transformers model alike (selected by the state they
+    hold, so that a module type added later is not silently left out of the reduction)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "delayed_scaling_state", None), DelayedScalingState)]
+
+
 def finish_amax_reductions(model: nn.Module) -> nn.Module:
-    """Apply every ``tl.Linear``'s pending amax reductions to its delayed-scaling state.
+    """Apply every pending amax reduction of ``model``'s delayed-scaling states (``tl.Linear``,
+    ``tl.GroupedLinear``, converted experts).
 
     Needed only to read ``fp8_amax_history`` / ``fp8_scale`` directly between
     steps; ``state_dict()`` and the next forward apply them anyway.
@@ -69,14 +78,14 @@ def finish_amax_reductions(model: nn.Module) -> nn.Module:
     Returns:
         ``model``.
     """
-    for module in model.modules():
-        if isinstance(module, (Linear, GroupedLinear)):
-            module.finish_amax_reductions()
+    for module in _delayed_scaling_modules(model):
+        module.finish_amax_reductions()
     return model
 
 
 def set_amax_reduction_group(model: nn.Module, group: Optional["dist.ProcessGroup"]) -> nn.Module:
-    """Set the group every ``tl.Linear`` in ``model`` all-reduces its delayed-scaling amaxes over.
+    """Set the group every delayed-scaling state in ``model`` all-reduces its amaxes over (``tl.Linear``,
+    ``tl.GroupedLinear`` and a converted transformers model's experts alike).
 
     Args:
         model: the model (or a single ``tl.Linear``).
@@ -87,9 +96,8 @@ def set_amax_reduction_group(model: nn.Module, group: Optional["dist.ProcessGrou
         ``model``.
     """
     key = group_key(group)
-    for module in model.modules():
-        if isinstance(module, (Linear, GroupedLinear)):
-            module.amax_reduction_group = key
+    for module in _delayed_scaling_modules(model):
+        module.amax_reduction_group = key
     return model
 
 
