@@ -50,8 +50,10 @@ __all__ = ["QueuedWgrad", "WgradQueue", "compute_wgrad", "linear_dgrad", "linear
 class QueuedWgrad(NamedTuple):
     """What one backward left for ``backward_dw()``."""
 
-    wgrad_args: Optional[LinearBwdArgs]
-    """What wgrad reads (None: the weight needs no gradient)."""
+    wgrad_args: Optional[Any]
+    """What the layer's wgrad function reads: a LinearBwdArgs for ``tl.Linear``, a GroupedWgradArgs for
+    ``tl.GroupedLinear`` (the queue passes it back to the function its owner gives :meth:`WgradQueue.apply`
+    unread); None: the weight needs no gradient."""
     dbias: Optional[Tensor]
 
 
