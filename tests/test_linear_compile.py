@@ -334,3 +334,14 @@ def test_autocast_history_longer_than_the_layers():
     with tl.autocast(recipe=long):
         grown(x)  # eagerly, the history grows
     assert grown.fp8_amax_history.shape == (2048, 2) and grown.fp8_grad_amax_history.shape == (2048, 1)
+
+
+@pytest.mark.parametrize("name", [None, "current"])
+@pytest.mark.parametrize("option", ["delay_wgrad_compute", "fuse_wgrad_accumulation"])
+def test_eager_only_wgrad_options_raise_under_compile(option, name):
+    """Options whose backward leaves the graph (a Python queue; an in-place update of weight.main_grad) name
+    themselves under torch.compile instead of failing inside the compiler."""
+    layer = tl.Linear(16, 8, recipe=RECIPES.get(name), **{option: True})
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=f"Linear: {option} runs eagerly only"):
+        compiled(torch.randn(4, 16, requires_grad=True))

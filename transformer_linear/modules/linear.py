@@ -183,6 +183,11 @@ class Linear(nn.Module):
         check_linear_devices(inp, weight, bias, getattr(self.weight, "main_grad", None))
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             raise RuntimeError("Linear: delay_wgrad_compute runs eagerly only (backward_dw drains a Python queue)")
+        if self.fuse_wgrad_accumulation and torch.compiler.is_compiling():
+            # AOT autograd takes no in-place update of a graph input in the backward graph: without this
+            # check the compiler fails inside its partitioner instead of naming the option.
+            raise RuntimeError("Linear: fuse_wgrad_accumulation runs eagerly only (backward adds to "
+                               "weight.main_grad in place)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
         if args.delayed is not None:
             o = self.delayed_scaling_state.forward(self, args, linear_fwd)
