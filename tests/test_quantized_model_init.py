@@ -257,6 +257,27 @@ class TestTraining:
         expected = quantized_init.quantize_weight(weight.quantizer, master.detach())
         assert torch.equal(_bits(weight.weight_fp8), _bits(expected.weight_fp8))
 
+    @pytest.mark.parametrize("name", ["current", "mxfp8"])
+    def test_without_a_recipe_runs_the_dequantized_weight(self, name):
+        """Outside autocast (evaluation in high precision, a recipe turned off) the layer is nn.Linear on the
+        dequantized weight, as GroupedLinear and Transformer Engine run it, and still trains its master."""
+        with tl.quantized_model_init(recipe=recipe.from_name(name)):
+            layer = tl.Linear(16, 8)
+        masters = tl.optim.MasterWeights(layer)
+        opt = torch.optim.SGD(masters.parameters(), lr=0.1)
+        masters.attach(opt)
+        x = torch.randn(4, 16, requires_grad=True)
+        dequantized = layer.weight.dequantize().detach().requires_grad_()
+        out = layer(x)
+        expected = nn.functional.linear(x, dequantized, layer.bias)
+        assert torch.equal(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert torch.equal(layer.weight.grad, dequantized.grad)
+        opt.step()
+        master = masters.master_of(layer.weight)
+        assert torch.equal(master.detach(), dequantized.detach().add(dequantized.grad, alpha=-0.1))  # SGD's update
+
     def test_optimizer_state_carries_the_masters(self):
         rec = recipe.from_name("block")
 

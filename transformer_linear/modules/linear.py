@@ -173,10 +173,13 @@ class Linear(nn.Module):
     def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """The forward with explicit (possibly local-shard) parameters."""
         recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
-        if recipe is None and fp8_all_gather.gathered_weight(weight) is not None:
+        gathered = fp8_all_gather.gathered_weight(weight) if recipe is None else None
+        if gathered is not None and not isinstance(gathered, quantized_init.QuantizedWeight):
+            # A weight kept by quantized_model_init reads as its dequantized value (high precision, as
+            # GroupedLinear and Transformer Engine run it); one FSDP2 gathered in FP8 has no other form.
             raise RuntimeError(
-                "Linear: the weight was all-gathered in FP8 (fully_shard(fp8_all_gather=True)) and holds only its "
-                f"quantized form; run the layer under a recipe quantizing it as {weight.quantizer}"
+                f"Linear: the weight was {gathered.source} and holds only its quantized form; run the layer "
+                f"under a recipe quantizing it as {gathered.quantizer}"
             )
         if recipe is None and not (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return F.linear(inp, weight, bias)
