@@ -467,7 +467,8 @@ def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> O
     fp32) to ``main_grad``."""
     dtype = a.wgrad_dtype if main_grad is None else torch.float32
     if a.nvfp4:
-        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype)
+        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype,
+                                         offs=a.offs)
     elif a.grad_output_scale_inv is None:
         wgrad = high_precision_grouped_wgrad(a.grad_output, a.inp, a.offs, dtype)
     elif a.token_block is None:
