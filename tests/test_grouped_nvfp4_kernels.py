@@ -1,18 +1,24 @@
-"""The grouped NVFP4 GEMMs of the extension (ops.grouped_nvfp4 on the CPU: csrc/cpu/gemm_grouped_nvfp4_cpu.cpp)
-against the torch.where path they replace (every expert's NVFP4 GEMM on all the tokens, each row taken from its
-own expert's; each expert's wgrad over all the tokens) and the reference (reference.nvfp4), bit for bit: over
-routings (empty groups, one group, groups not aligned to 16, rows past offs[-1]), output dtypes, the CPU paths and
-thread counts; bad ``offs``; opcheck; no host read of ``offs`` from Python."""
+"""The grouped NVFP4 kernels of the extension (ops.grouped_nvfp4 on the CPU: csrc/cpu/gemm_grouped_nvfp4_cpu.cpp,
+quantize_grouped_nvfp4_cpu.cpp) against the paths they replace (every expert's NVFP4 GEMM on all the tokens, each
+row taken from its own expert's; each expert's wgrad over all the tokens; each group's masked copy of all the
+tokens quantized) and the reference (reference.nvfp4), bit for bit: over routings (empty groups, one group, groups
+not aligned to 16, rows past offs[-1]), dtypes, the CPU paths and thread counts; bad ``offs``; opcheck; no host
+read of ``offs`` from Python; tl.GroupedLinear's NVFP4 training step bitwise the old path."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
-from cpu_paths import SUPPORTED_ISAS
+from cpu_paths import QUANTIZE_ISAS, SUPPORTED_ISAS
 from grouped_cases import host_reads_of
 from tolerances import assert_bitwise_equal
 
+import transformer_linear as tl
 from transformer_linear import _C
+from transformer_linear.formats.nvfp4 import hadamard_amax_of_transpose
+from transformer_linear.modules import grouped_linear_ops
 from transformer_linear.ops import grouped_nvfp4, nvfp4
 from transformer_linear.reference import grouped as reference_grouped
 from transformer_linear.reference import nvfp4 as ref
@@ -50,7 +56,7 @@ def _offs(sizes: list[int]) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
-def _packed(x: torch.Tensor, columnwise: bool = False, rht: bool = False, sr_seed: int = None):
+def _packed(x: torch.Tensor, columnwise: bool = False, rht: bool = False, sr_seed: Optional[int] = None):
     """(data, packed scales) of x's rowwise or columnwise NVFP4 copy."""
     seed = None if sr_seed is None else torch.tensor(sr_seed, dtype=torch.int64)
     out = nvfp4.quantize_nvfp4_packed(x, rowwise=not columnwise, columnwise=columnwise, rht=rht,
@@ -222,6 +228,7 @@ def test_bad_arguments_name_the_argument():
         grouped_nvfp4.nvfp4_grouped_gemm(a, a_scale_inv, b, nan_scale, offs, torch.float32)
 
 
+@pytest.mark.usefixtures("allclose_on_fp8")
 def test_opcheck():
     sizes = ROUTINGS["leftovers"]
     a, a_scale_inv, b, b_scale_inv = _forward_operands(sizes, 32, 16)
@@ -232,3 +239,121 @@ def test_opcheck():
                           (a, a_scale_inv, b, b_scale_inv, offs, torch.float32, bias))
     torch.library.opcheck(torch.ops.transformer_linear.nvfp4_grouped_gemm_wgrad.default,
                           (grad_t, grad_scale, x_t, x_scale, offs, torch.bfloat16))
+
+
+QUANTIZE_OPTIONS = {"rne": {}, "rht": {"rht": True}, "sr": {"stochastic_rounding": True},
+                    "rht_sr": {"rht": True, "stochastic_rounding": True}}
+
+
+@pytest.fixture(params=QUANTIZE_ISAS)
+def quantize_isa(request):
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
+
+
+def _check_grouped_copies(x, sizes, option, what):
+    offs = _offs(sizes)
+    kwargs = QUANTIZE_OPTIONS[option]
+    seeds = torch.tensor([(-1) ** g * (12345 + 2**40 * g) for g in range(len(sizes))], dtype=torch.int64)
+    if not kwargs.get("stochastic_rounding"):
+        seeds = None
+    data_t, scale_t = grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs, seeds=seeds, **kwargs)
+    masked_data, masked_scale = grouped_nvfp4._masked_grouped_quantize(
+        x, offs, kwargs.get("rht", False), kwargs.get("stochastic_rounding", False), seeds)
+    assert_bitwise_equal(data_t, masked_data, f"{what}: data_t vs the masked copies")
+    assert_bitwise_equal(scale_t.view(torch.uint8), masked_scale.view(torch.uint8), f"{what}: scales vs the masked")
+    for g, (start, end) in enumerate(reference_grouped.group_bounds(offs, x.shape[0])):
+        masked = torch.zeros_like(x)
+        masked[start:end] = x[start:end]
+        amax = masked.float().abs().amax()
+        amax_t = hadamard_amax_of_transpose(masked) if kwargs.get("rht") else None
+        q = ref.quantize_nvfp4(masked, amax, amax_t, rowwise=False, columnwise=True,
+                               seed=0 if seeds is None else int(seeds[g]), **kwargs)
+        assert_bitwise_equal(data_t[g], q.data_t.view(torch.uint8), f"{what}: group {g} data vs the reference")
+        packed = nvfp4.pack_scales(q.scale_t, q.global_scale_t)
+        assert_bitwise_equal(scale_t[g].view(torch.uint8), packed.view(torch.uint8),
+                             f"{what}: group {g} scales vs the reference")
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+@pytest.mark.parametrize("option", QUANTIZE_OPTIONS)
+def test_grouped_quantize_bitwise_the_masked_copies_and_the_reference(quantize_isa, routing, dtype, option):
+    torch.manual_seed(4)
+    x = (torch.randn(T, 48) * torch.logspace(-3, 3, T).unsqueeze(1)).to(dtype)
+    _check_grouped_copies(x, ROUTINGS[routing], option, routing)
+
+
+@pytest.mark.parametrize("option", ["rne", "rht_sr"])
+def test_grouped_quantize_threads_and_wide_rows(threads, option):
+    torch.manual_seed(5)
+    x = torch.randn(T, 528)  # wider than the kernel's column chunk
+    _check_grouped_copies(x, ROUTINGS["uneven"], option, f"{threads} threads")
+
+
+def test_grouped_quantize_bad_input():
+    x = torch.randn(T, 32)
+    offs = _offs(ROUTINGS["uneven"])
+    with pytest.raises(ValueError, match="'offs'"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, torch.tensor([50, 40, 100, 150], dtype=torch.int32))
+    with pytest.raises(ValueError, match="16"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x[:T - 8], offs)
+    with pytest.raises(ValueError, match="'seeds'"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs, stochastic_rounding=True)
+    with pytest.raises(TypeError, match="'offs'"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs.long())
+    x[50, 3] = float("inf")  # group 2's global amax: as quantize_nvfp4, a ValueError
+    with pytest.raises(ValueError, match="finite"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs)
+
+
+@pytest.mark.usefixtures("allclose_on_fp8")
+def test_opcheck_grouped_quantize():
+    x = torch.randn(T, 32)
+    offs = _offs(ROUTINGS["leftovers"])
+    seeds = torch.arange(4, dtype=torch.int64)
+    for rht, sr in ((False, False), (True, True)):
+        torch.library.opcheck(torch.ops.transformer_linear.quantize_nvfp4_grouped_columnwise.default,
+                              (x, offs, rht, sr, seeds if sr else None))
+
+
+def _old_masked_path(monkeypatch):
+    """The GroupedLinear's NVFP4 path as it was: masked copies quantized one by one, every expert on all tokens."""
+    def masked_columnwise(q, t, offs):
+        qt = grouped_linear_ops._stacked_nvfp4(q, grouped_linear_ops.masked_to_groups(t, offs), rowwise=False,
+                                               columnwise=True)
+        return qt.data_t, qt.scale_inv_t
+
+    def wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype, offs=None):
+        return grouped_nvfp4._looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype)
+
+    monkeypatch.setattr(grouped_linear_ops, "masked_columnwise_nvfp4", masked_columnwise)
+    monkeypatch.setattr(grouped_linear_ops, "nvfp4_grouped_gemm", grouped_nvfp4._masked_grouped_gemm)
+    monkeypatch.setattr(grouped_linear_ops, "nvfp4_grouped_gemm_wgrad", wgrad)
+
+
+@pytest.mark.parametrize("routing", ["uneven", "empty_groups", "leftovers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_bitwise_the_old_path(monkeypatch, routing, dtype):
+    """tl.GroupedLinear under the default NVFP4BlockScaling (RHT, stochastic rounding, 16x16 weights): out, dgrad,
+    wgrad and dbias bit for bit as the torch.where / masked-copies path gave them, from the same seeds."""
+    sizes = ROUTINGS[routing]
+    torch.manual_seed(0)
+    module = tl.GroupedLinear(len(sizes), 64, 48, recipe=tl.recipe.NVFP4BlockScaling(), dtype=dtype)
+    x, grad = torch.randn(T, 64, dtype=dtype), torch.randn(T, 48, dtype=dtype)
+
+    def run():
+        torch.manual_seed(1)  # the stochastic-rounding seeds
+        inp = x.clone().requires_grad_(True)
+        module.zero_grad(set_to_none=True)
+        y = module(inp, torch.tensor(sizes))
+        y.backward(grad)
+        return y.detach(), inp.grad, module.weight.grad, module.bias.grad
+
+    new = run()
+    with monkeypatch.context() as m:
+        _old_masked_path(m)
+        old = run()
+    for name, a, b in zip(("out", "dgrad", "wgrad", "dbias"), new, old):
+        assert_bitwise_equal(a, b, f"{routing}: {name} vs the old path")

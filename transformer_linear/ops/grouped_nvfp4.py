@@ -12,9 +12,12 @@ every expert's GEMM runs on all the tokens and each output row is taken from its
 The weight gradient contracts over tokens: each expert's operands are the tokens masked to its group
 (zeros elsewhere), quantized into their columnwise NVFP4 copies (blocks of 16 tokens on the tensor's grid,
 so groups need not be aligned to 16; a block shared with another group holds zeros for that group's
-rows), which :func:`nvfp4_grouped_gemm_wgrad` multiplies expert by expert. Given ``offs`` on the CPU, the
-extension contracts each expert's copies over the 16-token blocks holding its tokens only: the others are
-zero codes with zero scales and add exactly nothing, so the result has the same bits at 1/G of the FLOPs.
+rows), which :func:`nvfp4_grouped_gemm_wgrad` multiplies expert by expert. On the CPU the extension makes
+those copies (:func:`quantize_nvfp4_grouped_columnwise`: each group's global amax over its own rows, its
+own stochastic-rounding seed, and only the 16-token bands holding its tokens quantized; the other bands
+are zero codes with zero scales, as quantizing the masked tensor gives them), and contracts each expert's
+copies over those bands only: the others add exactly nothing, so the result has the same bits as the
+masked path at 1/G of its bytes and FLOPs.
 
 Operands are in the packed form of ops.nvfp4 (uint8 data, two E2M1 codes a byte; 1-D packed scales with
 the float32 global scale), one stacked tensor per operand.
@@ -29,10 +32,11 @@ from torch import Tensor
 
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype
+from transformer_linear.formats.nvfp4 import BLOCK
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
 
-__all__ = ["group_of_rows", "nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad"]
+__all__ = ["group_of_rows", "nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"]
 
 
 def group_of_rows(rows: int, offs: Tensor) -> Tensor:
@@ -85,7 +89,7 @@ def nvfp4_grouped_gemm(
     return _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
 
 
-def _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias) -> Tensor:
+def _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias=None) -> Tensor:
     """Every expert's GEMM on all the tokens, each row taken from its own expert's (no host read of offs)."""
     group = group_of_rows(a.shape[0], offs).unsqueeze(1)
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
@@ -231,3 +235,92 @@ def _grouped_wgrad_op(
 def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype):
     _check_wgrad_op("nvfp4_grouped_gemm_wgrad", grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
     return grad_t.new_empty((grad_t.shape[0], grad_t.shape[1], x_t.shape[1]), dtype=out_dtype)
+
+
+def quantize_nvfp4_grouped_columnwise(
+    x: Tensor, offs: Tensor, rht: bool = False, stochastic_rounding: bool = False, seeds: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """Each group's columnwise NVFP4 copy (1x16 blocks along the tokens) of ``x`` masked to its group, stacked.
+
+    Group g's copy is bitwise ``ops.nvfp4.quantize_nvfp4_packed(x masked to g, rowwise=False, columnwise=True,
+    rht=rht, stochastic_rounding=stochastic_rounding, seed=seeds[g])``: its global amax is the masked
+    tensor's, its blocks sit on the tensor's 16-token grid (a block shared with another group holds zeros
+    for that group's rows), and its stochastic-rounding bits are those of each element's index in the copy.
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16, M % 16 == 0.
+        offs: (G,) int32 cumulative row ends; on the CPU read by the extension only, never on the host
+            from Python; elsewhere never read on the host (every group masks and quantizes all the tokens).
+        rht: the random Hadamard transform of each block (its global amax that of the transformed copy).
+        stochastic_rounding: round stochastically, group g with ``seeds[g]``.
+        seeds: (G,) int64 with ``stochastic_rounding`` (see ops.nvfp4.sr_seed), else None.
+
+    Returns:
+        (data_t (G, K, M/2) uint8, packed scales (G, 8 + K * M/16) float8_e4m3fn).
+
+    Raises:
+        TypeError: a wrong dtype or rank.
+        ValueError: M not a multiple of 16, a missing seed, ``offs`` not nondecreasing within [0, M] (CPU),
+            or a non-finite global amax.
+    """
+    op = "quantize_nvfp4_grouped_columnwise"
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise TypeError(f"{op}: argument 'x' must be a 2-D torch.Tensor, got {x!r:.80}")
+    _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
+    if x.device.type == "cpu":
+        return tuple(_grouped_quantize_op(x, offs, rht, stochastic_rounding, seeds))
+    return _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds)
+
+
+def _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[Tensor, Tensor]:
+    """Each group's masked copy of all the tokens quantized (no host read of offs)."""
+    group = group_of_rows(x.shape[0], offs).unsqueeze(1)
+    copies = [
+        nvfp4.quantize_nvfp4_packed(torch.where(group == g, x, torch.zeros((), dtype=x.dtype, device=x.device)),
+                                    rowwise=False, columnwise=True, rht=rht, stochastic_rounding=stochastic_rounding,
+                                    seed=seeds[g] if stochastic_rounding else None)
+        for g in range(offs.shape[0])
+    ]
+    data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    for g, copy in enumerate(copies):  # copied rather than stacked: torch.autocast's stack rejects FP8 scales
+        data_t[g].copy_(copy[2])
+        scale_t[g].copy_(copy[3])
+    return data_t, scale_t
+
+
+def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
+    check_hp_dtype(op, "x", x.dtype)
+    _check(op, "offs", offs, torch.int32, 1)
+    if x.shape[0] % BLOCK:
+        raise ValueError(f"{op}: the rows of 'x' ({x.shape[0]}) must be a multiple of {BLOCK} for the "
+                         f"columnwise copy")
+    if stochastic_rounding and (seeds is None or seeds.dtype != torch.int64 or list(seeds.shape) != [offs.shape[0]]):
+        raise ValueError(f"{op}: 'stochastic_rounding' needs 'seeds', ({offs.shape[0]},) int64, got {seeds!r:.80}")
+
+
+def _grouped_quantize_outputs(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    m, k = x.shape
+    return (x.new_empty((groups, k, m // 2), dtype=torch.uint8),
+            x.new_empty((groups, nvfp4.packed_scale_numel(k, m)), dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("transformer_linear::quantize_nvfp4_grouped_columnwise", mutates_args=(), device_types="cpu")
+def _grouped_quantize_op(
+    x: Tensor, offs: Tensor, rht: bool, stochastic_rounding: bool, seeds: Optional[Tensor]
+) -> list[Tensor]:
+    op = "quantize_nvfp4_grouped_columnwise"
+    _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
+    data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    x, offs = x.contiguous(), offs.contiguous()
+    seeds = seeds.contiguous() if stochastic_rounding else None
+    _C.quantize_nvfp4_grouped_columnwise(
+        desc(x, op, "x"), desc(offs, op, "offs"), desc(seeds, op, "seeds"), desc(data_t, op, "output_t"),
+        desc(scale_t, op, "scale_t"), rht, stochastic_rounding, stream_for(x),
+    )
+    return [data_t, scale_t]
+
+
+@_grouped_quantize_op.register_fake
+def _(x, offs, rht, stochastic_rounding, seeds):
+    _check_grouped_quantize("quantize_nvfp4_grouped_columnwise", x, offs, stochastic_rounding, seeds)
+    return list(_grouped_quantize_outputs(x, offs.shape[0]))
