@@ -26,45 +26,84 @@ namespace {
 
 using nvfp4::kBlock;
 
-// max |x| over rows [start, end) (NaN-propagating), or over the Hadamard transforms of the
-// 16-row bands [band0, band1) with rows outside [start, end) as +0.
+// Columns of a band transformed at once: 16 rows x 64 float32 (4 KiB) in L1.
+constexpr int64_t kAmaxCols = 64;
+
+// Running max of |values| and whether any was not finite (NaN or inf), elementwise so that the
+// loops vectorize; a non-finite amax is an error, so its value need not be kept.
+struct AbsMax {
+  float max = 0.0f;
+  bool non_finite = false;
+  void add(float v) {
+    const float a = std::fabs(v);
+    max = a > max ? a : max;
+    non_finite |= !(a <= fp8::kFloatMax);
+  }
+  void add(const AbsMax& o) {
+    max = o.max > max ? o.max : max;
+    non_finite |= o.non_finite;
+  }
+};
+
+// max |x| over rows [start, end), or over the Hadamard transforms of the 16-row bands
+// [band0, band1) with rows outside [start, end) as +0 (the transform's fixed stage order, as
+// nvfp4::hadamard16 and formats/nvfp4.py, on a band's columns side by side; the 0.25 scaling
+// is applied to the maximum, which it commutes with). NaN when any of them is not finite.
 template <typename In>
 float group_amax(const QuantizeGroupedNvfp4Params& p, int64_t start, int64_t end, int64_t band0, int64_t band1) {
   using T = typename In::storage;
   const T* x = p.input.ptr<const T>();
   const int64_t k = p.k;
   const int threads = get_num_threads();
-  std::vector<float> partial(std::max(threads, 1), 0.0f);
+  std::vector<AbsMax> partial(std::max(threads, 1));
   if (!p.rht) {
-    parallel_for(threads, end - start, 64, [&](int64_t i0, int64_t i1) {
-      float m = 0.0f;
+    parallel_for(threads, end - start, 16, [&](int64_t i0, int64_t i1) {
+      AbsMax m;
       for (int64_t r = start + i0; r < start + i1; ++r) {
         const T* row = x + r * k;
-        for (int64_t c = 0; c < k; ++c) m = fp8::amax_update(m, In::load(row[c]));
+        for (int64_t c = 0; c < k; ++c) m.add(In::load(row[c]));
       }
-      float& slot = partial[omp_get_thread_num()];
-      slot = fp8::amax_update(slot, m);
+      partial[omp_get_thread_num()].add(m);
     });
   } else {
     parallel_for(threads, band1 - band0, 1, [&](int64_t b0, int64_t b1) {
-      float m = 0.0f, v[kBlock];
+      AbsMax m;
+      alignas(64) float v[kBlock][kAmaxCols];
       for (int64_t b = band0 + b0; b < band0 + b1; ++b) {
-        for (int64_t c = 0; c < k; ++c) {
+        for (int64_t c0 = 0; c0 < k; c0 += kAmaxCols) {
+          const int64_t w = std::min(kAmaxCols, k - c0);
           for (int i = 0; i < kBlock; ++i) {
             const int64_t r = b * kBlock + i;
-            v[i] = r >= start && r < end ? In::load(x[r * k + c]) : 0.0f;
+            if (r >= start && r < end) {
+              const T* row = x + r * k + c0;
+              for (int64_t j = 0; j < w; ++j) v[i][j] = In::load(row[j]) * nvfp4::kRhtSigns[i];
+            } else {
+              std::fill_n(v[i], w, 0.0f);
+            }
           }
-          nvfp4::hadamard16(v);
-          for (int i = 0; i < kBlock; ++i) m = fp8::amax_update(m, v[i]);
+          for (int half = 1; half < kBlock; half *= 2) {
+            for (int base = 0; base < kBlock; base += 2 * half) {
+              for (int i = base; i < base + half; ++i) {
+                for (int64_t j = 0; j < w; ++j) {
+                  const float lo = v[i][j], hi = v[i + half][j];
+                  v[i][j] = lo + hi;
+                  v[i + half][j] = lo - hi;
+                }
+              }
+            }
+          }
+          for (int i = 0; i < kBlock; ++i) {
+            for (int64_t j = 0; j < w; ++j) m.add(v[i][j]);
+          }
         }
       }
-      float& slot = partial[omp_get_thread_num()];
-      slot = fp8::amax_update(slot, m);
+      partial[omp_get_thread_num()].add(m);
     });
   }
-  float amax = 0.0f;
-  for (float m : partial) amax = fp8::amax_update(amax, m);
-  return amax;
+  AbsMax amax;
+  for (const AbsMax& m : partial) amax.add(m);
+  if (amax.non_finite) return std::nanf("");
+  return p.rht ? amax.max * 0.25f : amax.max;
 }
 
 }  // namespace
