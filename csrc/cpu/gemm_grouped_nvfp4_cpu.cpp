@@ -13,7 +13,6 @@
 // Threading over groups x tiles: a group large enough for the driver to split across the
 // threads runs alone with all of them (the driver splits its tiles); the groups below that
 // run side by side, one per thread, each single-threaded. Results do not depend on it.
-#include <algorithm>
 #include <cstring>
 #include <vector>
 

@@ -68,15 +68,18 @@ def nvfp4_grouped_gemm(
         a_scale_inv: its packed scales (1-D float8_e4m3fn).
         b: (G, N, K/2) uint8, each group's weight (rowwise, packed).
         b_scale_inv: (G, S) each group's packed scales.
-        offs: (G,) int32 cumulative row ends; never read on the host.
+        offs: (G,) int32 cumulative row ends; never read on the host from Python (on the CPU the extension
+            reads and checks it: a CPU tensor, no device sync).
         out_dtype: float32, bfloat16 or float16.
         bias: (G, N) of ``out_dtype``, or None.
 
     Raises:
         TypeError: a wrong dtype or rank.
-        ValueError: ``b_scale_inv`` or ``offs`` not one per group (the NVFP4 GEMM checks the rest).
+        ValueError: ``b_scale_inv`` or ``offs`` not one per group, or (CPU) ``offs`` not nondecreasing within
+            [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm"
+    _check(op, "a", a, torch.uint8, 2)
     _check(op, "b", b, torch.uint8, 3)
     _check(op, "b_scale_inv", b_scale_inv, torch.float8_e4m3fn, 2)
     _check(op, "offs", offs, torch.int32, 1)
