@@ -129,8 +129,10 @@ def linear_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> 
         steps[name] = _fwd_bwd(loop, x, list(sizes), grad, list(linears.parameters()))
     recipes = (("current", tl.recipe.Float8CurrentScaling), ("delayed", tl.recipe.DelayedScaling),
                ("Float8BlockScaling", tl.recipe.Float8BlockScaling), ("MXFP8", tl.recipe.MXFP8BlockScaling),
-               ("rowwise", tl.recipe.Float8RowwiseScaling))
+               ("rowwise", tl.recipe.Float8RowwiseScaling), ("NVFP4", tl.recipe.NVFP4BlockScaling))
     for name, make in recipes:
+        if args.recipes and name not in args.recipes:
+            continue
         module = tl.GroupedLinear(groups, k, n, recipe=make())
         x = torch.randn(total, k, requires_grad=True)
         grad = torch.randn(total, n)
@@ -157,6 +159,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--no-linear", action="store_true", help="skip the GroupedLinear fwd+bwd table")
+    parser.add_argument("--recipes", type=lambda v: v.split(","), default=None,
+                        help="GroupedLinear rows to time (current, delayed, Float8BlockScaling, MXFP8, rowwise, "
+                             "NVFP4; default: all)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the calling thread's CPU time (time.thread_time), with --threads 1 only")
     parser.add_argument(

@@ -51,6 +51,8 @@ def test_every_op_is_covered():
     grouped_ops |= {"fp8_grouped_gemm_wgrad_blockwise"}  # in test_grouped_wgrad_blockwise.py
     grouped_ops |= {"grouped_linear_fwd"}  # in test_grouped_linear.py
     grouped_ops |= {"grouped_mm_dgrad", "grouped_mm_wgrad"}  # in test_grouped_backward_override.py
+    # in test_grouped_nvfp4_kernels.py:
+    grouped_ops |= {"nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"}
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     assert registered == expected | nvfp4_ops | grouped_ops
 

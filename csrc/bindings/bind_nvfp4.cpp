@@ -21,6 +21,16 @@ void register_nvfp4(py::module_& m) {
         "b_scale"_a, "b_global_scale"_a, "bias"_a, "d"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(),
         "d = NVFP4 block-scaled (a @ b.T) * a_global_scale * b_global_scale [+ bias]");
+  m.def("nvfp4_grouped_gemm", &tl::nvfp4_grouped_gemm, "a"_a, "a_scale_inv"_a, "b"_a, "b_scale_inv"_a,
+        "offs"_a, "bias"_a, "d"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
+        "grouped NVFP4 GEMM: d[rows of g] = a[rows of g] @ b[g].T [+ bias[g]] (packed scales)");
+  m.def("nvfp4_grouped_gemm_wgrad", &tl::nvfp4_grouped_gemm_wgrad, "grad_t"_a, "grad_t_scale_inv"_a, "x_t"_a,
+        "x_t_scale_inv"_a, "offs"_a, "d"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
+        "grouped NVFP4 wgrad: d[g] = grad_t[g] @ x_t[g].T over the token blocks of group g");
+  m.def("quantize_nvfp4_grouped_columnwise", &tl::quantize_nvfp4_grouped_columnwise, "input"_a, "offs"_a,
+        "seeds"_a, "output_t"_a, "scale_t"_a, "rht"_a, "stochastic_rounding"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "columnwise NVFP4 copies of the tokens masked to each group (packed scales)");
 }
 
 }  // namespace bindings

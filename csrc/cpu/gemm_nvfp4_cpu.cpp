@@ -54,11 +54,11 @@ struct PairTable {
   }
 };
 
-// A packed NVFP4 operand: row r holds k / 2 bytes and k / 16 E4M3 scales.
+// A packed NVFP4 operand: row r starts ld / 2 bytes and ld / 16 E4M3 scales after row r - 1.
 struct Operand {
   const uint8_t* data;
   const uint8_t* scale;
-  int64_t k;
+  int64_t ld;
 };
 
 // Decode rows [row0, row0 + rows) x k [pc, pc + kc) (kc a multiple of 16) of `op`, block
@@ -66,7 +66,7 @@ struct Operand {
 // the next multiple of r are zero.
 void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc, int r, int kpack, void* dst) {
   static const PairTable table;
-  const int64_t row_bytes = op.k / 2, row_scales = op.k / kBlockK;
+  const int64_t row_bytes = op.ld / 2, row_scales = op.ld / kBlockK;
   for (int64_t p0 = 0; p0 < rows; p0 += r) {
     const int64_t panel = (p0 / r) * kc * r;
     for (int i = 0; i < r; ++i) {
@@ -118,10 +118,10 @@ void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, float
 }
 
 template <typename Out>
-void run(const GemmNvfp4Params& p, const KernelSet& ks) {
+void run(const GemmView& p, const KernelSet& ks) {
   using T = typename Out::storage;
-  T* d = p.d.ptr<T>();
-  const T* bias = p.bias.defined() ? p.bias.ptr<const T>() : nullptr;
+  T* d = static_cast<T*>(p.d);
+  const T* bias = static_cast<const T*>(p.bias);
   const int64_t m = p.m, n = p.n, k = p.k;
   if (k == 0) {  // empty product: D = 0 * alpha [+ bias]
     const std::vector<float> zeros(n, 0.0f);
@@ -143,8 +143,8 @@ void run(const GemmNvfp4Params& p, const KernelSet& ks) {
   Buffer totals_buffer = multi_pass ? aligned_buffer(static_cast<size_t>(m_pad * nc) * sizeof(float)) : nullptr;
   uint8_t* b_packed = b_buffer.get();
   float* totals = reinterpret_cast<float*>(totals_buffer.get());
-  const Operand a_op{p.a.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.a_scale.data), k};
-  const Operand b_op{p.b.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.b_scale.data), k};
+  const Operand a_op{p.a, p.a_scale, p.a_ld};
+  const Operand b_op{p.b, p.b_scale, p.b_ld};
   constexpr double kMinParallelFlops = 1 << 22;
   const bool serial = 2.0 * m * n * k < kMinParallelFlops;
   const int threads = serial ? 1 : get_num_threads();
@@ -208,23 +208,30 @@ void run(const GemmNvfp4Params& p, const KernelSet& ks) {
 
 KernelSet generic_kernels() { return KernelSet{kMr, kNr, 1, 256, 64, 512, micro_generic}; }
 
+KernelSet current_kernels() {
+  switch (current_isa()) {
+    case Isa::kAvx2: return avx2_kernels();
+    case Isa::kAvx512: return avx512_kernels();
+    // vdpbf16ps runs at about half the fp32-FMA rate on CPUs with AMX (Sapphire Rapids),
+    // twice it on AMD Zen 4 (see gemm_cpu_avx512.cpp): where AMX is usable, take fp32.
+    case Isa::kAvx512Bf16: return gemm::amx_usable() ? avx512_kernels() : avx512_bf16_kernels();
+    case Isa::kGeneric: break;
+  }
+  return generic_kernels();
+}
+
+void gemm(const GemmView& v, DType out, const KernelSet& ks) {
+  if (v.m == 0 || v.n == 0) return;
+  dispatch_high_precision(out, "nvfp4_gemm: argument 'd'", [&](auto tag) { run<decltype(tag)>(v, ks); });
+}
+
 }  // namespace gemm_nvfp4
 
 void nvfp4_gemm(const GemmNvfp4Params& p) {
-  if (p.m == 0 || p.n == 0) return;
-  gemm_nvfp4::KernelSet ks = gemm_nvfp4::generic_kernels();
-  switch (current_isa()) {
-    case Isa::kAvx2: ks = gemm_nvfp4::avx2_kernels(); break;
-    case Isa::kAvx512: ks = gemm_nvfp4::avx512_kernels(); break;
-    // vdpbf16ps runs at about half the fp32-FMA rate on CPUs with AMX (Sapphire Rapids),
-    // twice it on AMD Zen 4 (see gemm_cpu_avx512.cpp): where AMX is usable, take fp32.
-    case Isa::kAvx512Bf16:
-      ks = gemm::amx_usable() ? gemm_nvfp4::avx512_kernels() : gemm_nvfp4::avx512_bf16_kernels();
-      break;
-    case Isa::kGeneric: break;
-  }
-  dispatch_high_precision(p.d.dtype, "nvfp4_gemm: argument 'd'",
-                          [&](auto tag) { gemm_nvfp4::run<decltype(tag)>(p, ks); });
+  const gemm_nvfp4::GemmView v{p.a.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.a_scale.data), p.k,
+                               p.b.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.b_scale.data), p.k,
+                               p.bias.defined() ? p.bias.data : nullptr, p.d.data, p.alpha, p.m, p.n, p.k};
+  gemm_nvfp4::gemm(v, p.d.dtype, gemm_nvfp4::current_kernels());
 }
 
 }  // namespace cpu

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "transformer_linear/tensor.h"
+
 namespace tl {
 namespace cpu {
 namespace gemm_nvfp4 {
@@ -44,6 +46,35 @@ KernelSet avx2_kernels();
 KernelSet avx512_kernels();
 /*! \brief AVX512_BF16 vdpbf16ps path; call only when the CPU has it. */
 KernelSet avx512_bf16_kernels();
+/*! \brief The path of the current ISA (TL_CPU_ISA / the CPU's features). */
+KernelSet current_kernels();
+
+/*!
+ * \brief One validated GEMM d = (A @ B^T) * alpha [+ bias] on raw pointers: A rows of `k`
+ *        packed values starting `a_ld` values apart (a_ld / 2 bytes, a_ld / 16 scales), the
+ *        same for B; d (m, n) contiguous, bias (n) or null, both of the output dtype. A
+ *        sub-range of K (a column offset folded into the pointers, k < ld) contracts those
+ *        K blocks only, each output element as the full GEMM sums the same blocks.
+ */
+struct GemmView {
+  const uint8_t* a;
+  const uint8_t* a_scale;
+  int64_t a_ld;
+  const uint8_t* b;
+  const uint8_t* b_scale;
+  int64_t b_ld;
+  const void* bias;
+  void* d;
+  float alpha;
+  int64_t m, n, k;
+};
+
+/*!
+ * \brief Run one GemmView with the kernels `ks` on the calling thread's thread count
+ *        (tl::get_num_threads()); every element's bits are independent of m, n and the
+ *        thread count.
+ */
+void gemm(const GemmView& v, DType out, const KernelSet& ks);
 
 }  // namespace gemm_nvfp4
 }  // namespace cpu

@@ -138,7 +138,9 @@ class Nvfp4Quantizer {
 
   template <typename In>
   void run() const {
-    const int64_t bands = (p_.m + kBlock - 1) / kBlock;
+    const int64_t all_bands = (p_.m + kBlock - 1) / kBlock;
+    const int64_t band0 = p_.band_end < 0 ? 0 : p_.band_begin;
+    const int64_t bands = (p_.band_end < 0 ? all_bands : p_.band_end) - band0;
     const int64_t chunks = (p_.k + kChunkCols - 1) / kChunkCols;
     parallel_for(bands * chunks, 1, [&](int64_t t0, int64_t t1) {
       thread_local Scratch s;
@@ -146,9 +148,14 @@ class Nvfp4Quantizer {
       s.codes.resize(kBlock * kChunkCols);
       s.bits.resize(kBlock);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r0 = (t / chunks) * kBlock, r1 = std::min(p_.m, r0 + kBlock);
+        const int64_t r0 = (band0 + t / chunks) * kBlock, r1 = std::min(p_.m, r0 + kBlock);
         const int64_t c0 = (t % chunks) * kChunkCols, c1 = std::min(p_.k, c0 + kChunkCols);
         if (!vec_ || !vec_->load_tile(p_, r0, r1, c0, c1, s.tile.data())) load<In>(r0, r1, c0, c1, s.tile.data());
+        if (p_.keep_end >= 0) {  // rows of other groups: +0, as the masked copy holds them
+          for (int64_t r = r0; r < r1; ++r) {
+            if (r < p_.keep_begin || r >= p_.keep_end) std::fill_n(s.tile.data() + (r - r0) * (c1 - c0), c1 - c0, 0.0f);
+          }
+        }
         if (vec_) {
           if (p_.scaling_2d) {
             vec_->tiles_2d(p_, s.tile.data(), r0, r1, c0, c1);

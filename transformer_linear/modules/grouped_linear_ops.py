@@ -43,6 +43,7 @@ from transformer_linear.formats.grouped_scaling import (
     WHOLE,
     token_scale_cols,
 )
+from transformer_linear.formats.nvfp4 import BLOCK as NVFP4_BLOCK
 from transformer_linear.modules.linear_args import CachedWeight, args_op
 from transformer_linear.modules.linear_ops import QueuedWgrad, WgradQueue
 from transformer_linear.ops.grouped import (
@@ -51,7 +52,12 @@ from transformer_linear.ops.grouped import (
     fp8_grouped_gemm_wgrad_blockwise,
 )
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
-from transformer_linear.ops.grouped_nvfp4 import group_of_rows, nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
+from transformer_linear.ops.grouped_nvfp4 import (
+    group_of_rows,
+    nvfp4_grouped_gemm,
+    nvfp4_grouped_gemm_wgrad,
+    quantize_nvfp4_grouped_columnwise,
+)
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.delayed_scaling import (
@@ -309,8 +315,7 @@ def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
     if spec.backward_operands == "dequantized":
         inp_fp4, inp_scale_inv = qx.data, qx.scale_inv  # what the forward GEMM read, which backward dequantizes
     elif a.weight_requires_grad and spec.backward_operands == "quantized":
-        qx_t = _stacked_nvfp4(spec.input, masked_to_groups(x, a.offs), rowwise=False, columnwise=True)
-        inp_fp4, inp_scale_inv = qx_t.data_t, qx_t.scale_inv_t
+        inp_fp4, inp_scale_inv = masked_columnwise_nvfp4(spec.input, x, a.offs)
     else:
         inp_fp4, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), x.new_empty(0, dtype=spec.input.scale_dtype)
     return GroupedLinearFwdOutputs(
@@ -331,6 +336,23 @@ def masked_to_groups(t: Tensor, offs: Tensor) -> list[Tensor]:
     """One copy of ``t`` per group, its other rows zero (the group of a row found on the device)."""
     group = group_of_rows(t.shape[0], offs).unsqueeze(1)
     return [torch.where(group == g, t, torch.zeros((), dtype=t.dtype, device=t.device)) for g in range(offs.shape[0])]
+
+
+def masked_columnwise_nvfp4(q: TensorQuantizer, t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """Each group's columnwise copy of ``t`` masked to its group (its other rows zero) by the NVFP4 quantizer
+    ``q``, stacked: (data_t (G, K, M/2), packed scales (G, S)). 1x16 blocks: one grouped quantize
+    (ops.grouped_nvfp4: on the CPU only the bands holding each group's tokens are quantized), with one
+    stochastic-rounding seed per group drawn as quantizing each masked copy would; 16x16 tiles: each masked
+    copy quantized by ``q``."""
+    if q.block_shape != [1, NVFP4_BLOCK]:
+        qt = _stacked_nvfp4(q, masked_to_groups(t, offs), rowwise=False, columnwise=True)
+        return qt.data_t, qt.scale_inv_t
+    seeds = None
+    if q.stochastic_rounding:
+        # One draw per group, in group order; each draw depends on its own tensor so that none is merged.
+        draws = [ops.nvfp4.sr_seed(offs[g]) for g in range(offs.shape[0])]
+        seeds = torch.stack(draws) if draws else torch.zeros(0, dtype=torch.int64)
+    return quantize_nvfp4_grouped_columnwise(t, offs, q.rht, q.stochastic_rounding, seeds)
 
 
 def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, columnwise: bool) -> Quantized:
@@ -467,7 +489,8 @@ def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> O
     fp32) to ``main_grad``."""
     dtype = a.wgrad_dtype if main_grad is None else torch.float32
     if a.nvfp4:
-        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype)
+        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype,
+                                         offs=a.offs)
     elif a.grad_output_scale_inv is None:
         wgrad = high_precision_grouped_wgrad(a.grad_output, a.inp, a.offs, dtype)
     elif a.token_block is None:
@@ -540,9 +563,9 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             qg = quantizer.quantize(g, rowwise=True)
             dgrad = nvfp4_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
         if c.weight_requires_grad:
-            qg_t = _stacked_nvfp4(quantizer, masked_to_groups(g, offs), rowwise=False, columnwise=True)
-            wgrad_args = GroupedWgradArgs(qg_t.data_t, qg_t.scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype,
-                                          None, nvfp4=True)
+            g_t, g_scale_inv_t = masked_columnwise_nvfp4(quantizer, g, offs)
+            wgrad_args = GroupedWgradArgs(g_t, g_scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype, None,
+                                          nvfp4=True)
     elif quantizer.blockwise:
         # Rowwise for dgrad; the grouped columnwise copy for wgrad (blocks restart at each group).
         if c.input_requires_grad:

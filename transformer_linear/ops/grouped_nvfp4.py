@@ -1,14 +1,23 @@
-"""Grouped NVFP4 GEMMs (mixture-of-experts under NVFP4BlockScaling), as a loop over the experts of the
-NVFP4 GEMM op (ops.nvfp4.nvfp4_gemm_packed), with no host read of ``offs``.
+"""Grouped NVFP4 GEMMs (mixture-of-experts under NVFP4BlockScaling), with no host read of ``offs`` from Python.
 
-A loop of per-group slices would need each group's size on the host (a device sync, and a recompile per
-routing under torch.compile). Instead every expert's GEMM runs on all the tokens and each output row is
-taken from its own expert's result (``torch.where`` on the row's group, found on the device): G times the
-FLOPs of one grouped GEMM, which a grouped NVFP4 kernel would save. The weight gradient contracts over
-tokens: each expert's operands are the tokens masked to its group (zeros elsewhere), quantized into their
-columnwise NVFP4 copies (blocks of 16 tokens on the tensor's grid, so groups need not be aligned to 16; a
-block shared with another group holds zeros for that group's rows), which :func:`nvfp4_grouped_gemm_wgrad`
-multiplies expert by expert.
+CPU tensors run the extension's grouped NVFP4 GEMM (csrc/cpu/gemm_grouped_nvfp4_cpu.cpp), which reads
+``offs`` in C++ (a CPU tensor: no device sync) and runs each expert's NVFP4 GEMM on its own rows only,
+every row with the bits of ``ops.nvfp4.nvfp4_gemm_packed`` on that row and the expert's weight.
+
+Other tensors (CUDA, meta) loop over the experts of the NVFP4 GEMM op: a loop of per-group slices would
+need each group's size on the host (a device sync, and a recompile per routing under torch.compile), so
+every expert's GEMM runs on all the tokens and each output row is taken from its own expert's result
+(``torch.where`` on the row's group, found on the device): G times the FLOPs, the same bits.
+
+The weight gradient contracts over tokens: each expert's operands are the tokens masked to its group
+(zeros elsewhere), quantized into their columnwise NVFP4 copies (blocks of 16 tokens on the tensor's grid,
+so groups need not be aligned to 16; a block shared with another group holds zeros for that group's
+rows), which :func:`nvfp4_grouped_gemm_wgrad` multiplies expert by expert. On the CPU the extension makes
+those copies (:func:`quantize_nvfp4_grouped_columnwise`: each group's global amax over its own rows, its
+own stochastic-rounding seed, and only the 16-token bands holding its tokens quantized; the other bands
+are zero codes with zero scales, as quantizing the masked tensor gives them), and contracts each expert's
+copies over those bands only: the others add exactly nothing, so the result has the same bits as the
+masked path at 1/G of its bytes and FLOPs.
 
 Operands are in the packed form of ops.nvfp4 (uint8 data, two E2M1 codes a byte; 1-D packed scales with
 the float32 global scale), one stacked tensor per operand.
@@ -21,9 +30,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from transformer_linear import _C
+from transformer_linear.formats.checks import check_hp_dtype
+from transformer_linear.formats.nvfp4 import BLOCK
 from transformer_linear.ops import nvfp4
+from transformer_linear.ops.descriptors import desc, stream_for
 
-__all__ = ["group_of_rows", "nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad"]
+__all__ = ["group_of_rows", "nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"]
 
 
 def group_of_rows(rows: int, offs: Tensor) -> Tensor:
@@ -55,15 +68,18 @@ def nvfp4_grouped_gemm(
         a_scale_inv: its packed scales (1-D float8_e4m3fn).
         b: (G, N, K/2) uint8, each group's weight (rowwise, packed).
         b_scale_inv: (G, S) each group's packed scales.
-        offs: (G,) int32 cumulative row ends; never read on the host.
+        offs: (G,) int32 cumulative row ends; never read on the host from Python (on the CPU the extension
+            reads and checks it: a CPU tensor, no device sync).
         out_dtype: float32, bfloat16 or float16.
         bias: (G, N) of ``out_dtype``, or None.
 
     Raises:
         TypeError: a wrong dtype or rank.
-        ValueError: ``b_scale_inv`` or ``offs`` not one per group (the NVFP4 GEMM checks the rest).
+        ValueError: ``b_scale_inv`` or ``offs`` not one per group, or (CPU) ``offs`` not nondecreasing within
+            [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm"
+    _check(op, "a", a, torch.uint8, 2)
     _check(op, "b", b, torch.uint8, 3)
     _check(op, "b_scale_inv", b_scale_inv, torch.float8_e4m3fn, 2)
     _check(op, "offs", offs, torch.int32, 1)
@@ -71,19 +87,80 @@ def nvfp4_grouped_gemm(
     if b_scale_inv.shape[0] != groups or offs.shape[0] != groups:
         raise ValueError(f"{op}: 'b_scale_inv' and 'offs' must have one entry per group ({groups}), got "
                          f"{b_scale_inv.shape[0]} and {offs.shape[0]}")
+    if a.device.type == "cpu":
+        return _grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    return _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+
+
+def _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias=None) -> Tensor:
+    """Every expert's GEMM on all the tokens, each row taken from its own expert's (no host read of offs)."""
     group = group_of_rows(a.shape[0], offs).unsqueeze(1)
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
-    for g in range(groups):
+    for g in range(b.shape[0]):
         expert_out = nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b[g], b_scale_inv[g], out_dtype,
                                              None if bias is None else bias[g])
         out = torch.where(group == g, expert_out, out)
     return out
 
 
+def _check_grouped_op(op, a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias) -> None:
+    """What the custom op checks itself (it can be called through torch.ops); the kernel checks the rest."""
+    _check(op, "a", a, torch.uint8, 2)
+    _check(op, "a_scale_inv", a_scale_inv, torch.float8_e4m3fn, 1)
+    _check(op, "b", b, torch.uint8, 3)
+    _check(op, "b_scale_inv", b_scale_inv, torch.float8_e4m3fn, 2)
+    _check(op, "offs", offs, torch.int32, 1)
+    check_hp_dtype(op, "out_dtype", out_dtype)
+    if a.shape[1] != b.shape[2]:
+        raise ValueError(f"{op}: the K dimensions of 'a' {list(a.shape)} and 'b' {list(b.shape)} differ")
+    if b_scale_inv.shape[0] != b.shape[0] or offs.shape[0] != b.shape[0]:
+        raise ValueError(f"{op}: 'b_scale_inv' and 'offs' must have one entry per group ({b.shape[0]}), got "
+                         f"{b_scale_inv.shape[0]} and {offs.shape[0]}")
+    if bias is not None and bias.dtype != out_dtype:
+        raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
+
+
+@torch.library.custom_op("transformer_linear::nvfp4_grouped_gemm", mutates_args=(), device_types="cpu")
+def _grouped_gemm_op(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    offs: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor],
+) -> Tensor:
+    op = "nvfp4_grouped_gemm"
+    _check_grouped_op(op, a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    # Contiguous copies (where needed) held here: the kernel reads them after desc() returns.
+    a, a_scale_inv, b, b_scale_inv, offs = (t.contiguous() for t in (a, a_scale_inv, b, b_scale_inv, offs))
+    bias = None if bias is None else bias.contiguous()
+    _C.nvfp4_grouped_gemm(
+        desc(a, op, "a"), desc(a_scale_inv, op, "a_scale_inv"), desc(b, op, "b"), desc(b_scale_inv, op, "b_scale_inv"),
+        desc(offs, op, "offs"), desc(bias, op, "bias"), desc(out, op, "d"), stream_for(a),
+    )
+    return out
+
+
+@_grouped_gemm_op.register_fake
+def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias):
+    _check_grouped_op("nvfp4_grouped_gemm", a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def nvfp4_grouped_gemm_wgrad(
-    grad_t: Tensor, grad_t_scale_inv: Tensor, x_t: Tensor, x_t_scale_inv: Tensor, out_dtype: torch.dtype
+    grad_t: Tensor,
+    grad_t_scale_inv: Tensor,
+    x_t: Tensor,
+    x_t_scale_inv: Tensor,
+    out_dtype: torch.dtype,
+    offs: Optional[Tensor] = None,
 ) -> Tensor:
     """(G, N, K): ``grad_t[g] x_t[g]ᵀ`` per group, each contracting over the M tokens.
+
+    With ``offs`` (CPU tensors), only the 16-token blocks holding group g's tokens are contracted for g
+    (the operands must then be zero outside them, as the masked copies are): the same bits, 1/G the work.
 
     Args:
         grad_t: (G, N, M/2) uint8: each group's columnwise copy of grad_output, its other groups' rows zero.
@@ -91,10 +168,13 @@ def nvfp4_grouped_gemm_wgrad(
         x_t: (G, K, M/2) uint8: the same of the input.
         x_t_scale_inv: (G, S') their packed scales.
         out_dtype: float32, bfloat16 or float16.
+        offs: (G,) int32 cumulative token ends, or None (every block of every group is contracted);
+            read by the extension only (CPU), never on the host from Python.
 
     Raises:
         TypeError: a wrong dtype or rank.
-        ValueError: operands of different group counts (the NVFP4 GEMM checks the rest).
+        ValueError: operands of different group counts, or (on the CPU) ``offs`` not nondecreasing
+            within [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm_wgrad"
     for name, t in (("grad_t", grad_t), ("x_t", x_t)):
@@ -105,9 +185,145 @@ def nvfp4_grouped_gemm_wgrad(
     if not groups == x_t.shape[0] == grad_t_scale_inv.shape[0] == x_t_scale_inv.shape[0]:
         raise ValueError(f"{op}: the operands have different group counts: {grad_t.shape[0]}, {x_t.shape[0]}, "
                          f"{grad_t_scale_inv.shape[0]}, {x_t_scale_inv.shape[0]}")
+    if offs is not None:
+        _check(op, "offs", offs, torch.int32, 1)
+        if offs.shape[0] != groups:
+            raise ValueError(f"{op}: argument 'offs' must have one entry per group ({groups}), got {offs.shape[0]}")
     if groups == 0:
         return grad_t.new_zeros((0, grad_t.shape[1], x_t.shape[1]), dtype=out_dtype)
+    if offs is not None and grad_t.device.type == "cpu":
+        return _grouped_wgrad_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
+    return _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype)
+
+
+def _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype) -> Tensor:
+    """Each expert's NVFP4 GEMM over all the tokens."""
     return torch.stack([
         nvfp4.nvfp4_gemm_packed(grad_t[g], grad_t_scale_inv[g], x_t[g], x_t_scale_inv[g], out_dtype)
-        for g in range(groups)
+        for g in range(grad_t.shape[0])
     ])
+
+
+def _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype) -> None:
+    for name, t in (("grad_t", grad_t), ("x_t", x_t)):
+        _check(op, name, t, torch.uint8, 3)
+    for name, t in (("grad_t_scale_inv", grad_t_scale_inv), ("x_t_scale_inv", x_t_scale_inv)):
+        _check(op, name, t, torch.float8_e4m3fn, 2)
+    _check(op, "offs", offs, torch.int32, 1)
+    check_hp_dtype(op, "out_dtype", out_dtype)
+    if not grad_t.shape[0] == x_t.shape[0] == offs.shape[0]:
+        raise ValueError(f"{op}: 'grad_t', 'x_t' and 'offs' must have one entry per group, got "
+                         f"{grad_t.shape[0]}, {x_t.shape[0]} and {offs.shape[0]}")
+    if grad_t.shape[2] != x_t.shape[2]:
+        raise ValueError(f"{op}: 'grad_t' {list(grad_t.shape)} and 'x_t' {list(x_t.shape)} must have the same tokens")
+
+
+@torch.library.custom_op("transformer_linear::nvfp4_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
+def _grouped_wgrad_op(
+    grad_t: Tensor, grad_t_scale_inv: Tensor, x_t: Tensor, x_t_scale_inv: Tensor, offs: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    op = "nvfp4_grouped_gemm_wgrad"
+    _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
+    out = torch.empty((grad_t.shape[0], grad_t.shape[1], x_t.shape[1]), dtype=out_dtype, device=grad_t.device)
+    grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs = (
+        t.contiguous() for t in (grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs))
+    _C.nvfp4_grouped_gemm_wgrad(
+        desc(grad_t, op, "grad_t"), desc(grad_t_scale_inv, op, "grad_t_scale_inv"), desc(x_t, op, "x_t"),
+        desc(x_t_scale_inv, op, "x_t_scale_inv"), desc(offs, op, "offs"), desc(out, op, "d"), stream_for(grad_t),
+    )
+    return out
+
+
+@_grouped_wgrad_op.register_fake
+def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype):
+    _check_wgrad_op("nvfp4_grouped_gemm_wgrad", grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
+    return grad_t.new_empty((grad_t.shape[0], grad_t.shape[1], x_t.shape[1]), dtype=out_dtype)
+
+
+def quantize_nvfp4_grouped_columnwise(
+    x: Tensor, offs: Tensor, rht: bool = False, stochastic_rounding: bool = False, seeds: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """Each group's columnwise NVFP4 copy (1x16 blocks along the tokens) of ``x`` masked to its group, stacked.
+
+    Group g's copy is bitwise ``ops.nvfp4.quantize_nvfp4_packed(x masked to g, rowwise=False, columnwise=True,
+    rht=rht, stochastic_rounding=stochastic_rounding, seed=seeds[g])``: its global amax is the masked
+    tensor's, its blocks sit on the tensor's 16-token grid (a block shared with another group holds zeros
+    for that group's rows), and its stochastic-rounding bits are those of each element's index in the copy.
+
+    Args:
+        x: (M, K) float32, bfloat16 or float16, M % 16 == 0.
+        offs: (G,) int32 cumulative row ends; on the CPU read by the extension only, never on the host
+            from Python; elsewhere never read on the host (every group masks and quantizes all the tokens).
+        rht: the random Hadamard transform of each block (its global amax that of the transformed copy).
+        stochastic_rounding: round stochastically, group g with ``seeds[g]``.
+        seeds: (G,) int64 with ``stochastic_rounding`` (see ops.nvfp4.sr_seed), else None.
+
+    Returns:
+        (data_t (G, K, M/2) uint8, packed scales (G, 8 + K * M/16) float8_e4m3fn).
+
+    Raises:
+        TypeError: a wrong dtype or rank.
+        ValueError: M not a multiple of 16, a missing seed, ``offs`` not nondecreasing within [0, M] (CPU),
+            or a non-finite global amax.
+    """
+    op = "quantize_nvfp4_grouped_columnwise"
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise TypeError(f"{op}: argument 'x' must be a 2-D torch.Tensor, got {x!r:.80}")
+    _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
+    if x.device.type == "cpu":
+        return tuple(_grouped_quantize_op(x, offs, rht, stochastic_rounding, seeds))
+    return _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds)
+
+
+def _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[Tensor, Tensor]:
+    """Each group's masked copy of all the tokens quantized (no host read of offs)."""
+    group = group_of_rows(x.shape[0], offs).unsqueeze(1)
+    copies = [
+        nvfp4.quantize_nvfp4_packed(torch.where(group == g, x, torch.zeros((), dtype=x.dtype, device=x.device)),
+                                    rowwise=False, columnwise=True, rht=rht, stochastic_rounding=stochastic_rounding,
+                                    seed=seeds[g] if stochastic_rounding else None)
+        for g in range(offs.shape[0])
+    ]
+    data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    for g, copy in enumerate(copies):  # copied rather than stacked: torch.autocast's stack rejects FP8 scales
+        data_t[g].copy_(copy[2])
+        scale_t[g].copy_(copy[3])
+    return data_t, scale_t
+
+
+def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
+    check_hp_dtype(op, "x", x.dtype)
+    _check(op, "offs", offs, torch.int32, 1)
+    if x.shape[0] % BLOCK:
+        raise ValueError(f"{op}: the rows of 'x' ({x.shape[0]}) must be a multiple of {BLOCK} for the "
+                         f"columnwise copy")
+    if stochastic_rounding and (seeds is None or seeds.dtype != torch.int64 or list(seeds.shape) != [offs.shape[0]]):
+        raise ValueError(f"{op}: 'stochastic_rounding' needs 'seeds', ({offs.shape[0]},) int64, got {seeds!r:.80}")
+
+
+def _grouped_quantize_outputs(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    m, k = x.shape
+    return (x.new_empty((groups, k, m // 2), dtype=torch.uint8),
+            x.new_empty((groups, nvfp4.packed_scale_numel(k, m)), dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("transformer_linear::quantize_nvfp4_grouped_columnwise", mutates_args=(), device_types="cpu")
+def _grouped_quantize_op(
+    x: Tensor, offs: Tensor, rht: bool, stochastic_rounding: bool, seeds: Optional[Tensor]
+) -> list[Tensor]:
+    op = "quantize_nvfp4_grouped_columnwise"
+    _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
+    data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    x, offs = x.contiguous(), offs.contiguous()
+    seeds = seeds.contiguous() if stochastic_rounding else None
+    _C.quantize_nvfp4_grouped_columnwise(
+        desc(x, op, "x"), desc(offs, op, "offs"), desc(seeds, op, "seeds"), desc(data_t, op, "output_t"),
+        desc(scale_t, op, "scale_t"), rht, stochastic_rounding, stream_for(x),
+    )
+    return [data_t, scale_t]
+
+
+@_grouped_quantize_op.register_fake
+def _(x, offs, rht, stochastic_rounding, seeds):
+    _check_grouped_quantize("quantize_nvfp4_grouped_columnwise", x, offs, stochastic_rounding, seeds)
+    return list(_grouped_quantize_outputs(x, offs.shape[0]))

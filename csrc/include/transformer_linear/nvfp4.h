@@ -62,4 +62,61 @@ void nvfp4_gemm(const TensorDesc& a, const TensorDesc& a_scale, const TensorDesc
                 const TensorDesc& b, const TensorDesc& b_scale, const TensorDesc& b_global_scale,
                 const TensorDesc& bias, const TensorDesc& d, Stream stream);
 
+/*!
+ * \brief Grouped NVFP4 GEMM (mixture of experts), forward and dgrad form: for each group g,
+ *        d[rows of g] = a[rows of g] @ b[g]^T * (a's global scale * b[g]'s) [+ bias[g]]; rows
+ *        past offs[G - 1] are zero. Each row has the bits of nvfp4_gemm on that row and b[g].
+ *
+ * Scales are packed (transformer_linear/ops/nvfp4.py pack_scales): the float32 global decode
+ * scale as 8 elements of 4 bits, then the E4M3 block scales row-major.
+ *
+ * \param a            uint8 packed (total, K / 2), contiguous, on the CPU; K % 16 == 0.
+ * \param a_scale_inv  float8_e4m3fn (8 + total * K / 16), its packed scales.
+ * \param b            uint8 packed (G, N, K / 2), contiguous.
+ * \param b_scale_inv  float8_e4m3fn (G, 8 + N * K / 16), each group's packed scales.
+ * \param offs         int32 (G) cumulative row ends, nondecreasing, in [0, total]; read on the host.
+ * \param bias         (G, N) of d's dtype, or undefined.
+ * \param d            contiguous (total, N) float32, bfloat16 or float16.
+ * \param stream       thread count of the call.
+ */
+void nvfp4_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
+                        const TensorDesc& b_scale_inv, const TensorDesc& offs, const TensorDesc& bias,
+                        const TensorDesc& d, Stream stream);
+
+/*!
+ * \brief Grouped NVFP4 weight-gradient GEMM: d[g] = grad_t[g] @ x_t[g]^T * (their global scales),
+ *        contracting over the tokens, where grad_t[g] and x_t[g] are columnwise NVFP4 copies of
+ *        the tokens masked to group g (zero outside [offs[g-1], offs[g])). Only the 16-token blocks
+ *        holding the group's tokens are read: the others are zero and add nothing, so d[g] has the
+ *        bits of nvfp4_gemm(grad_t[g], x_t[g]).
+ *
+ * \param grad_t            uint8 packed (G, N, total / 2), contiguous, on the CPU.
+ * \param grad_t_scale_inv  float8_e4m3fn (G, 8 + N * total / 16), packed scales.
+ * \param x_t               uint8 packed (G, K, total / 2).
+ * \param x_t_scale_inv     float8_e4m3fn (G, 8 + K * total / 16).
+ * \param offs              int32 (G) cumulative token ends, nondecreasing, in [0, total].
+ * \param d                 contiguous (G, N, K) float32, bfloat16 or float16.
+ * \param stream            thread count of the call.
+ */
+void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t_scale_inv,
+                              const TensorDesc& x_t, const TensorDesc& x_t_scale_inv, const TensorDesc& offs,
+                              const TensorDesc& d, Stream stream);
+
+/*!
+ * \brief Columnwise NVFP4 copies (1x16 blocks along the tokens) of the tokens masked to each group,
+ *        each with the bits quantize_nvfp4(x masked to group g, its amax, columnwise) gives (with
+ *        `rht`, its transformed amax; with `stochastic_rounding`, seeds[g] and offset 0), computed
+ *        on the 16-token bands holding the group's tokens only.
+ *
+ * \param input     contiguous (total, K) float32, bfloat16 or float16 on the CPU; total % 16 == 0.
+ * \param offs      int32 (G) cumulative row ends, nondecreasing, in [0, total]; read on the host.
+ * \param seeds     int64 (G) with `stochastic_rounding`, else undefined.
+ * \param output_t  uint8 (G, K, total / 2) out.
+ * \param scale_t   float8_e4m3fn (G, 8 + K * total / 16) out: packed scales (pack_scales).
+ * \param stream    thread count of the call.
+ */
+void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs, const TensorDesc& seeds,
+                                       const TensorDesc& output_t, const TensorDesc& scale_t, bool rht,
+                                       bool stochastic_rounding, Stream stream);
+
 }  // namespace tl

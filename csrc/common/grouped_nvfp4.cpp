@@ -1,0 +1,248 @@
+// Grouped NVFP4 entry points (the GEMM's forward / dgrad and wgrad forms, the columnwise copies of
+// the tokens masked to each group): validate, read `offs` and the packed global scales on the host
+// (CPU tensors: no device sync), then run the CPU kernels.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../cpu/parallel.h"
+#include "../cpu/quantize_nvfp4_cpu.h"
+#include "backend_nvfp4.h"
+#include "transformer_linear/nvfp4.h"
+#include "validate.h"
+
+namespace tl {
+namespace {
+
+constexpr int64_t kBlock = cpu::nvfp4::kBlock;
+// A packed scale tensor (ops/nvfp4.py pack_scales) starts with the float32 global decode
+// scale as 8 elements of 4 bits each, least significant first; the block scales follow.
+constexpr int64_t kGlobalElements = 8;
+
+float packed_global_scale(const uint8_t* packed) {
+  uint64_t bits = 0;  // as unpack_scales: the bytes shifted and summed, the low 32 bits kept
+  for (int i = 0; i < kGlobalElements; ++i) bits += static_cast<uint64_t>(packed[i]) << (4 * i);
+  const uint32_t low = static_cast<uint32_t>(bits);
+  float value;
+  std::memcpy(&value, &low, sizeof(value));
+  return value;
+}
+
+void check_cpu(const char* op, const char* name, const TensorDesc& t) {
+  check_defined(op, name, t);
+  TL_CHECK_TYPE(t.device == DeviceType::kCPU, op, ": argument '", name, "' must be on cpu, got ",
+                device_name(t.device));
+}
+
+// Packed data: uint8, `rank`-D, contiguous, on `like`'s device, a multiple of 16 values a row.
+void check_data(const char* op, const char* name, const TensorDesc& t, int rank, const TensorDesc& like) {
+  check_defined(op, name, t);
+  check_device(op, name, t, like.device, like.device_index);
+  check_dtype(op, name, t, {DType::kUInt8});
+  check_rank(op, name, t, rank);
+  check_contiguous(op, name, t);
+  TL_CHECK(t.shape[rank - 1] % (kBlock / 2) == 0, op, ": argument '", name,
+           "' must hold a multiple of 16 FP4 values per row (", kBlock / 2, " bytes), got shape ",
+           shape_str(t));
+}
+
+// Packed scales of `groups` copies of (rows, cols) (1-D for one copy, groups < 0); returns each
+// copy's global decode scale, checked finite.
+std::vector<float> check_packed_scales(const char* op, const char* name, const TensorDesc& t, int64_t groups,
+                                       int64_t rows, int64_t cols, const TensorDesc& like) {
+  check_defined(op, name, t);
+  check_device(op, name, t, like.device, like.device_index);
+  check_dtype(op, name, t, {DType::kFloat8E4M3});
+  check_contiguous(op, name, t);
+  const int64_t numel = kGlobalElements + rows * (cols / kBlock);
+  if (groups < 0) {
+    check_shape(op, name, t, {numel});
+  } else {
+    check_shape(op, name, t, {groups, numel});
+  }
+  const auto* raw = static_cast<const uint8_t*>(t.data);
+  std::vector<float> globals(groups < 0 ? 1 : groups);
+  for (size_t g = 0; g < globals.size(); ++g) {
+    globals[g] = packed_global_scale(raw + g * numel);
+    TL_CHECK(std::isfinite(globals[g]), op, ": the global decode scale packed in argument '", name, "'",
+             groups < 0 ? "" : " for group ", groups < 0 ? std::string() : std::to_string(g),
+             " must be finite, got ", globals[g]);
+  }
+  return globals;
+}
+
+// int32, one entry per group, nondecreasing cumulative row ends in [0, total].
+void check_offs(const char* op, const TensorDesc& offs, int64_t groups, int64_t total, const TensorDesc& like) {
+  check_defined(op, "offs", offs);
+  check_device(op, "offs", offs, like.device, like.device_index);
+  check_dtype(op, "offs", offs, {DType::kInt32});
+  check_rank(op, "offs", offs, 1);
+  check_contiguous(op, "offs", offs);
+  TL_CHECK(offs.shape[0] == groups, op, ": argument 'offs' must have one entry per group (", groups,
+           "), got shape ", shape_str(offs));
+  TL_CHECK(total <= std::numeric_limits<int32_t>::max(), op, ": ", total,
+           " tokens are more than the int32 'offs' can address (2^31 - 1)");
+  const auto* ends = static_cast<const int32_t*>(offs.data);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t prev = g == 0 ? 0 : ends[g - 1];
+    TL_CHECK(ends[g] >= prev && ends[g] <= total, op,
+             ": argument 'offs' must be nondecreasing cumulative row ends in [0, ", total, "], got offs[", g,
+             "] = ", ends[g], " after ", prev);
+  }
+}
+
+void check_out(const char* op, const TensorDesc& d, std::initializer_list<int64_t> shape, const TensorDesc& like) {
+  check_defined(op, "d", d);
+  check_device(op, "d", d, like.device, like.device_index);
+  check_dtype(op, "d", d, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_contiguous(op, "d", d);
+  check_shape(op, "d", d, shape);
+}
+
+}  // namespace
+
+void nvfp4_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
+                        const TensorDesc& b_scale_inv, const TensorDesc& offs, const TensorDesc& bias,
+                        const TensorDesc& d, Stream stream) {
+  constexpr const char* op = "nvfp4_grouped_gemm";
+  check_cpu(op, "a", a);
+  check_data(op, "a", a, 2, a);
+  check_data(op, "b", b, 3, a);
+  const int64_t total = a.shape[0], k = a.shape[1] * 2, groups = b.shape[0], n = b.shape[1];
+  TL_CHECK(b.shape[2] * 2 == k, op, ": the K dimensions of 'a' ", shape_str(a), " and 'b' ", shape_str(b),
+           " differ");
+  const std::vector<float> ga = check_packed_scales(op, "a_scale_inv", a_scale_inv, -1, total, k, a);
+  const std::vector<float> gb = check_packed_scales(op, "b_scale_inv", b_scale_inv, groups, n, k, a);
+  check_offs(op, offs, groups, total, a);
+  check_out(op, d, {total, n}, a);
+  if (bias.defined()) {
+    check_device(op, "bias", bias, a.device, a.device_index);
+    TL_CHECK_TYPE(bias.dtype == d.dtype, op, ": argument 'bias' must have the output dtype ",
+                  dtype_name(d.dtype), ", got ", dtype_name(bias.dtype));
+    check_contiguous(op, "bias", bias);
+    check_shape(op, "bias", bias, {groups, n});
+  }
+  check_disjoint(op, {{"d", &d}},
+                 {{"a", &a}, {"a_scale_inv", &a_scale_inv}, {"b", &b}, {"b_scale_inv", &b_scale_inv},
+                  {"offs", &offs}, {"bias", &bias}});
+  const std::vector<float> ga_per_group(groups, ga[0]);
+  const int64_t b_numel = kGlobalElements + n * (k / kBlock);
+  GroupedGemmNvfp4Params p{};
+  p.a = a.ptr<const uint8_t>();
+  p.a_scale = static_cast<const uint8_t*>(a_scale_inv.data) + kGlobalElements;
+  p.b = b.ptr<const uint8_t>();
+  p.b_scale = static_cast<const uint8_t*>(b_scale_inv.data) + kGlobalElements;
+  p.b_group_stride = n * (k / 2);
+  p.b_scale_stride = b_numel;
+  p.a_global = ga_per_group.data();
+  p.b_global = gb.data();
+  p.offs = static_cast<const int32_t*>(offs.data);
+  p.bias = bias.defined() ? bias.data : nullptr;
+  p.d = d.data;
+  p.out_dtype = d.dtype;
+  p.groups = groups;
+  p.total = total;
+  p.n = n;
+  p.k = k;
+  p.wgrad = false;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::nvfp4_grouped_gemm(p);
+}
+
+void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t_scale_inv,
+                              const TensorDesc& x_t, const TensorDesc& x_t_scale_inv, const TensorDesc& offs,
+                              const TensorDesc& d, Stream stream) {
+  constexpr const char* op = "nvfp4_grouped_gemm_wgrad";
+  check_cpu(op, "grad_t", grad_t);
+  check_data(op, "grad_t", grad_t, 3, grad_t);
+  check_data(op, "x_t", x_t, 3, grad_t);
+  const int64_t groups = grad_t.shape[0], n = grad_t.shape[1], total = grad_t.shape[2] * 2, k = x_t.shape[1];
+  TL_CHECK(x_t.shape[0] == groups, op, ": 'grad_t' and 'x_t' must have the same groups, got ", shape_str(grad_t),
+           " and ", shape_str(x_t));
+  TL_CHECK(x_t.shape[2] * 2 == total, op, ": 'grad_t' and 'x_t' must have the same tokens, got ",
+           shape_str(grad_t), " and ", shape_str(x_t));
+  const std::vector<float> gg = check_packed_scales(op, "grad_t_scale_inv", grad_t_scale_inv, groups, n, total,
+                                                    grad_t);
+  const std::vector<float> gx = check_packed_scales(op, "x_t_scale_inv", x_t_scale_inv, groups, k, total, grad_t);
+  check_offs(op, offs, groups, total, grad_t);
+  check_out(op, d, {groups, n, k}, grad_t);
+  check_disjoint(op, {{"d", &d}},
+                 {{"grad_t", &grad_t}, {"grad_t_scale_inv", &grad_t_scale_inv}, {"x_t", &x_t},
+                  {"x_t_scale_inv", &x_t_scale_inv}, {"offs", &offs}});
+  GroupedGemmNvfp4Params p{};
+  p.a = grad_t.ptr<const uint8_t>();
+  p.a_scale = static_cast<const uint8_t*>(grad_t_scale_inv.data) + kGlobalElements;
+  p.a_group_stride = n * (total / 2);
+  p.a_scale_stride = kGlobalElements + n * (total / kBlock);
+  p.b = x_t.ptr<const uint8_t>();
+  p.b_scale = static_cast<const uint8_t*>(x_t_scale_inv.data) + kGlobalElements;
+  p.b_group_stride = k * (total / 2);
+  p.b_scale_stride = kGlobalElements + k * (total / kBlock);
+  p.a_global = gg.data();
+  p.b_global = gx.data();
+  p.offs = static_cast<const int32_t*>(offs.data);
+  p.bias = nullptr;
+  p.d = d.data;
+  p.out_dtype = d.dtype;
+  p.groups = groups;
+  p.total = total;
+  p.n = n;
+  p.k = k;
+  p.wgrad = true;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::nvfp4_grouped_gemm(p);
+}
+
+void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs, const TensorDesc& seeds,
+                                       const TensorDesc& output_t, const TensorDesc& scale_t, bool rht,
+                                       bool stochastic_rounding, Stream stream) {
+  constexpr const char* op = "quantize_nvfp4_grouped_columnwise";
+  check_cpu(op, "x", input);
+  check_dtype(op, "x", input, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_rank(op, "x", input, 2);
+  check_contiguous(op, "x", input);
+  const int64_t total = input.shape[0], k = input.shape[1], groups = offs.defined() ? offs.shape[0] : 0;
+  TL_CHECK(total % kBlock == 0, op, ": the rows of 'x' (", total, ") must be a multiple of ", kBlock,
+           " for the columnwise copy");
+  check_offs(op, offs, groups, total, input);
+  if (stochastic_rounding) {
+    check_defined(op, "seeds", seeds);
+    check_device(op, "seeds", seeds, input.device, input.device_index);
+    check_dtype(op, "seeds", seeds, {DType::kInt64});
+    check_contiguous(op, "seeds", seeds);
+    check_shape(op, "seeds", seeds, {groups});
+  }
+  check_defined(op, "output_t", output_t);
+  check_device(op, "output_t", output_t, input.device, input.device_index);
+  check_dtype(op, "output_t", output_t, {DType::kUInt8});
+  check_contiguous(op, "output_t", output_t);
+  check_shape(op, "output_t", output_t, {groups, k, total / 2});
+  check_defined(op, "scale_t", scale_t);
+  check_device(op, "scale_t", scale_t, input.device, input.device_index);
+  check_dtype(op, "scale_t", scale_t, {DType::kFloat8E4M3});
+  check_contiguous(op, "scale_t", scale_t);
+  check_shape(op, "scale_t", scale_t, {groups, kGlobalElements + k * (total / kBlock)});
+  check_disjoint(op, {{"output_t", &output_t}, {"scale_t", &scale_t}},
+                 {{"x", &input}, {"offs", &offs}, {"seeds", &seeds}});
+  // Every block outside a group's bands is zero codes with zero scales.
+  std::memset(output_t.data, 0, static_cast<size_t>(output_t.numel()));
+  std::memset(scale_t.data, 0, static_cast<size_t>(scale_t.numel()));
+  QuantizeGroupedNvfp4Params p{};
+  p.input = input;
+  p.offs = static_cast<const int32_t*>(offs.data);
+  p.seeds = stochastic_rounding ? static_cast<const int64_t*>(seeds.data) : nullptr;
+  p.output_t = static_cast<uint8_t*>(output_t.data);
+  p.scale_t = static_cast<uint8_t*>(scale_t.data);
+  p.groups = groups;
+  p.total = total;
+  p.k = k;
+  p.rht = rht;
+  p.stochastic_rounding = stochastic_rounding;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::quantize_grouped_nvfp4(p);
+}
+
+}  // namespace tl
