@@ -57,7 +57,7 @@ void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
 }
 
 template <typename In, typename Out>
-void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale) {
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool /*stream*/) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   for (int64_t i = 0; i < n; ++i) q[i] = Out::quantize(In::load(x[i]), scale[i / seg]);
 }
@@ -287,7 +287,8 @@ class Quantizer {
   // Row-major blocks of the tile (whole blocks: rows from a multiple of the block
   // height, columns from a multiple of its width). With `col_amax`, also folds
   // every row into the running column amaxes of columns [c0, c1).
-  void rowwise(const Tile& t, Scratch& s, float* col_amax) const {
+  // With `stream`, the row-major output is written with non-temporal stores (not read back).
+  void rowwise(const Tile& t, Scratch& s, float* col_amax, bool stream) const {
     const BlockLayout& l = p_.block;
     const int64_t w = t.c1 - t.c0, nb = ceil_div(w, l.cols);
     float* amax = s.floats(s.amax, nb);
@@ -304,7 +305,7 @@ class Quantizer {
       }
       const int64_t first = (rb / l.rows) * l.grid_cols + t.c0 / l.cols;
       for (int64_t j = 0; j < nb; ++j) scale[j] = scale_of(amax[j], l, p_.scale_inv.data, first + j);
-      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale);
+      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale, stream);
     }
   }
 
@@ -411,7 +412,7 @@ void Quantizer::one_pass() const {
       if (row_vectors) {
         row_blocks(t, nullptr, 1);
       } else if (row) {
-        rowwise(t, s, nullptr);
+        rowwise(t, s, nullptr, stream_ && !reuse);
       }
       if (reuse) {
         transpose_blocks(t);
@@ -437,7 +438,8 @@ void Quantizer::two_pass() const {
       row_blocks(t, col_amax, t.r1 - t.r0);
       kn_.fence();
     } else if (row) {
-      rowwise(t, s, col_amax);
+      rowwise(t, s, col_amax, stream_);
+      kn_.fence();
     } else {
       for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
     }

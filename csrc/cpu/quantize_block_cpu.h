@@ -68,8 +68,11 @@ struct RowKernels {
    *        for every segment of [0, n) (NaN-propagating).
    */
   void (*segment_amax)(const void* x, int64_t n, int64_t seg, float* amax);
-  /*! \brief q[i] = quantize(x[i], scale[i / seg]) for i < n. */
-  void (*segment_cast)(const void* x, uint8_t* q, int64_t n, int64_t seg, const float* scale);
+  /*!
+   * \brief q[i] = quantize(x[i], scale[i / seg]) for i < n; with `stream`, non-temporal stores to q where
+   *        aligned (the caller runs `fence` before the results are read).
+   */
+  void (*segment_cast)(const void* x, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool stream);
   /*! \brief amax[i] = max(amax[i], |x[i]|) for i < n (NaN-propagating). */
   void (*column_amax)(const void* x, int64_t n, float* amax);
   /*! \brief q[i] = quantize(x[i], scale[i]) for i < n. */

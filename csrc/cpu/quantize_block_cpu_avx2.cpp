@@ -397,7 +397,33 @@ void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule,
 
 void fence() { _mm_sfence(); }
 
-#include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
+// The segment kernels (128 x 128 blocks: a row's blocks' amaxes, then their casts) on the
+// inlined block kernels of row_blocks, not a call of amax_range / cast_range per block.
+template <typename In>
+void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    amax[j] = fp8::amax_update(amax[j], block_amax<In>(x, b, std::min(n, b + seg)));
+  }
+}
+
+// With `stream` (row-major-only 128 x 128 blocks: each row of a tile is a few whole lines, whose
+// read for ownership the ordinary stores waited on) the blocks whose output is 16-byte aligned go
+// out with non-temporal stores.
+template <typename In, typename Out>
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool stream) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    const int64_t e = std::min(n, b + seg);
+    if (stream && (reinterpret_cast<uintptr_t>(q + b) & 15) == 0) {
+      cast_block<In, Out, true>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+    } else {
+      cast_block<In, Out, false>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+    }
+  }
+}
+
+#include "quantize_block_cpu_vec.h"  // the RowKernels table
 
 }  // namespace
 }  // namespace avx2
