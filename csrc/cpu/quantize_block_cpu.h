@@ -99,6 +99,13 @@ struct RowKernels {
   void (*block_scales)(const float* amax, int64_t n, const ScaleRule& rule, void* scale_inv, float* scale);
   /*! \brief Orders the non-temporal stores of this thread before what follows (sfence, or nothing). */
   void (*fence)();
+  /*!
+   * \brief dst[r * ld_dst + c] = src[r * ld_src + c] for r < rows, c < cols, with non-temporal stores where
+   *        aligned when `stream`. Null where the path has none: the driver then casts 128 x 128 blocks
+   *        straight into output and transposes output_t from it.
+   */
+  void (*copy_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                   bool stream);
 };
 
 /*! \brief Portable kernels. */

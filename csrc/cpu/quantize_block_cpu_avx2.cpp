@@ -423,6 +423,25 @@ void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const floa
   }
 }
 
+// RowKernels::copy_out: 32-byte stores, non-temporal when `stream` and the row is aligned.
+void copy_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+              bool stream) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* s = src + r * ld_src;
+    uint8_t* d = dst + r * ld_dst;
+    int64_t c = 0;
+    if (stream && (reinterpret_cast<uintptr_t>(d) & 31) == 0) {
+      for (; c + 32 <= cols; c += 32) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(d + c),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c)));
+      }
+    }
+    std::memcpy(d + c, s + c, static_cast<size_t>(cols - c));
+  }
+}
+
+constexpr decltype(quantize_block::RowKernels::copy_out) copy_out_kernel() { return &copy_out; }
+
 #include "quantize_block_cpu_vec.h"  // the RowKernels table
 
 }  // namespace

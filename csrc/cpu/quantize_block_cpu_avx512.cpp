@@ -309,6 +309,9 @@ void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const floa
   }
 }
 
+// No copy_out: 128 x 128 blocks are cast straight into output and transposed from it.
+constexpr decltype(quantize_block::RowKernels::copy_out) copy_out_kernel() { return nullptr; }
+
 #include "quantize_block_cpu_vec.h"  // the RowKernels table
 
 }  // namespace

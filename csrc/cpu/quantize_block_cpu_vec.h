@@ -2,7 +2,8 @@
 // kernels. Textually included, like quantize_cpu_vec.h, by each path's
 // quantize_block_cpu_<isa>.cpp inside `namespace tl::cpu::<isa> { namespace {`
 // after its segment_amax<In>, segment_cast<In, Out>, column_amax<In>,
-// column_cast<In, Out>, row_blocks<In, Out>, transpose_out, scales and fence;
+// column_cast<In, Out>, row_blocks<In, Out>, transpose_out, scales, fence and
+// copy_out_kernel() (a RowKernels::copy_out, or nullptr);
 // transpose_bytes is the path's lane kernel (quantize_lanes_<isa>.h).
 // The including file includes <algorithm>, quantize_block_cpu.h and
 // transformer_linear/dispatch.h.
@@ -14,7 +15,8 @@ quantize_block::RowKernels block_row_kernels(DType in, DType out) {
       using Out = decltype(out_tag);
       return quantize_block::RowKernels{segment_amax<In>,     segment_cast<In, Out>, column_amax<In>,
                                         column_cast<In, Out>, transpose_bytes,       row_blocks<In, Out>,
-                                        transpose_out,        scales,                fence};
+                                        transpose_out,        scales,                fence,
+                                        copy_out_kernel()};
     });
   });
 }
