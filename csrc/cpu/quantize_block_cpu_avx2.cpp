@@ -238,6 +238,67 @@ TL_LANE_INLINE float block_amax(const typename In::storage* x, int64_t b, int64_
   }
 }
 
+// Lane j of the result: the largest of v[j]'s lanes (unsigned 32-bit), 8 vectors in 21 instructions
+// where 8 reduce_max_epu32 take 56.
+TL_LANE_INLINE __m256i reduce8_max_epu32(const __m256i (&v)[8]) {
+  __m256i t[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    // per 128-bit lane: max(v[2k][0], v[2k][2]), max(v[2k+1][0], v[2k+1][2]), then the same of [1], [3]
+    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+  }
+  // per 128-bit lane: the maxima of that lane of v[0..3] (u0) and v[4..7] (u1)
+  const __m256i u0 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The amaxes of the 8 whole blocks of seg (a multiple of 32) elements from x + b into amax[0, 8), as
+// block_amax / amax_fold (folding |x[i]| into col_amax[i] when given) would give them one by one.
+template <typename In>
+TL_LANE_INLINE void amax8(const typename In::storage* x, int64_t b, int64_t seg, float* amax, float* col_amax) {
+  __m256i acc[8];
+  if (!col_amax && !std::is_same_v<In, Float32>) {
+    // 16-bit formats on the bits, as block_amax; the words' maxima widened to 32 bits.
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const typename In::storage* xb = x + b + k * seg;
+      __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+      for (int64_t i = 0; i < seg; i += 32) {
+        a0 = _mm256_max_epu16(a0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i)), mag));
+        a1 = _mm256_max_epu16(a1,
+                              _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i + 16)), mag));
+      }
+      a0 = _mm256_max_epu16(a0, a1);
+      acc[k] = _mm256_max_epu32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a0)),
+                                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a0, 1)));
+    }
+    alignas(32) uint32_t bits[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bits), reduce8_max_epu32(acc));
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) amax[k] = In::load(static_cast<uint16_t>(bits[k]));
+    return;
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const int64_t bk = b + k * seg;
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int64_t i = bk; i < bk + seg; i += 16) {
+      const __m256i v0 = abs_bits(load_hp<In>(x + i)), v1 = abs_bits(load_hp<In>(x + i + 8));
+      a0 = _mm256_max_epu32(a0, v0);
+      a1 = _mm256_max_epu32(a1, v1);
+      if (col_amax) {
+        __m256i* c = reinterpret_cast<__m256i*>(col_amax + i);
+        _mm256_storeu_si256(c, _mm256_max_epu32(_mm256_loadu_si256(c), v0));
+        _mm256_storeu_si256(c + 1, _mm256_max_epu32(_mm256_loadu_si256(c + 1), v1));
+      }
+    }
+    acc[k] = _mm256_max_epu32(a0, a1);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(amax), reduce8_max_epu32(acc));
+}
+
 template <typename In, typename Out, bool kStream>
 void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
                      const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
@@ -253,7 +314,11 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
   const int64_t ahead = quantize_block::kernel_prefetches(n * sizeof(*x)) ? std::min(n, kGroup * seg) : 0;
   for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
     const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
-    for (int64_t j = 0; j < nj; ++j) {
+    int64_t j = 0;
+    if (seg % 32 == 0) {  // whole blocks 8 at a time, their lane maxima reduced together
+      for (; j + 8 <= nj && b0 + (j + 8) * seg <= n; j += 8) amax8<In>(x, b0 + j * seg, seg, amax + j, col_amax);
+    }
+    for (; j < nj; ++j) {
       const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
       amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : block_amax<In>(x, b, e);
     }
