@@ -158,13 +158,18 @@ TL_LANE_INLINE __m256i fp8_magnitude(__m256 v) {
 // puts them in element order.
 template <typename Out>
 TL_LANE_INLINE __m256i fp8_bytes_of_products_in_pack_order(const __m256 (&v)[4]) {
-  __m256i m[4];
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) m[j] = fp8_magnitude<Out>(v[j]);
-  const __m256i mag = _mm256_packus_epi16(_mm256_packus_epi32(m[0], m[1]), _mm256_packus_epi32(m[2], m[3]));
-  // Signed saturating packs keep each lane's sign in its byte's top bit.
-  const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
-                                         _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3])));
+  // Pairs packed as soon as they are cast, so that fewer vectors are live at once (AVX2 has 16
+  // registers; with all four products and magnitudes live the compiler spilled them).
+  __m256i mag16[2], sgn16[2];
+#pragma GCC unroll 2
+  for (int p = 0; p < 2; ++p) {
+    const __m256i m0 = fp8_magnitude<Out>(v[2 * p]), m1 = fp8_magnitude<Out>(v[2 * p + 1]);
+    mag16[p] = _mm256_packus_epi32(m0, m1);
+    // Signed saturating packs keep each lane's sign in its byte's top bit.
+    sgn16[p] = _mm256_packs_epi32(_mm256_castps_si256(v[2 * p]), _mm256_castps_si256(v[2 * p + 1]));
+  }
+  const __m256i mag = _mm256_packus_epi16(mag16[0], mag16[1]);
+  const __m256i sgn = _mm256_packs_epi16(sgn16[0], sgn16[1]);
   return _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
 }
 
