@@ -15,7 +15,9 @@
 //   - blocks of several rows (128 x 128): tiles of about 128 KiB, an amax pass,
 //     then the cast from cache (packing the rows measured slower here); the
 //     transposed copy has the same blocks, so it is the row-major bytes
-//     transposed, with the same scales;
+//     transposed, with the same scales (where the path has copy_out, the tile
+//     is cast into a scratch tile, then copied to output and transposed, so
+//     that both go out with non-temporal stores);
 //   - other shapes: column amaxes of each band from cache, the rows cast with
 //     one scale per column into a stripe, the stripe transposed.
 // Short runs of a tile's rows are prefetched ahead by the driver.

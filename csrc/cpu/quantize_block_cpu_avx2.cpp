@@ -245,7 +245,8 @@ TL_LANE_INLINE __m256i reduce8_max_epu32(const __m256i (&v)[8]) {
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
     // per 128-bit lane: max(v[2k][0], v[2k][2]), max(v[2k+1][0], v[2k+1][2]), then the same of [1], [3]
-    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    const __m256i a = v[2 * k], b = v[2 * k + 1];
+    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
   }
   // per 128-bit lane: the maxima of that lane of v[0..3] (u0) and v[4..7] (u1)
   const __m256i u0 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
