@@ -67,6 +67,14 @@ template <typename In, typename Out>
 void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   int64_t i = 0;
+  // Rows of a page or more: prefetch about 2 KiB ahead (the rows come from L3 or memory).
+  constexpr int64_t kAhead = 2048 / sizeof(typename In::storage);
+  if (quantize_block::kernel_prefetches(n * sizeof(*x))) {
+    for (; i + 32 <= n; i += 32) {
+      quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + kAhead);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), cast32_lanes<In, Out>(x + i, scale + i));
+    }
+  }
   for (; i + 32 <= n; i += 32) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), cast32_lanes<In, Out>(x + i, scale + i));
   }
