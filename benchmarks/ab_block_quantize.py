@@ -7,6 +7,8 @@ Outputs are compared bitwise. The op's output allocation (and its page faults) i
 measures the kernel.
 
     TL_CPU_ISA=avx2 python benchmarks/ab_block_quantize.py /tmp/old/_C.cpython-311-x86_64-linux-gnu.so
+
+``--threads N`` (N > 1) runs the kernels (and torch's copy) on N threads and times them by wall clock.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ def main() -> None:
     parser.add_argument("old_so", help="path of the other build's _C*.so")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", type=int, default=4096, help="input rows (x 4096 columns)")
+    parser.add_argument("--threads", type=int, default=1, help="threads (more than 1: wall clock, not thread CPU time)")
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location("old_build._C", args.old_so)
     old_C = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old_C)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock = thread_clock if args.threads == 1 else time.perf_counter
     print(f"{'block':<10}{'dtype':<10}{'layouts':<9}{'old ms':>8}{'new ms':>8}{'new/old':>9}"
           f"{'old of memcpy':>15}{'new of memcpy':>15}  bitwise")
     for dtype in (torch.float32, torch.bfloat16):
@@ -78,9 +82,9 @@ def main() -> None:
                     fn()
                 for _ in range(args.repeats):
                     for k, fn in fns.items():
-                        start = thread_clock()
+                        start = clock()
                         fn()
-                        times[k].append(thread_clock() - start)
+                        times[k].append(clock() - start)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 nbytes = x.numel() * x.element_size() + x.numel() * (2 if columnwise else 1)
                 memcpy_gbs = 2 * x.numel() * x.element_size() / med["memcpy"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from blockwise_cases import (
     E4M3,
     E5M2,
@@ -19,7 +18,9 @@ from blockwise_cases import (
 )
 from cpu_paths import QUANTIZE_ISAS
 from tolerances import assert_bitwise_equal
+
 from transformer_linear import _C, ops, recipe, reference
+from transformer_linear.formats.block_scaling import columnwise_block_shape
 
 FLT_MAX = torch.finfo(torch.float32).max
 ISAS = QUANTIZE_ISAS
@@ -79,6 +80,38 @@ def test_tiles_and_threads(cpu_isa, threads, shape, scaling):
     # The columnwise copy alone (its own tiling and passes) equals the one made with the rowwise copy.
     assert_bitwise_equal(alone.data_t, both.data_t, "columnwise only", any_nan=True)
     assert_bitwise_equal(alone.scale_inv_t, both.scale_inv_t, "columnwise only")
+
+
+@pytest.mark.parametrize("scaling", ["1x128_pow2", "128x128_pow2", "128x128_e8m0", "1x32_e8m0", "rowwise"])
+@pytest.mark.parametrize("columnwise", [False, True], ids=["row", "row+col"])
+def test_large_outputs(columnwise, scaling):
+    """Outputs of 8 MiB and more take the streaming paths (non-temporal stores; on AVX2 the 128x128
+    blocks go through a scratch tile when the transposed copy is wanted): every path against the
+    reference on one such input (the reference computed once)."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 4096) * 4
+    x[64:192] *= 1e-4  # row bands whose blocks' scales differ from their neighbours'
+    x[5, 17], x[300, 4000] = float("nan"), float("-inf")
+    x = x.to(torch.bfloat16)
+    block, scale_dtype, power_2, rounding = SCALINGS[scaling]
+    block = block_shape_for(block, x.shape[1])
+    q, s = reference.quantize_blockwise_ref(x, E4M3, block, scale_dtype, power_2, rounding)
+    if columnwise:
+        block_t = columnwise_block_shape(block, *x.shape)
+        q_t, s_t = reference.quantize_blockwise_ref(x.t(), E4M3, block_t, scale_dtype, power_2, rounding)
+    try:
+        for isa in ISAS:
+            _C.set_cpu_isa(isa)
+            out = ops.quantize_blockwise_fused(x, E4M3, block, scale_dtype, power_2, columnwise=columnwise,
+                                               e8m0_rounding=rounding)
+            what = f"{isa} {scaling}"
+            assert_bitwise_equal(out.data, q, f"{what} data", any_nan=True)
+            assert_bitwise_equal(out.scale_inv, s, f"{what} scale_inv")
+            if columnwise:
+                assert_bitwise_equal(out.data_t, q_t, f"{what} data_t", any_nan=True)
+                assert_bitwise_equal(out.scale_inv_t, s_t, f"{what} scale_inv_t")
+    finally:
+        _C.set_cpu_isa("auto")
 
 
 @pytest.mark.parametrize("rowwise, columnwise", [(True, False), (False, True)])

@@ -15,7 +15,9 @@
 //   - blocks of several rows (128 x 128): tiles of about 128 KiB, an amax pass,
 //     then the cast from cache (packing the rows measured slower here); the
 //     transposed copy has the same blocks, so it is the row-major bytes
-//     transposed, with the same scales;
+//     transposed, with the same scales (where the path has copy_out, the tile
+//     is cast into a scratch tile, then copied to output and transposed, so
+//     that both go out with non-temporal stores);
 //   - other shapes: column amaxes of each band from cache, the rows cast with
 //     one scale per column into a stripe, the stripe transposed.
 // Short runs of a tile's rows are prefetched ahead by the driver.
@@ -57,7 +59,7 @@ void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
 }
 
 template <typename In, typename Out>
-void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale) {
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool /*stream*/) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   for (int64_t i = 0; i < n; ++i) q[i] = Out::quantize(In::load(x[i]), scale[i / seg]);
 }
@@ -267,8 +269,23 @@ class Quantizer {
            p_.block_t.cols == p_.block.rows && p_.block_t.e8m0 == p_.block.e8m0;
   }
 
-  // output_t and scale_inv_t of the tile from its row-major blocks (transposed_blocks()).
-  void transpose_blocks(const Tile& t) const {
+  uint8_t* output_at(const Tile& t) const { return p_.output.ptr<uint8_t>() + t.r0 * p_.k + t.c0; }
+
+  // Both outputs of a tile of blocks of several rows (128 x 128) whose transposed copy is the
+  // row-major bytes transposed: the rows are cast into a scratch tile (in cache), which is copied
+  // to output and transposed into output_t, both with non-temporal stores for large outputs: the
+  // output's lines are neither read for ownership nor read back from memory.
+  void rowwise_and_transposed(const Tile& t, Scratch& s) const {
+    const int64_t w = t.c1 - t.c0, h = t.r1 - t.r0;
+    if (static_cast<int64_t>(s.stripe.size()) < h * w) s.stripe.resize(h * w);
+    rowwise(t, s, nullptr, s.stripe.data(), w, false);
+    kn_.copy_out(s.stripe.data(), w, h, w, output_at(t), p_.k, stream_);
+    transpose_blocks(t, s.stripe.data(), w);
+  }
+
+  // output_t and scale_inv_t of the tile from its row-major blocks (transposed_blocks()), whose
+  // bytes are at src (row r at src + (r - r0) * ld_src).
+  void transpose_blocks(const Tile& t, const uint8_t* src, int64_t ld_src) const {
     const BlockLayout &l = p_.block, &lt = p_.block_t;
     for (int64_t br = t.r0 / l.rows; br < ceil_div(t.r1, l.rows); ++br) {
       for (int64_t bc = t.c0 / l.cols; bc < ceil_div(t.c1, l.cols); ++bc) {
@@ -280,19 +297,19 @@ class Quantizer {
         }
       }
     }
-    kn_.transpose_out(p_.output.ptr<uint8_t>() + t.r0 * p_.k + t.c0, p_.k, t.r1 - t.r0, t.c1 - t.c0,
-                      p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m, stream_);
+    kn_.transpose_out(src, ld_src, t.r1 - t.r0, t.c1 - t.c0, p_.output_t.ptr<uint8_t>() + t.c0 * p_.m + t.r0, p_.m,
+                      stream_);
   }
 
   // Row-major blocks of the tile (whole blocks: rows from a multiple of the block
   // height, columns from a multiple of its width). With `col_amax`, also folds
   // every row into the running column amaxes of columns [c0, c1).
-  void rowwise(const Tile& t, Scratch& s, float* col_amax) const {
+  // The FP8 rows go to q (row r at q + (r - r0) * ldq), with non-temporal stores when `stream`.
+  void rowwise(const Tile& t, Scratch& s, float* col_amax, uint8_t* q, int64_t ldq, bool stream) const {
     const BlockLayout& l = p_.block;
     const int64_t w = t.c1 - t.c0, nb = ceil_div(w, l.cols);
     float* amax = s.floats(s.amax, nb);
     float* scale = s.floats(s.scale, nb);
-    uint8_t* q = p_.output.ptr<uint8_t>();
     const int64_t ahead = prefetch_rows(w);
     for (int64_t rb = t.r0; rb < t.r1; rb += l.rows) {
       const int64_t re = std::min(t.r1, rb + l.rows);
@@ -304,7 +321,7 @@ class Quantizer {
       }
       const int64_t first = (rb / l.rows) * l.grid_cols + t.c0 / l.cols;
       for (int64_t j = 0; j < nb; ++j) scale[j] = scale_of(amax[j], l, p_.scale_inv.data, first + j);
-      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + r * p_.k + t.c0, w, l.cols, scale);
+      for (int64_t r = rb; r < re; ++r) kn_.segment_cast(at(r, t.c0), q + (r - t.r0) * ldq, w, l.cols, scale, stream);
     }
   }
 
@@ -407,14 +424,16 @@ void Quantizer::one_pass() const {
   for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
     if (fused) {
       row_blocks_then_columns(t, s);
+    } else if (reuse && kn_.copy_out) {
+      rowwise_and_transposed(t, s);
     } else {
       if (row_vectors) {
         row_blocks(t, nullptr, 1);
       } else if (row) {
-        rowwise(t, s, nullptr);
+        rowwise(t, s, nullptr, output_at(t), p_.k, stream_ && !reuse);
       }
       if (reuse) {
-        transpose_blocks(t);
+        transpose_blocks(t, output_at(t), p_.k);
       } else if (col) {
         columnwise(t, s);
       }
@@ -437,7 +456,8 @@ void Quantizer::two_pass() const {
       row_blocks(t, col_amax, t.r1 - t.r0);
       kn_.fence();
     } else if (row) {
-      rowwise(t, s, col_amax);
+      rowwise(t, s, col_amax, output_at(t), p_.k, stream_);
+      kn_.fence();
     } else {
       for (int64_t r = t.r0; r < t.r1; ++r) kn_.column_amax(at(r, 0), k, col_amax);
     }
@@ -464,7 +484,7 @@ RowKernels generic_kernels(DType in, DType out) {
     return dispatch_fp8(out, "quantize_blockwise: argument 'output'", [&](auto out_tag) {
       using Out = decltype(out_tag);
       return RowKernels{segment_amax<In>, segment_cast<In, Out>, column_amax<In>, column_cast<In, Out>, transpose,
-                        row_blocks<In, Out>, transpose_out,         scales,          no_fence};
+                        row_blocks<In, Out>, transpose_out,         scales,          no_fence,        nullptr};
     });
   });
 }

@@ -68,8 +68,11 @@ struct RowKernels {
    *        for every segment of [0, n) (NaN-propagating).
    */
   void (*segment_amax)(const void* x, int64_t n, int64_t seg, float* amax);
-  /*! \brief q[i] = quantize(x[i], scale[i / seg]) for i < n. */
-  void (*segment_cast)(const void* x, uint8_t* q, int64_t n, int64_t seg, const float* scale);
+  /*!
+   * \brief q[i] = quantize(x[i], scale[i / seg]) for i < n; with `stream`, non-temporal stores to q where
+   *        aligned (the caller runs `fence` before the results are read).
+   */
+  void (*segment_cast)(const void* x, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool stream);
   /*! \brief amax[i] = max(amax[i], |x[i]|) for i < n (NaN-propagating). */
   void (*column_amax)(const void* x, int64_t n, float* amax);
   /*! \brief q[i] = quantize(x[i], scale[i]) for i < n. */
@@ -96,6 +99,13 @@ struct RowKernels {
   void (*block_scales)(const float* amax, int64_t n, const ScaleRule& rule, void* scale_inv, float* scale);
   /*! \brief Orders the non-temporal stores of this thread before what follows (sfence, or nothing). */
   void (*fence)();
+  /*!
+   * \brief dst[r * ld_dst + c] = src[r * ld_src + c] for r < rows, c < cols, with non-temporal stores where
+   *        aligned when `stream`. Null where the path has none: the driver then casts 128 x 128 blocks
+   *        straight into output and transposes output_t from it.
+   */
+  void (*copy_out)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+                   bool stream);
 };
 
 /*! \brief Portable kernels. */

@@ -28,10 +28,56 @@ void column_amax(const void* xv, int64_t n, float* amax) {
   for (; i < n; ++i) amax[i] = fp8::amax_update(amax[i], In::load(x[i]));
 }
 
+// The FP8 bytes of x[0, 32) * sc in element order: the cast of quantize_lanes_avx2.h's
+// cast_range (magnitudes and signs packed apart, fewer instructions than to_fp8 + pack_bytes).
+template <typename In, typename Out>
+TL_LANE_INLINE __m256i cast32(const typename In::storage* x, __m256 sc) {
+  __m256 v[4];
+  if constexpr (std::is_same_v<In, BFloat16>) {
+    // Widened by interleaving with zero words: lanes {0-3, 8-11}, {4-7, 12-15}, ..., which the in-lane
+    // packs undo up to the order of their 64-bit groups (0, 2, 1, 3).
+    const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+    const __m256i zero = _mm256_setzero_si256();
+    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h0));
+    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
+    v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
+    v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
+    return _mm256_permute4x64_epi64(fp8_bytes_in_pack_order<Out>(v, sc), 0xd8);
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + 8 * j);
+    return _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+}
+
+// cast32 with one scale per element: x[i] * scale[i].
+template <typename In, typename Out>
+TL_LANE_INLINE __m256i cast32_lanes(const typename In::storage* x, const float* scale) {
+  __m256 v[4], sc[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load_hp<In>(x + 8 * j);
+    sc[j] = _mm256_loadu_ps(scale + 8 * j);
+  }
+  return _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 template <typename In, typename Out>
 void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   int64_t i = 0;
+  // Rows of a page or more: prefetch about 2 KiB ahead (the rows come from L3 or memory).
+  constexpr int64_t kAhead = 2048 / sizeof(typename In::storage);
+  if (quantize_block::kernel_prefetches(n * sizeof(*x))) {
+    for (; i + 32 <= n; i += 32) {
+      quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + kAhead);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), cast32_lanes<In, Out>(x + i, scale + i));
+    }
+  }
+  for (; i + 32 <= n; i += 32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), cast32_lanes<In, Out>(x + i, scale + i));
+  }
   for (; i + 16 <= n; i += 16) {
     const __m256i lo = to_fp8<Out>(load_hp<In>(x + i), _mm256_loadu_ps(scale + i));
     const __m256i hi = to_fp8<Out>(load_hp<In>(x + i + 8), _mm256_loadu_ps(scale + i + 8));
@@ -76,11 +122,7 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256
   int64_t i = b;
   for (; i + 32 <= e; i += 32) {
     if (ahead > 0) quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + ahead);
-    __m256 v[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
-    const __m256i bytes = pack_bytes(to_fp8<Out>(v[0], sc), to_fp8<Out>(v[1], sc), to_fp8<Out>(v[2], sc),
-                                     to_fp8<Out>(v[3], sc));
+    const __m256i bytes = cast32<In, Out>(x + i, sc);
     if (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(bytes));
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), _mm256_extracti128_si256(bytes, 1));
@@ -204,6 +246,68 @@ TL_LANE_INLINE float block_amax(const typename In::storage* x, int64_t b, int64_
   }
 }
 
+// Lane j of the result: the largest of v[j]'s lanes (unsigned 32-bit), 8 vectors in 21 instructions
+// where 8 reduce_max_epu32 take 56.
+TL_LANE_INLINE __m256i reduce8_max_epu32(const __m256i (&v)[8]) {
+  __m256i t[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    // per 128-bit lane: max(v[2k][0], v[2k][2]), max(v[2k+1][0], v[2k+1][2]), then the same of [1], [3]
+    const __m256i a = v[2 * k], b = v[2 * k + 1];
+    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  }
+  // per 128-bit lane: the maxima of that lane of v[0..3] (u0) and v[4..7] (u1)
+  const __m256i u0 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  const __m256i u1 = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+  return _mm256_max_epu32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// The amaxes of the 8 whole blocks of seg (a multiple of 32) elements from x + b into amax[0, 8), as
+// block_amax / amax_fold (folding |x[i]| into col_amax[i] when given) would give them one by one.
+template <typename In>
+TL_LANE_INLINE void amax8(const typename In::storage* x, int64_t b, int64_t seg, float* amax, float* col_amax) {
+  __m256i acc[8];
+  if (!col_amax && !std::is_same_v<In, Float32>) {
+    // 16-bit formats on the bits, as block_amax; the words' maxima widened to 32 bits.
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const typename In::storage* xb = x + b + k * seg;
+      __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+      for (int64_t i = 0; i < seg; i += 32) {
+        a0 = _mm256_max_epu16(a0, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i)), mag));
+        a1 = _mm256_max_epu16(a1,
+                              _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i + 16)), mag));
+      }
+      a0 = _mm256_max_epu16(a0, a1);
+      acc[k] = _mm256_max_epu32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a0)),
+                                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a0, 1)));
+    }
+    alignas(32) uint32_t bits[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bits), reduce8_max_epu32(acc));
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) amax[k] = In::load(static_cast<uint16_t>(bits[k]));
+    return;
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    const int64_t bk = b + k * seg;
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int64_t i = bk; i < bk + seg; i += 16) {
+      const __m256i v0 = abs_bits(load_hp<In>(x + i)), v1 = abs_bits(load_hp<In>(x + i + 8));
+      a0 = _mm256_max_epu32(a0, v0);
+      a1 = _mm256_max_epu32(a1, v1);
+      if (col_amax) {
+        __m256i* c = reinterpret_cast<__m256i*>(col_amax + i);
+        _mm256_storeu_si256(c, _mm256_max_epu32(_mm256_loadu_si256(c), v0));
+        _mm256_storeu_si256(c + 1, _mm256_max_epu32(_mm256_loadu_si256(c + 1), v1));
+      }
+    }
+    acc[k] = _mm256_max_epu32(a0, a1);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(amax), reduce8_max_epu32(acc));
+}
+
 template <typename In, typename Out, bool kStream>
 void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64_t seg,
                      const quantize_block::ScaleRule& rule, void* scale_inv, int64_t first, float* col_amax) {
@@ -219,7 +323,11 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
   const int64_t ahead = quantize_block::kernel_prefetches(n * sizeof(*x)) ? std::min(n, kGroup * seg) : 0;
   for (int64_t j0 = 0, b0 = 0; b0 < n; j0 += kGroup, b0 += kGroup * seg) {
     const int64_t nj = std::min<int64_t>(kGroup, (n - b0 + seg - 1) / seg);
-    for (int64_t j = 0; j < nj; ++j) {
+    int64_t j = 0;
+    if (seg % 32 == 0) {  // whole blocks 8 at a time, their lane maxima reduced together
+      for (; j + 8 <= nj && b0 + (j + 8) * seg <= n; j += 8) amax8<In>(x, b0 + j * seg, seg, amax + j, col_amax);
+    }
+    for (; j < nj; ++j) {
       const int64_t b = b0 + j * seg, e = std::min(n, b + seg);
       amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : block_amax<In>(x, b, e);
     }
@@ -241,7 +349,7 @@ void row_blocks(const void* xv, uint8_t* q, int64_t n, int64_t seg, const quanti
                                   col_amax);
 }
 
-// Rows of up to 128 bytes from a 16-row buffer (row j at buffer + j * 128) to
+// Rows of up to 128 bytes from a buffer of up to 32 rows (row j at buffer + j * 128) to
 // dst + j * ld_dst: whole 32-byte stores, non-temporal when kStream and aligned.
 template <bool kStream>
 TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nbytes, uint8_t* dst, int64_t ld_dst) {
@@ -265,12 +373,63 @@ TL_LANE_INLINE void flush_rows(const uint8_t* buffer, int64_t nrows, int64_t nby
   }
 }
 
+// One round of the 16 x 16 byte transpose on both 128-bit lanes at once: interleave row i with row i + 8.
+TL_LANE_INLINE void interleave_round(const __m256i (&in)[16], __m256i (&out)[16]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    out[2 * i] = _mm256_unpacklo_epi8(in[i], in[i + 8]);
+    out[2 * i + 1] = _mm256_unpackhi_epi8(in[i], in[i + 8]);
+  }
+}
+
+// Two 16 x 16 byte transposes, one per 128-bit lane: rows[i] holds row i of columns [0, 16) (low lane)
+// and of [16, 32) (high lane); afterwards rows[j] holds column j (low) and column 16 + j (high).
+TL_LANE_INLINE void transpose16x32(__m256i (&rows)[16]) {
+  __m256i tmp[16];
+  interleave_round(rows, tmp);
+  interleave_round(tmp, rows);
+  interleave_round(rows, tmp);
+  interleave_round(tmp, rows);
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c]: blocks of 16 rows x 32 columns (16 x 16 with the
+// columns left over) transposed in registers into a buffer of 32 output rows x 128 bytes, which
+// then goes out row by row in whole 32-byte stores (flush_rows).
 template <bool kStream>
 void transpose_out_impl(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
                         int64_t ld_dst) {
   constexpr int64_t kChunk = 128;
-  alignas(64) uint8_t buffer[16 * kChunk];
-  for (int64_t c = 0; c < cols; c += 16) {
+  alignas(64) uint8_t buffer[32 * kChunk];
+  int64_t c = 0;
+  for (; c + 32 <= cols; c += 32) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr0 = std::min(kChunk, rows - r0);
+      for (int64_t r = 0; r < nr0; r += 16) {
+        const int64_t nrows = std::min<int64_t>(16, nr0 - r);
+        const uint8_t* sr = src + (r0 + r) * ld_src + c;
+        __m256i block[16];
+        if (nrows == 16) {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) block[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sr + i * ld_src));
+        } else {
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            block[i] = i < nrows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sr + i * ld_src))
+                                 : _mm256_setzero_si256();
+          }
+        }
+        transpose16x32(block);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          _mm_store_si128(reinterpret_cast<__m128i*>(buffer + j * kChunk + r), _mm256_castsi256_si128(block[j]));
+          _mm_store_si128(reinterpret_cast<__m128i*>(buffer + (16 + j) * kChunk + r),
+                          _mm256_extracti128_si256(block[j], 1));
+        }
+      }
+      flush_rows<kStream>(buffer, 32, nr0, dst + c * ld_dst + r0, ld_dst);
+    }
+  }
+  for (; c < cols; c += 16) {
     const int64_t nc = std::min<int64_t>(16, cols - c);
     for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
       const int64_t nr0 = std::min(kChunk, rows - r0);
@@ -312,7 +471,52 @@ void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule,
 
 void fence() { _mm_sfence(); }
 
-#include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
+// The segment kernels (128 x 128 blocks: a row's blocks' amaxes, then their casts) on the
+// inlined block kernels of row_blocks, not a call of amax_range / cast_range per block.
+template <typename In>
+void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    amax[j] = fp8::amax_update(amax[j], block_amax<In>(x, b, std::min(n, b + seg)));
+  }
+}
+
+// With `stream` (row-major-only 128 x 128 blocks: each row of a tile is a few whole lines, whose
+// read for ownership the ordinary stores waited on) the blocks whose output is 16-byte aligned go
+// out with non-temporal stores.
+template <typename In, typename Out>
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool stream) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    const int64_t e = std::min(n, b + seg);
+    if (stream && (reinterpret_cast<uintptr_t>(q + b) & 15) == 0) {
+      cast_block<In, Out, true>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+    } else {
+      cast_block<In, Out, false>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+    }
+  }
+}
+
+// RowKernels::copy_out: 32-byte stores, non-temporal when `stream` and the row is aligned.
+void copy_out(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst, int64_t ld_dst,
+              bool stream) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* s = src + r * ld_src;
+    uint8_t* d = dst + r * ld_dst;
+    int64_t c = 0;
+    if (stream && (reinterpret_cast<uintptr_t>(d) & 31) == 0) {
+      for (; c + 32 <= cols; c += 32) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(d + c),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c)));
+      }
+    }
+    std::memcpy(d + c, s + c, static_cast<size_t>(cols - c));
+  }
+}
+
+constexpr decltype(quantize_block::RowKernels::copy_out) copy_out_kernel() { return &copy_out; }
+
+#include "quantize_block_cpu_vec.h"  // the RowKernels table
 
 }  // namespace
 }  // namespace avx2

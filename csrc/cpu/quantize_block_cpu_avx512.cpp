@@ -293,7 +293,26 @@ void scales(const float* amax, int64_t n, const quantize_block::ScaleRule& rule,
 
 void fence() { _mm_sfence(); }
 
-#include "quantize_block_cpu_vec.h"  // segment kernels and the RowKernels table
+template <typename In>
+void segment_amax(const void* xv, int64_t n, int64_t seg, float* amax) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    amax[j] = fp8::amax_update(amax[j], amax_range<In>(x, b, std::min(n, b + seg)));
+  }
+}
+
+template <typename In, typename Out>
+void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool /*stream*/) {
+  const auto* x = static_cast<const typename In::storage*>(xv);
+  for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
+    cast_range<In, Out, false, false>(x, q, scale[j], b, std::min(n, b + seg));
+  }
+}
+
+// No copy_out: 128 x 128 blocks are cast straight into output and transposed from it.
+constexpr decltype(quantize_block::RowKernels::copy_out) copy_out_kernel() { return nullptr; }
+
+#include "quantize_block_cpu_vec.h"  // the RowKernels table
 
 }  // namespace
 }  // namespace avx512

@@ -157,19 +157,37 @@ TL_LANE_INLINE __m256i fp8_magnitude(__m256 v) {
 // order of two in-lane pack rounds (see pack_bytes): the caller's permutation
 // puts them in element order.
 template <typename Out>
+TL_LANE_INLINE __m256i fp8_bytes_of_products_in_pack_order(const __m256 (&v)[4]) {
+  // Pairs packed as soon as they are cast, so that fewer vectors are live at once (AVX2 has 16
+  // registers; with all four products and magnitudes live the compiler spilled them).
+  __m256i mag16[2], sgn16[2];
+#pragma GCC unroll 2
+  for (int p = 0; p < 2; ++p) {
+    const __m256i m0 = fp8_magnitude<Out>(v[2 * p]), m1 = fp8_magnitude<Out>(v[2 * p + 1]);
+    mag16[p] = _mm256_packus_epi32(m0, m1);
+    // Signed saturating packs keep each lane's sign in its byte's top bit.
+    sgn16[p] = _mm256_packs_epi32(_mm256_castps_si256(v[2 * p]), _mm256_castps_si256(v[2 * p + 1]));
+  }
+  const __m256i mag = _mm256_packus_epi16(mag16[0], mag16[1]);
+  const __m256i sgn = _mm256_packs_epi16(sgn16[0], sgn16[1]);
+  return _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
+}
+
+template <typename Out>
 TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], __m256 scale) {
   __m256 v[4];
-  __m256i m[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_mul_ps(x[j], scale);
-    m[j] = fp8_magnitude<Out>(v[j]);
-  }
-  const __m256i mag = _mm256_packus_epi16(_mm256_packus_epi32(m[0], m[1]), _mm256_packus_epi32(m[2], m[3]));
-  // Signed saturating packs keep each lane's sign in its byte's top bit.
-  const __m256i sgn = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
-                                         _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3])));
-  return _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale);
+  return fp8_bytes_of_products_in_pack_order<Out>(v);
+}
+
+// As above with one scale per lane: x[j] * scale[j].
+template <typename Out>
+TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], const __m256 (&scale)[4]) {
+  __m256 v[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale[j]);
+  return fp8_bytes_of_products_in_pack_order<Out>(v);
 }
 
 // 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
