@@ -348,7 +348,7 @@ class TestFP8AllGather:
     def test_bf16_mixed_precision_policy(self, name):
         run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed", "block"])
+    @pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8"])
     def test_compiled_layers(self, name):
         run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
 
@@ -359,7 +359,7 @@ class TestFP8AllGather:
     def test_recipe_for_autocast_layers(self, name):
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed"])
+    @pytest.mark.parametrize("name", ["current", "delayed", "mxfp8"])
     def test_activation_checkpointing(self, name):
         run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
