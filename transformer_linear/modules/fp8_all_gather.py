@@ -121,13 +121,23 @@ def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, wher
     FSDP2 gives each of ``world_size`` ranks ceil(rows / world_size) rows (dim 0). One scale per tensor
     shards anywhere (the scale is made whole-tensor by an amax all-reduce). A block spans ``bm`` rows of
     the rowwise usage, and a non-square block's columnwise copy (blocks along the weight's rows) ``bk``
-    rows, the whole column (``bk == 0``) never fitting a shard.
+    rows, the whole column (``bk == 0``) never fitting a shard. NVFP4 (a global scale above its block
+    scales) is not gathered in FP4.
 
     Raises:
         ValueError: naming the weight's rows, the block and the world size.
     """
     if not quantizer.blockwise or world_size == 1:
         return
+    if quantizer.is_nvfp4:
+        # A global (per-tensor) scale above the block scales, which a shard would compute from its own amax,
+        # and scales packed with it: nothing here gathers that format yet.
+        raise ValueError(
+            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with NVFP4 "
+            f"{list(quantizer.block_shape)} blocks: its global scale is the whole weight's (one amax per tensor) "
+            "and its scales are packed with it, which the FP8 all-gather does not gather; use "
+            "fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
+        )
     bm, bk = quantizer.block_shape
     spans = [bm] if bm == bk else [bm, bk]
     per_shard, even = -(-rows // world_size), rows % world_size == 0
@@ -421,7 +431,7 @@ def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> Gathered
 
     Raises:
         RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
-            (backward would find no columnwise copy).
+            (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
     """
     if not separate_columnwise_copy(quantizer):
         return ROWWISE
@@ -436,9 +446,27 @@ def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> Gathered
         raise RuntimeError(
             "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
             "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
-            "would not gather the columnwise copy; set reshard_after_forward before the first forward"
+            "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
+            "before the first forward"
         )
     return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group = _param_group(module)
+    reshards = group is not None and group._reshard_after_forward
+    per_pass = _PER_PASS.setdefault(module, reshards)
+    if not per_pass:
+        return BOTH
+    if group is not None and group._training_state == TrainingState.PRE_BACKWARD:
+        return COLUMNWISE
+    if not reshards and torch.is_grad_enabled():
+        raise RuntimeError(
+            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
+            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
+            "would not gather the columnwise copy; keep reshard_after_forward for training (turning it off for "
+            "forwards under torch.no_grad is fine), or set it before the first forward"
+        )
+    return ROWWISE
 
 
 def _shard_scale(
