@@ -450,23 +450,6 @@ def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> Gathered
             "before the first forward"
         )
     return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    group = _param_group(module)
-    reshards = group is not None and group._reshard_after_forward
-    per_pass = _PER_PASS.setdefault(module, reshards)
-    if not per_pass:
-        return BOTH
-    if group is not None and group._training_state == TrainingState.PRE_BACKWARD:
-        return COLUMNWISE
-    if not reshards and torch.is_grad_enabled():
-        raise RuntimeError(
-            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
-            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
-            "would not gather the columnwise copy; keep reshard_after_forward for training (turning it off for "
-            "forwards under torch.no_grad is fine), or set it before the first forward"
-        )
-    return ROWWISE
 
 
 def _shard_scale(
