@@ -234,15 +234,29 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-def _checkpointed_rank(rank, world, name):
+def _checkpointed_rank(rank, world, name, compile_backend=None):
+    if compile_backend is not None:
+        # Both layers share Linear.forward's code, whose graphs torch.compile specializes on each layer's
+        # weight shape, its input's requires_grad and, under MXFP8's per-pass gather, whether the weight holds
+        # its rowwise copy (a recompute after backward's gather gathers it in the graph): 14 graphs here.
+        torch._dynamo.config.recompile_limit = 16
+
     def build(fp8_all_gather):
-        model = _mlp(RECIPES[name])
+        first, _, last = _mlp(RECIPES[name])
+        # The first Linear is recomputed with a GELU, which saves the recomputed output for its backward:
+        # a recompute reading another weight than the forward's changes the gradients.
+        model = nn.Sequential(_Checkpointed(nn.Sequential(first, nn.GELU())), _Checkpointed(last))
         mesh = _mesh()
-        for i in (0, 2):
-            model[i] = tl.distributed.fully_shard(_Checkpointed(model[i]), mesh=mesh, fp8_all_gather=fp8_all_gather)
+        for block in model:
+            tl.distributed.fully_shard(block, mesh=mesh, fp8_all_gather=fp8_all_gather)
+            if compile_backend is not None:
+                for layer in (first, last):
+                    layer.compile(backend=compile_backend, fullgraph=True)
         return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
 
-    _assert_same_training(rank, world, build(True), build(False), f"{name} under activation checkpointing")
+    _assert_same_training(
+        rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}"
+    )
 
 
 def _deferred_init_rank(rank, world):
@@ -441,9 +455,12 @@ class TestFP8AllGather:
     def test_recipe_for_autocast_layers(self, name):
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed", "mxfp8"])
-    def test_activation_checkpointing(self, name):
-        run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
+    @pytest.mark.parametrize(
+        "name, compile_backend", [("current", None), ("delayed", None), ("mxfp8", None), ("mxfp8", "aot_eager")],
+        ids=["current", "delayed", "mxfp8", "mxfp8-compiled"],
+    )
+    def test_activation_checkpointing(self, name, compile_backend):
+        run_ranks(_checkpointed_rank, name, compile_backend, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.filterwarnings("ignore:DTensor random operators")
     def test_deferred_init_on_meta_device(self):

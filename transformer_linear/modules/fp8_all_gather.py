@@ -362,8 +362,9 @@ class FP8AllGatherWeight(torch.Tensor):
                         dst.copy_(src.t())
             cached = CachedWeight(data, data_t, all_gather_outputs[1], scale_inv_t, None)
             gathered = GatheredFP8Weight(cached, self.quantizer, param_dtype)
+            # Set once, the same object at every gather: torch.compile guards on what a traced forward reads.
+            gathered.rowwise_source = _RowwiseSource(self, metadata.group, rows)
         gathered.holds_rowwise = usages.rowwise
-        gathered.rowwise_source = _RowwiseSource(self, metadata.group, rows) if not usages.rowwise else None
         if out is not None:
             return None
         return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
