@@ -1,7 +1,9 @@
 """FSDP2 all-gathering tl.Linear weights in FP8 (``tl.distributed.fully_shard(fp8_all_gather=...)``), on 2
 gloo ranks (CPU): the bytes FSDP2 all-gathers against its fp32 / bf16 all-gather, that what is gathered is
-FP8 and what the forward reads is the gathered FP8 weight, bitwise parity of losses, gradients and weights
-with the same recipe gathered in high precision, the saved state, and the errors.
+FP8 and what the forward reads is the gathered FP8 weight, which copies each gather carries (MXFP8: the
+rowwise one in forward and the columnwise one in backward under reshard_after_forward, both otherwise),
+bitwise parity of losses, gradients and weights with the same recipe gathered in high precision (an MLP,
+and the built-in GPT for MXFP8), the saved state, and the errors.
 
 The weights have 256 rows, so each rank holds 128: whole 128x128 blocks (Float8BlockScaling) and 1x32
 blocks in either direction (MXFP8); the uneven model (255 rows) checks FSDP2's padding of per-tensor
@@ -22,12 +24,16 @@ import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.fp8_all_gather import (
+    BOTH,
+    COLUMNWISE,
+    ROWWISE,
     FP8AllGatherWeight,
     GatheredFP8Weight,
     check_shardable,
     is_fp8_all_gathered,
 )
 from transformer_linear.modules.linear_args import CachedWeight
+from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.recipe.quantization import quantization_spec
 
 WORLD = 2
@@ -43,12 +49,15 @@ RECIPES = {
 }
 # The bounds on the bytes gathered against FSDP2's bf16 / fp32 all-gather: FP8 data is 1 byte an element
 # against 2 and 4; scales and the (high-precision) biases take the rest. MXFP8's 1x32 blocks are not
-# square, so its columnwise copy (what dgrad reads) is not the rowwise one transposed and is gathered too:
-# 2 bytes an element plus E8M0 scales, about what bf16 gathers (measured: 1.03x bf16, 0.52x fp32).
-MAX_RATIO_VS_BF16 = {"mxfp8": 1.05}
-MAX_RATIO_VS_FP32 = {"mxfp8": 0.55}
-DEFAULT_MAX_RATIO_VS_BF16 = 0.55
-DEFAULT_MAX_RATIO_VS_FP32 = 0.3
+# square, so its columnwise copy (what dgrad reads) is not the rowwise one transposed: under
+# reshard_after_forward the forward gathers the rowwise copy and backward the columnwise one (measured:
+# 0.52x bf16, 0.26x fp32); without it one gather serves both passes and carries both copies, 2 bytes an
+# element plus E8M0 scales, about what bf16 gathers (measured: 1.03x bf16, 0.52x fp32).
+MAX_RATIO_VS_BF16 = 0.55
+MAX_RATIO_VS_FP32 = 0.3
+MAX_RATIO_BOTH_COPIES_VS_BF16 = 1.05
+MAX_RATIO_BOTH_COPIES_VS_FP32 = 0.55
+SEPARATE_COLUMNWISE = {"mxfp8"}  # recipes whose weight's columnwise copy has its own blocks
 
 
 # ---------------------------------------------------------------------------
@@ -69,8 +78,9 @@ def _mlp(layer_recipe, hidden=HIDDEN, out=OUT):
     )
 
 
-def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=OUT):
-    """The MLP with each Linear and the root sharded (FSDP2's usual nesting)."""
+def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=OUT, reshard_after_forward=True):
+    """The MLP with each Linear and the root sharded (FSDP2's usual nesting; the root keeps its gathered
+    parameters through backward, as FSDP2 makes it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = _mlp(layer_recipe, hidden, out)
@@ -78,7 +88,7 @@ def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in (model[0], model[2]):
-        tl.distributed.fully_shard(layer, **kwargs)
+        tl.distributed.fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     return tl.distributed.fully_shard(model, **kwargs)
 
 
@@ -87,14 +97,18 @@ def _batches(rank, world, steps=STEPS, rows=8):
     return [(torch.randn(rows, IN, generator=g) * 3).chunk(world)[rank] for _ in range(steps)]
 
 
-def _train(model, batches, autocast_recipe=None):
+def _square_sum(model, x):
+    return model(x).square().sum()
+
+
+def _train(model, batches, autocast_recipe=None, loss_fn=_square_sum):
     """AdamW steps; the losses and the local gradient shards of each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], []
     for x in batches:
         opt.zero_grad()
         with tl.autocast(enabled=autocast_recipe is not None, recipe=autocast_recipe):
-            loss = model(x).square().sum()
+            loss = loss_fn(model, x)
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append([p.grad.to_local().clone() for p in model.parameters()])
@@ -104,10 +118,10 @@ def _train(model, batches, autocast_recipe=None):
 
 class _GatherCounter:
     """Counts the bytes FSDP2 all-gathers (every call of its all-gather collective) and records the dtypes
-    of what ``FP8AllGatherWeight.fsdp_pre_all_gather`` returns."""
+    of what ``FP8AllGatherWeight.fsdp_pre_all_gather`` returns and the copies each of its gathers carries."""
 
     def __enter__(self):
-        self.bytes, self.fp8_gathers, self.data_dtypes = 0, 0, []
+        self.bytes, self.fp8_gathers, self.data_dtypes, self.usages = 0, 0, [], []
         self._all_gather, self._pre = dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather
 
         def all_gather(output_tensor, input_tensor, *args, **kwargs):
@@ -119,6 +133,7 @@ class _GatherCounter:
             gathered, metadata = self._pre(weight, *args, **kwargs)
             self.fp8_gathers += 1
             self.data_dtypes.append(gathered[0].dtype)
+            self.usages.append(metadata.usages)
             return gathered, metadata
 
         dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
@@ -128,9 +143,9 @@ class _GatherCounter:
         dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = self._all_gather, self._pre
 
 
-def _gathered_bytes(name, fp8_all_gather, param_dtype=None):
+def _gathered_bytes(name, fp8_all_gather, param_dtype=None, reshard_after_forward=True):
     """Bytes all-gathered by one training step (forward and backward), and the counter."""
-    model = _sharded(RECIPES[name], fp8_all_gather, param_dtype)
+    model = _sharded(RECIPES[name], fp8_all_gather, param_dtype, reshard_after_forward=reshard_after_forward)
     seen = []
     for layer in (model[0], model[2]):
         layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
@@ -140,30 +155,41 @@ def _gathered_bytes(name, fp8_all_gather, param_dtype=None):
     return counter, seen
 
 
-def _bytes_rank(rank, world, name):
-    fp8, seen = _gathered_bytes(name, True)
-    fp8_bf16, _ = _gathered_bytes(name, True, torch.bfloat16)
-    fp32, seen_off = _gathered_bytes(name, False)
-    bf16, _ = _gathered_bytes(name, False, torch.bfloat16)
-    # Forward and backward gather each of the 2 weights (the root holds no parameter of its own).
-    assert fp8.fp8_gathers == 4, f"{fp8.fp8_gathers} FP8 all-gathers, expected 4"
+def _bytes_rank(rank, world, name, reshard_after_forward):
+    rf = reshard_after_forward
+    fp8, seen = _gathered_bytes(name, True, reshard_after_forward=rf)
+    fp8_bf16, _ = _gathered_bytes(name, True, torch.bfloat16, reshard_after_forward=rf)
+    fp32, seen_off = _gathered_bytes(name, False, reshard_after_forward=rf)
+    bf16, _ = _gathered_bytes(name, False, torch.bfloat16, reshard_after_forward=rf)
+    # The forward gathers each of the 2 weights (the root holds no parameter of its own), and backward
+    # again where they are resharded after forward.
+    gathers = 4 if rf else 2
+    assert fp8.fp8_gathers == gathers, f"{fp8.fp8_gathers} FP8 all-gathers, expected {gathers}"
     bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in FP8_DTYPES]
     assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8"
     assert fp32.fp8_gathers == 0 and bf16.fp8_gathers == 0
     assert seen == [GatheredFP8Weight] * 2, f"the forward read {seen}, expected the gathered FP8 weight"
     assert GatheredFP8Weight not in seen_off
+    # A columnwise copy of its own: one copy per pass where backward gathers again, else both each time.
+    if name not in SEPARATE_COLUMNWISE:
+        expected_usages = [ROWWISE] * gathers
+    else:
+        expected_usages = [ROWWISE] * 2 + [COLUMNWISE] * 2 if rf else [BOTH] * 2
+    for counter in (fp8, fp8_bf16):
+        assert counter.usages == expected_usages, f"the gathers carried {counter.usages}, expected {expected_usages}"
     ratio_bf16, ratio_fp32 = fp8_bf16.bytes / bf16.bytes, fp8.bytes / fp32.bytes
-    max_bf16 = MAX_RATIO_VS_BF16.get(name, DEFAULT_MAX_RATIO_VS_BF16)
-    max_fp32 = MAX_RATIO_VS_FP32.get(name, DEFAULT_MAX_RATIO_VS_FP32)
+    both_copies = name in SEPARATE_COLUMNWISE and not rf
+    max_bf16 = MAX_RATIO_BOTH_COPIES_VS_BF16 if both_copies else MAX_RATIO_VS_BF16
+    max_fp32 = MAX_RATIO_BOTH_COPIES_VS_FP32 if both_copies else MAX_RATIO_VS_FP32
     assert ratio_bf16 <= max_bf16, f"FP8 all-gather {fp8_bf16.bytes} B vs bf16 {bf16.bytes} B: {ratio_bf16:.3f}"
     assert ratio_fp32 <= max_fp32, f"FP8 all-gather {fp8.bytes} B vs fp32 {fp32.bytes} B: {ratio_fp32:.3f}"
     return fp32.bytes, bf16.bytes, fp8.bytes, fp8_bf16.bytes
 
 
-def _assert_same_training(rank, world, on, off, what, autocast_recipe=None):
-    batches = _batches(rank, world)
-    losses_on, grads_on = _train(on, batches, autocast_recipe)
-    losses_off, grads_off = _train(off, batches, autocast_recipe)
+def _assert_same_training(rank, world, on, off, what, autocast_recipe=None, batches=None, loss_fn=_square_sum):
+    batches = _batches(rank, world) if batches is None else batches
+    losses_on, grads_on = _train(on, batches, autocast_recipe, loss_fn)
+    losses_off, grads_off = _train(off, batches, autocast_recipe, loss_fn)
     for step, (l_on, l_off, g_on, g_off) in enumerate(zip(losses_on, losses_off, grads_on, grads_off)):
         assert_bitwise_equal(l_on, l_off, f"{what}: loss of step {step}")
         for (pname, _), a, b in zip(on.named_parameters(), g_on, g_off):
@@ -208,15 +234,29 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-def _checkpointed_rank(rank, world, name):
+def _checkpointed_rank(rank, world, name, compile_backend=None):
+    if compile_backend is not None:
+        # Both layers share Linear.forward's code, whose graphs torch.compile specializes on each layer's
+        # weight shape, its input's requires_grad and, under MXFP8's per-pass gather, whether the weight holds
+        # its rowwise copy (a recompute after backward's gather gathers it in the graph): 14 graphs here.
+        torch._dynamo.config.recompile_limit = 16
+
     def build(fp8_all_gather):
-        model = _mlp(RECIPES[name])
+        first, _, last = _mlp(RECIPES[name])
+        # The first Linear is recomputed with a GELU, which saves the recomputed output for its backward:
+        # a recompute reading another weight than the forward's changes the gradients.
+        model = nn.Sequential(_Checkpointed(nn.Sequential(first, nn.GELU())), _Checkpointed(last))
         mesh = _mesh()
-        for i in (0, 2):
-            model[i] = tl.distributed.fully_shard(_Checkpointed(model[i]), mesh=mesh, fp8_all_gather=fp8_all_gather)
+        for block in model:
+            tl.distributed.fully_shard(block, mesh=mesh, fp8_all_gather=fp8_all_gather)
+            if compile_backend is not None:
+                for layer in (first, last):
+                    layer.compile(backend=compile_backend, fullgraph=True)
         return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
 
-    _assert_same_training(rank, world, build(True), build(False), f"{name} under activation checkpointing")
+    _assert_same_training(
+        rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}"
+    )
 
 
 def _deferred_init_rank(rank, world):
@@ -249,18 +289,59 @@ def _autocast_rank(rank, world, name):
     _assert_same_training(rank, world, on, off, f"{name} under tl.autocast", autocast_recipe=r)
 
 
-def _quantized_init_rank(rank, world):
+def _gpt_rank(rank, world, name):
+    """The built-in GPT (each block and the root sharded) with FP8 all-gather against the high-precision
+    gather, under the same recipe: bitwise the same losses, gradients and weights over 5 AdamW steps, with
+    the blocks resharded after forward (each gather carries one copy of a separate columnwise copy; the
+    head, in the root, both) and without (both copies, one gather)."""
+    assert name in SEPARATE_COLUMNWISE, "the gathers counted below are a separate columnwise copy's"
+    cfg = GPTConfig()
+    data = SyntheticText(cfg, seed=0)
+    batches = [data.batch(4).chunk(world)[rank] for _ in range(STEPS)]
+
+    def loss_fn(model, tokens):
+        return lm_loss(model(tokens), tokens)
+
+    def build(fp8_all_gather, reshard_after_forward):
+        torch.manual_seed(0)
+        model = tl.convert_to_fp8(TinyGPT(cfg), recipe=RECIPES[name])
+        mesh = _mesh()
+        for block in model.blocks:
+            tl.distributed.fully_shard(
+                block, mesh=mesh, fp8_all_gather=fp8_all_gather, reshard_after_forward=reshard_after_forward
+            )
+        return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
+
+    for reshard_after_forward in (True, False):
+        on = build(True, reshard_after_forward)
+        with _GatherCounter() as counter:
+            _assert_same_training(
+                rank, world, on, build(False, reshard_after_forward),
+                f"GPT {name}, reshard_after_forward={reshard_after_forward}", batches=batches, loss_fn=loss_fn,
+            )
+        # Per step: the blocks' 4 weights each, gathered per pass or once with both copies, and the head (in
+        # the root, which FSDP2 does not reshard after forward) once with both.
+        weights = 4 * cfg.n_layers * STEPS
+        if reshard_after_forward:
+            expected = {ROWWISE: weights, COLUMNWISE: weights, BOTH: STEPS}
+        else:
+            expected = {BOTH: weights + STEPS}
+        seen = {u: counter.usages.count(u) for u in set(counter.usages)}
+        assert seen == expected, f"reshard_after_forward={reshard_after_forward}: gathers {seen}, expected {expected}"
+
+
+def _quantized_init_rank(rank, world, name):
     """quantized_model_init layers gathered in FP8: the FP8 Parameter becomes the high-precision master
     (the preserved initial weight) that FSDP2 shards and gathers in FP8; training is bitwise the same
     recipe's without quantized_model_init."""
-    r = RECIPES["current"]
+    r = RECIPES[name]
     with tl.quantized_model_init(recipe=r, preserve_high_precision_init_val=True):
         on = _sharded(None, True)
     for m in (on[0], on[2]):
         assert m.quantized_init is not None and is_fp8_all_gathered(m.weight)
         assert tl.get_high_precision_init_val(m) is None  # it became the master
     off = _sharded(None, False)
-    _assert_same_training(rank, world, on, off, "quantized_model_init", autocast_recipe=r)
+    _assert_same_training(rank, world, on, off, f"quantized_model_init, {name}", autocast_recipe=r)
 
 
 def _hsdp_rank(rank, world, name, quantized_init):
@@ -327,6 +408,12 @@ def _errors_rank(rank, world):
     model[0].recipe = RECIPES["block"]
     with pytest.raises(ValueError, match="the forward's recipe quantizes it as"):
         model(x)
+    # A weight gathered one copy per pass has FSDP2 buffers of one copy: backward must gather again.
+    model = _sharded(RECIPES["mxfp8"], True)
+    model(x).sum().backward()
+    model[0].set_reshard_after_forward(False)
+    with pytest.raises(RuntimeError, match="reshard_after_forward is now off"):
+        model(x)
 
 
 # ---------------------------------------------------------------------------
@@ -335,10 +422,19 @@ def _errors_rank(rank, world):
 
 
 class TestFP8AllGather:
-    @pytest.mark.parametrize("name", list(RECIPES))
-    def test_gathers_fp8_bytes(self, name):
-        fp32, bf16, fp8, fp8_bf16 = run_ranks(_bytes_rank, name, world_size=WORLD, timeout=TIMEOUT)[0]
-        print(f"{name}: fp32 {fp32} B, bf16 {bf16} B, FP8 {fp8} B (bf16 params: {fp8_bf16} B)")
+    @pytest.mark.parametrize(
+        "name, reshard_after_forward", [(name, True) for name in RECIPES] + [("mxfp8", False)],
+        ids=list(RECIPES) + ["mxfp8-no_reshard_after_forward"],
+    )
+    def test_gathers_fp8_bytes(self, name, reshard_after_forward):
+        fp32, bf16, fp8, fp8_bf16 = run_ranks(
+            _bytes_rank, name, reshard_after_forward, world_size=WORLD, timeout=TIMEOUT
+        )[0]
+        print(f"{name}, reshard_after_forward={reshard_after_forward}: fp32 {fp32} B, bf16 {bf16} B, FP8 {fp8} B "
+              f"(bf16 params: {fp8_bf16} B)")
+
+    def test_gpt_training_bitwise_mxfp8(self):
+        run_ranks(_gpt_rank, "mxfp8", world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_training_bitwise_matches_high_precision_gather(self, name):
@@ -348,7 +444,7 @@ class TestFP8AllGather:
     def test_bf16_mixed_precision_policy(self, name):
         run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed", "block"])
+    @pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8"])
     def test_compiled_layers(self, name):
         run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
 
@@ -359,16 +455,20 @@ class TestFP8AllGather:
     def test_recipe_for_autocast_layers(self, name):
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed"])
-    def test_activation_checkpointing(self, name):
-        run_ranks(_checkpointed_rank, name, world_size=WORLD, timeout=TIMEOUT)
+    @pytest.mark.parametrize(
+        "name, compile_backend", [("current", None), ("delayed", None), ("mxfp8", None), ("mxfp8", "aot_eager")],
+        ids=["current", "delayed", "mxfp8", "mxfp8-compiled"],
+    )
+    def test_activation_checkpointing(self, name, compile_backend):
+        run_ranks(_checkpointed_rank, name, compile_backend, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.filterwarnings("ignore:DTensor random operators")
     def test_deferred_init_on_meta_device(self):
         run_ranks(_deferred_init_rank, world_size=WORLD, timeout=TIMEOUT)
 
-    def test_composes_with_quantized_model_init(self):
-        run_ranks(_quantized_init_rank, world_size=WORLD, timeout=TIMEOUT)
+    @pytest.mark.parametrize("name", ["current", "mxfp8"])
+    def test_composes_with_quantized_model_init(self, name):
+        run_ranks(_quantized_init_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.slow
     @pytest.mark.parametrize(
@@ -396,6 +496,8 @@ _SHARDABLE = [
     ("mxfp8", 64, 2, True),  # 32 rows a rank: whole 1x32 blocks of the columnwise copy
     ("mxfp8", 32, 2, False),
     ("rowwise", 256, 2, False),  # the columnwise copy scales whole columns
+    ("nvfp4", 256, 2, False),  # a global scale per tensor above the 16x16 blocks: not gathered in FP4
+    ("nvfp4", 256, 1, True),  # nothing sharded
 ]
 
 

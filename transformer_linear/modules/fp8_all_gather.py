@@ -21,11 +21,32 @@ Nothing here branches on the recipe; the quantizer says what one weight is made 
   boundary. FSDP2 shards dim 0, so the rows per shard must be a multiple of the rows a block spans (in
   either usage the quantizer produces); otherwise ``fsdp_pre_all_gather`` raises (see
   :func:`check_shardable`). Data and block scales are gathered; a square block's columnwise copy is
-  the rowwise one transposed, a non-square block's (MXFP8's 1x32) is gathered too: it has its own blocks,
-  so it cannot be made from the gathered rowwise copy without quantizing twice, and gathering each usage
-  only in the pass that reads it is not possible under FSDP2 (torch 2.13), which fixes a parameter's
-  all-gather tensors at its first gather and does not gather again in backward without
-  ``reshard_after_forward`` (the dgrad operand is saved at forward time).
+  the rowwise one transposed (made after the gather). A non-square block's (MXFP8's 1x32) columnwise copy
+  has its own blocks: it cannot be made from the gathered rowwise copy without quantizing twice, so it is
+  gathered too, but only by the pass that reads it where FSDP2 gathers again before backward (see
+  below).
+
+Gathering each usage in its own pass. FSDP2 (torch 2.13) allocates a parameter's all-gather outputs once,
+at its first gather, from the numels and dtypes ``fsdp_pre_all_gather`` returned
+(``FSDPParam.init_all_gather_outputs``), re-reads the input sizes at each gather to view them
+(``_unflatten_all_gather_outputs``) and refills the unsharded parameter in place after the first
+(``init_unsharded_param``: ``fsdp_post_all_gather(..., out=...)``). A non-square block's two copies have
+the same numel and dtypes (N x K data, N x K / 32 scales for 1x32 blocks), so either fits the buffers of
+the other. Where the layer's FSDP parameter group reshards after forward (``reshard_after_forward``; the
+root never does), backward gathers again (training state ``PRE_BACKWARD``): the forward's gather then
+carries the rowwise copy only and backward's the columnwise copy only (as Transformer Engine's
+MXFP8Tensor does), half the bytes. The choice is made at the parameter's first gather and kept
+(the buffers are fixed then); without ``reshard_after_forward`` both copies are gathered every time,
+since backward reuses the forward's gather.
+
+The gathered weight says which copies it holds (:attr:`GatheredFP8Weight.holds_rowwise`). The
+columnwise copy (contiguous (K, N) tensors, what dgrad reads and what the forward's autograd node saves)
+is owned by the gathered weight, not a view of FSDP2's buffers: after a rowwise-only gather its storage is
+freed (it holds nothing and costs nothing until backward), and backward's gather refills it in
+place (the version counter kept), so the forward's saved tensors hold the backward's gather; they never
+alias the buffers, which then hold the rowwise copy of the next forward. A forward that runs after
+backward's columnwise-only gather (activation checkpointing's recompute) all-gathers the rowwise copy
+itself, once, from the current shard (bitwise the forward's: the same shard, the same quantizer).
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
 the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
@@ -35,6 +56,7 @@ move on after each forward.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -82,6 +104,12 @@ _OPS_KEEPING_SHARD = {
 }
 
 
+def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
+    """Whether ``quantizer``'s columnwise copy of a weight has blocks of its own (a non-square block: MXFP8's
+    1x32), so that it is gathered rather than made from the gathered rowwise copy (its transpose)."""
+    return quantizer.blockwise and quantizer.block_shape[0] != quantizer.block_shape[1]
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward (FSDP2's pre-backward all-gather, or a recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -93,13 +121,23 @@ def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, wher
     FSDP2 gives each of ``world_size`` ranks ceil(rows / world_size) rows (dim 0). One scale per tensor
     shards anywhere (the scale is made whole-tensor by an amax all-reduce). A block spans ``bm`` rows of
     the rowwise usage, and a non-square block's columnwise copy (blocks along the weight's rows) ``bk``
-    rows, the whole column (``bk == 0``) never fitting a shard.
+    rows, the whole column (``bk == 0``) never fitting a shard. NVFP4 (a global scale above its block
+    scales) is not gathered in FP4.
 
     Raises:
         ValueError: naming the weight's rows, the block and the world size.
     """
     if not quantizer.blockwise or world_size == 1:
         return
+    if quantizer.is_nvfp4:
+        # A global (per-tensor) scale above the block scales, which a shard would compute from its own amax,
+        # and scales packed with it: nothing here gathers that format yet.
+        raise ValueError(
+            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with NVFP4 "
+            f"{list(quantizer.block_shape)} blocks: its global scale is the whole weight's (one amax per tensor) "
+            "and its scales are packed with it, which the FP8 all-gather does not gather; use "
+            "fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
+        )
     bm, bk = quantizer.block_shape
     spans = [bm] if bm == bk else [bm, bk]
     per_shard, even = -(-rows // world_size), rows % world_size == 0
@@ -119,11 +157,28 @@ class _ShardQuantization(NamedTuple):
     amax: Tensor
 
 
+class GatheredUsages(NamedTuple):
+    """Which copies of a weight one all-gather carries (a columnwise copy that is the rowwise one transposed
+    is made after the gather and counts as carried with it)."""
+
+    rowwise: bool
+    columnwise: bool
+
+
+ROWWISE = GatheredUsages(True, False)
+COLUMNWISE = GatheredUsages(False, True)
+BOTH = GatheredUsages(True, True)
+
+
 class _GatherMetadata(NamedTuple):
     """What ``fsdp_pre_all_gather`` passes to ``fsdp_post_all_gather`` besides the gathered tensors."""
 
     rows: int
     """The whole weight's rows (the gathered ones include FSDP2's padding of uneven shards)."""
+    usages: GatheredUsages
+    """The copies gathered: for a separate columnwise copy, the rowwise and / or the columnwise one."""
+    group: Any
+    """The shard group (a forward after a columnwise-only gather gathers the rowwise copy over it)."""
     scale_inv: Optional[Tensor]
     """One scale per tensor: its scale_inv (the same on all ranks); None for block scales (gathered)."""
     amax: Optional[Tensor]
@@ -211,20 +266,21 @@ class FP8AllGatherWeight(torch.Tensor):
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
             if quantizer.blockwise:
-                square = quantizer.block_shape[0] == quantizer.block_shape[1]
-                q = quantizer.quantize(shard, rowwise=True, columnwise=not square)
-                gathered = [q.data, q.scale_inv]
-                if not square:
-                    # The columnwise copy (cols, shard rows) gathers along its columns: transposed to rows.
+                usages = _usages_to_gather(quantizer, module)
+                q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
+                gathered = [q.data, q.scale_inv] if usages.rowwise else []
+                if usages.columnwise:
+                    # The columnwise copy (cols, shard rows) gathers along its columns: transposed to rows,
+                    # the rowwise copy's shape (the numel and dtypes of FSDP2's buffers either way).
                     gathered += [q.data_t.t().contiguous(), q.scale_inv_t.t().contiguous()]
-                return tuple(gathered), _GatherMetadata(rows, None, None)
+                return tuple(gathered), _GatherMetadata(rows, usages, group, None, None)
             scaling = _shard_scale(quantizer, self.history, shard, module, group)
             q = quantizer.quantize(shard, rowwise=True, columnwise=False, scale=scaling.scale)
             data = q.data
             if data.shape[0] != padded_rows:
                 # An uneven shard is padded to the first shard's rows, as FSDP2 pads the high-precision one.
                 data = torch.cat([data, data.new_zeros(padded_rows - data.shape[0], cols)])
-            return (data,), _GatherMetadata(rows, q.scale_inv.reshape(1), scaling.amax.reshape(()))
+            return (data,), _GatherMetadata(rows, ROWWISE, group, q.scale_inv.reshape(1), scaling.amax.reshape(()))
 
     def fsdp_post_all_gather(
         self,
@@ -238,13 +294,12 @@ class FP8AllGatherWeight(torch.Tensor):
         (the transposed usages, the per-tensor scale), which FSDP2 frees on reshard and
         reallocates before the next gather (``out`` given: refilled in place)."""
         quantizer = self.quantizer
+        if quantizer.blockwise and separate_columnwise_copy(quantizer):
+            return self._post_all_gather_separate(all_gather_outputs, metadata, param_dtype, out)
         data = all_gather_outputs[0][: metadata.rows]
         if quantizer.blockwise:
             scale_inv = all_gather_outputs[1]
-            if len(all_gather_outputs) == 4:
-                data_t_src, scale_inv_t_src = all_gather_outputs[2].t(), all_gather_outputs[3].t()
-            else:
-                data_t_src, scale_inv_t_src = data.t(), scale_inv.t()
+            data_t_src, scale_inv_t_src = data.t(), scale_inv.t()
             amax = None
         else:
             scale_inv = metadata.scale_inv
@@ -258,26 +313,144 @@ class FP8AllGatherWeight(torch.Tensor):
                 refills += [(cached.weight_scale_inv, scale_inv), (cached.weight_amax, amax)]
             for dst, src in refills:
                 if dst is not None:
-                    # Backward's saved tensors are these: refilled with what the forward read (FSDP2 refills
-                    # its own gathered buffers the same way), so their version stays.
-                    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
-                        dst.copy_(src)
+                    _refill(dst, src)
             return None
-
-        def owned_copy(t: Optional[Tensor]) -> Optional[Tensor]:
-            return None if t is None else t.clone(memory_format=torch.contiguous_format)
 
         cached = CachedWeight(
             weight_fp8=data,
-            weight_fp8_t=owned_copy(data_t_src),
-            weight_scale_inv=scale_inv if quantizer.blockwise else owned_copy(scale_inv),
-            weight_scale_inv_t=owned_copy(scale_inv_t_src),
-            weight_amax=owned_copy(amax),
+            weight_fp8_t=_owned_copy(data_t_src),
+            weight_scale_inv=scale_inv if quantizer.blockwise else _owned_copy(scale_inv),
+            weight_scale_inv_t=_owned_copy(scale_inv_t_src),
+            weight_amax=_owned_copy(amax),
         )
         owned = [cached.weight_fp8_t, cached.weight_scale_inv_t]
         if not quantizer.blockwise:
             owned += [cached.weight_scale_inv, cached.weight_amax]
         return GatheredFP8Weight(cached, quantizer, param_dtype), tuple(t for t in owned if t is not None)
+
+    def _post_all_gather_separate(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: _GatherMetadata,
+        param_dtype: torch.dtype,
+        out: Optional[Tensor],
+    ) -> Optional[tuple["GatheredFP8Weight", tuple[Tensor, ...]]]:
+        """:meth:`fsdp_post_all_gather` of a weight whose columnwise copy has its own blocks: the rowwise
+        copy as views of the gathered tensors, the columnwise copy (contiguous (cols, rows)) in tensors of its
+        own, refilled from this gather where it carries that copy and otherwise emptied (storage freed)."""
+        usages, rows = metadata.usages, metadata.rows
+        # The gathered tensors of either copy are in the rowwise copy's (rows, ...) form.
+        columnwise = all_gather_outputs[-2:] if usages.columnwise else None
+        if out is not None:
+            gathered = _gathered_of(out)
+            for dst, src in zip((gathered.weight_fp8_t, gathered.weight_scale_inv_t), columnwise or (None, None)):
+                if src is None:
+                    _free(dst)  # FSDP2 reallocated it before this gather; this pass does not read it
+                else:
+                    _refill(dst, src.t())
+        else:
+            data = all_gather_outputs[0][:rows]
+            cols = data.shape[1]
+            grid_t = self.quantizer.scale_grid(cols, rows)  # the columnwise copy's blocks: (cols, rows) rowwise
+            data_t = data.new_empty((cols, rows))
+            scale_inv_t = all_gather_outputs[1].new_empty(grid_t)
+            for dst, src in zip((data_t, scale_inv_t), columnwise or (None, None)):
+                if src is None:
+                    _free(dst)
+                else:
+                    with torch.no_grad():
+                        dst.copy_(src.t())
+            cached = CachedWeight(data, data_t, all_gather_outputs[1], scale_inv_t, None)
+            gathered = GatheredFP8Weight(cached, self.quantizer, param_dtype)
+            # Set once, the same object at every gather: torch.compile guards on what a traced forward reads.
+            gathered.rowwise_source = _RowwiseSource(self, metadata.group, rows)
+        gathered.holds_rowwise = usages.rowwise
+        if out is not None:
+            return None
+        return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
+
+
+class _RowwiseSource(NamedTuple):
+    """Where a gathered weight holding only its columnwise copy gets its rowwise copy (a recompute's
+    forward): the shard and the shard group of the gather."""
+
+    shard: "FP8AllGatherWeight"
+    group: Any
+    rows: int
+
+
+def _owned_copy(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.clone(memory_format=torch.contiguous_format)
+
+
+def _refill(dst: Tensor, src: Tensor) -> None:
+    """Refill ``dst`` (a tensor of the gathered weight FSDP2 reallocated before this gather) from ``src``.
+
+    Backward's saved tensors are these: refilled with what this pass reads (FSDP2 refills its own gathered
+    buffers the same way), so their version stays."""
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+        dst.copy_(src)
+
+
+def _free(t: Tensor) -> None:
+    """Free ``t``'s storage (FSDP2's ``free_storage``; it reallocates it before the next gather)."""
+    if t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+# The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
+# fixed at its first one (FSDP2's all-gather buffers are fixed then).
+_PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_PER_PASS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _param_group(module: nn.Module) -> Any:
+    """The FSDP2 parameter group holding ``module``'s weight (FSDP2 hands ``fsdp_pre_all_gather`` the
+    parameter's module, which need not be the ``fully_shard``-ed one), or None."""
+    ref = _PARAM_GROUPS.get(module)
+    if ref is not None and ref() is not None:
+        return ref()
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                if info.module is module and info.param_name == "weight":
+                    _PARAM_GROUPS[module] = weakref.ref(group)
+                    return group
+    return None
+
+
+def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredUsages:
+    """The copies of a block-scaled weight this all-gather carries.
+
+    A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
+    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
+    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
+
+    Raises:
+        RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
+            (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
+    """
+    if not separate_columnwise_copy(quantizer):
+        return ROWWISE
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group = _param_group(module)
+    reshards = group is not None and group._reshard_after_forward
+    per_pass = _PER_PASS.setdefault(module, reshards)
+    if not per_pass:
+        return BOTH
+    if not reshards:
+        raise RuntimeError(
+            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
+            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
+            "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
+            "before the first forward"
+        )
+    return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
 
 
 def _shard_scale(
@@ -322,17 +495,25 @@ class GatheredFP8Weight(torch.Tensor):
     """Where the weight's quantized form comes from, for error messages (a subclass says its own)."""
 
     @staticmethod
-    def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "GatheredFP8Weight":
+    def __new__(
+        cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype, holds_rowwise: bool = True
+    ) -> "GatheredFP8Weight":
         data = cached_weight.weight_fp8
         return torch.Tensor._make_wrapper_subclass(
             cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
         )
 
-    def __init__(self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype, holds_rowwise: bool = True
+    ) -> None:
         # One attribute per CachedWeight field: what __tensor_flatten__ names (torch.compile reads them).
         for name in _CACHED_FIELDS:
             setattr(self, name, getattr(cached_weight, name))
         self.quantizer = quantizer
+        self.holds_rowwise = holds_rowwise
+        """False after a gather that carried only the columnwise copy (backward's, under
+        ``reshard_after_forward``): the rowwise fields then view buffers holding the columnwise copy."""
+        self.rowwise_source: Optional[_RowwiseSource] = None
 
     @property
     def cached_weight(self) -> CachedWeight:
@@ -352,7 +533,9 @@ class GatheredFP8Weight(torch.Tensor):
             and list(args[1]) == list(this.shape)
         )
         if same and args[0] is this:
-            return GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype)
+            again = GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype, this.holds_rowwise)
+            again.rowwise_source = this.rowwise_source
+            return again
         raise RuntimeError(  # not a TypeError: Tensor's operators would turn that into NotImplemented
             f"a tl.Linear weight all-gathered in FP8 by fully_shard(fp8_all_gather=True) holds only its quantized "
             f"form ({this.quantizer}); {func} cannot read it. Run the layer under its recipe, or shard with "
@@ -360,12 +543,13 @@ class GatheredFP8Weight(torch.Tensor):
         )
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return [name for name in _CACHED_FIELDS if getattr(self, name) is not None], (self.quantizer, self.dtype)
+        names = [name for name in _CACHED_FIELDS if getattr(self, name) is not None]
+        return names, (self.quantizer, self.dtype, self.holds_rowwise)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "GatheredFP8Weight":
-        quantizer, dtype = meta
-        return GatheredFP8Weight(CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS}), quantizer, dtype)
+        cached = CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS})
+        return GatheredFP8Weight(cached, *meta)
 
 
 def _gathered_of(t: Tensor) -> "GatheredFP8Weight":
@@ -397,7 +581,45 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
             f"Linear: the weight was {weight.source} as {weight.quantizer}; "
             f"the forward's recipe quantizes it as {quantizer}"
         )
+    if not weight.holds_rowwise:
+        return _with_rowwise_gathered(weight)
     return weight.cached_weight
+
+
+def _with_rowwise_gathered(weight: GatheredFP8Weight) -> CachedWeight:
+    """A forward's operands from a gathered weight holding only its columnwise copy (a forward recomputed
+    in backward, after backward's all-gather): the rowwise copy all-gathered now from the current shard
+    (bitwise the forward's: the same shard and quantizer), beside the gathered columnwise copy (what the
+    recomputed node saves for dgrad). Every rank recomputes the same layers in the same order, so the
+    collectives match.
+
+    Raises:
+        RuntimeError: the weight does not know its shard (it was rebuilt outside FSDP2's gather, e.g. traced
+            by torch.compile).
+    """
+    source = weight.rowwise_source
+    if source is None:
+        raise RuntimeError(
+            "Linear: the weight holds only the columnwise copy FSDP2 gathered for backward (reshard_after_forward, "
+            f"{weight.quantizer}) and cannot gather its rowwise copy for this forward here; recompute the layer "
+            "eagerly, or shard it with reshard_after_forward=False"
+        )
+    shard = source.shard._tensor.contiguous()
+    if shard.dtype != weight.dtype:
+        shard = shard.to(weight.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
+    world_size = dist.get_world_size(source.group)
+    with torch.no_grad():
+        q = weight.quantizer.quantize(shard, rowwise=True, columnwise=False)
+        data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
+    cached = weight.cached_weight
+    return dataclasses.replace(cached, weight_fp8=data[: source.rows], weight_scale_inv=scale_inv)
+
+
+def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:
+    """``shard`` of every rank of ``group``, concatenated along rows (as raw bytes: any collective backend)."""
+    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_single(out.view(torch.uint8), shard.contiguous().view(torch.uint8), group=group)
+    return out
 
 
 class _WeightForOp(torch.autograd.Function):
