@@ -27,6 +27,8 @@ from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT,
 NAMES = recipe.available_names()
 # Recipes whose columnwise weight usage is the rowwise one transposed: one stored copy.
 ONE_COPY = ["delayed", "current", "delayed-e4m3", "current-e4m3", "block", "nvfp4"]
+# Recipes whose columnwise weight copy has blocks of its own (two copies unless rowwise_only).
+TWO_COPIES = ["mxfp8", "rowwise", "nvfp4"]
 
 
 def _mlp(width=64, hidden=128):
@@ -87,6 +89,26 @@ class TestStorage:
             assert 0.5 <= ratio <= 0.5 * (1 + 1 / 32) + 1e-3, ratio
         # Nothing else of the weight's size is held by the layer.
         assert [n for n, _ in layer.named_parameters()] == ["weight"]
+
+    @pytest.mark.parametrize("name", TWO_COPIES)
+    def test_rowwise_only_stores_one_copy(self, name):
+        """rowwise_only: recipes whose columnwise copy has its own blocks store the rowwise copy alone
+        (<= 0.3x fp32); the forward's columnwise copy is the stored weight quantized columnwise."""
+        rec = recipe.from_name(name)
+        with tl.quantized_model_init(recipe=rec, preserve_high_precision_init_val=True, rowwise_only=True):
+            layer = tl.Linear(256, 256, bias=False)
+        with tl.quantized_model_init(recipe=rec, preserve_high_precision_init_val=True):
+            both = tl.Linear(256, 256, bias=False)
+        both.weight.quantize_(tl.get_high_precision_init_val(layer))
+        assert layer.weight.weight_fp8_t is None and layer.weight.weight_scale_inv_t is None
+        ratio = tl.quantized_weight_bytes(layer) / (256 * 256 * 4)
+        assert ratio <= 0.3 and ratio == pytest.approx(tl.quantized_weight_bytes(both) / (256 * 256 * 4) / 2, rel=0.01)
+        assert torch.equal(_bits(layer.weight.weight_fp8), _bits(both.weight.weight_fp8))  # the same rowwise copy
+        quantizer = recipe.quantization.quantization_spec(rec).weight
+        expected = quantized_init.quantize_weight(quantizer, layer.weight.dequantize())
+        cached = layer.weight.cached_weight
+        assert torch.equal(_bits(cached.weight_fp8_t), _bits(expected.weight_fp8_t))
+        assert torch.equal(_bits(cached.weight_scale_inv_t), _bits(expected.weight_scale_inv_t))
 
     @pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
     def test_stored_weight_is_the_quantizers_result(self, name):
@@ -233,6 +255,25 @@ class TestTraining:
             torch.testing.assert_close(got, ref, rtol=0.01, atol=0.0)
         assert got[-1] < got[0]
 
+    @pytest.mark.parametrize("name", ["mxfp8", "rowwise"])
+    def test_gpt_trains_rowwise_only(self, name):
+        """rowwise_only: the forward is bitwise the two-copy weight's; dgrad reads the stored weight
+        quantized columnwise (one more rounding from the master), so losses agree to FP8 rounding."""
+        rec = recipe.from_name(name)
+        cfg = GPTConfig.named("tiny")
+        data = SyntheticText(cfg, seed=0)
+        batches = [data.batch(8) for _ in range(6)]
+        runs = []
+        for rowwise_only in (False, True):
+            torch.manual_seed(0)
+            with tl.quantized_model_init(recipe=rec, preserve_high_precision_init_val=True, rowwise_only=rowwise_only):
+                model = tl.convert_to_fp8(TinyGPT(cfg))
+            runs.append(_train(model, rec, 6, batches, lambda m, tokens: lm_loss(m(tokens), tokens), True))
+        both, one = runs
+        assert one[0] == both[0]  # the first forward reads the same rowwise copy
+        torch.testing.assert_close(one, both, rtol=0.01, atol=0.0)
+        assert one[-1] < one[0]
+
     def test_masters_get_the_gradients_and_requantize_the_weights(self):
         rec = recipe.from_name("current")
         with tl.quantized_model_init(recipe=rec, preserve_high_precision_init_val=True):
@@ -347,6 +388,23 @@ class TestCompile:
         assert torch.equal(grad_w, layer.weight.grad) and torch.equal(grad_x, x.grad)
 
 
+    def test_fullgraph_rowwise_only(self):
+        """The columnwise copy quantized in the forward (rowwise_only) traces into the graph."""
+        rec = recipe.from_name("mxfp8")
+        with tl.quantized_model_init(recipe=rec, rowwise_only=True):
+            layer = tl.Linear(64, 32, recipe=rec)
+        x = torch.randn(8, 64, requires_grad=True)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        out = compiled(x)
+        out.sum().backward()
+        grad_w, grad_x = layer.weight.grad.clone(), x.grad.clone()
+        layer.weight.grad, x.grad = None, None
+        eager = layer(x)
+        eager.sum().backward()
+        assert torch.equal(out, eager)
+        assert torch.equal(grad_w, layer.weight.grad) and torch.equal(grad_x, x.grad)
+
+
 class TestStateDict:
     @pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
     def test_round_trip_with_nn_linear(self, name):
@@ -424,6 +482,9 @@ class TestBadInput:
                 pass
         with pytest.raises(TypeError, match="'preserve_high_precision_init_val'"):
             with tl.quantized_model_init(preserve_high_precision_init_val="yes"):
+                pass
+        with pytest.raises(TypeError, match="'rowwise_only' must be a bool"):
+            with tl.quantized_model_init(rowwise_only=None):
                 pass
 
     def test_forward_recipe_mismatch(self):
