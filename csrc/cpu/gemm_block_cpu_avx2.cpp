@@ -32,8 +32,8 @@ void promote(const float* part, int ld_part, const float* sa, const float* sb, i
 
 // fp32 panels (kpack = 1): element (row, k) at [k * r + row], so one K-block's rows form
 // one contiguous run of block_k * r floats whose exponents repeat every r elements. The run
-// is walked with full 8-lane loads and stores against a pattern of 8 * r exponent addends
-// (a whole number of both vectors and panel rows); each element's exponent is added to the
+// is walked with full 8-lane loads and stores against a pattern of exponent addends as long
+// as a whole number of both vectors and panel rows; each element's exponent is added to the
 // float's exponent field where the value is nonzero and finite. No masked loads or stores:
 // vpmaskmovd stores are microcoded and slow on AMD Zen.
 inline __m256i fold8(__m256i v, __m256i add) {
@@ -50,11 +50,15 @@ void fold(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32
     return fold_generic(panel, elem_bytes, kc, r, kpack, row_exp, block_k);
   }
   uint32_t* data = static_cast<uint32_t*>(panel);
-  alignas(32) int32_t add[8 * 64];  // 8 * r addends: element x of a block gains add[x % (8 * r)]
-  const int period = 8 * r;
+  // Element x of a block gains add[x % period]: period = r when r is a whole number of vectors,
+  // else 8 * r (a whole number of both).
+  alignas(32) int32_t add[8 * 64];
+  const int period = r % 8 == 0 ? r : 8 * r;
   for (int64_t k0 = 0; k0 < kc; k0 += block_k) {
     const int32_t* e = row_exp + (k0 / block_k) * r;
-    for (int x = 0; x < period; ++x) add[x] = e[x % r] * (1 << 23);
+    for (int x0 = 0; x0 < period; x0 += r) {
+      for (int i = 0; i < r; ++i) add[x0 + i] = e[i] * (1 << 23);
+    }
     uint32_t* p = data + k0 * r;
     const int64_t len = (std::min(kc, k0 + block_k) - k0) * r;
     int64_t x = 0;

@@ -238,13 +238,12 @@ bool foldable(const GroupedGemmParams& p, const KernelSet& ks, int64_t contracti
 void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, uint8_t* panel, const ScaleSource& src,
                 int64_t row0, int64_t rows, int r, int64_t pc, int64_t kb, int64_t block_k) {
   int32_t exps[kMaxFoldExps];
+  int64_t row_index[64];  // the scale-grid offset of each panel row (r <= 64)
+  for (int i = 0; i < r; ++i) row_index[i] = ((row0 + i) / src.rows) * src.grid_cols + src.col0;
   const int64_t first = pc / block_k, blocks = ceil_div(pc + kb, block_k) - first;
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < r; ++i) {
-      const int64_t row = row0 + i;
-      const int64_t index = (row / src.rows) * src.grid_cols + src.col0 + ((first + b) * block_k) / src.cols;
-      exps[b * r + i] = i < rows ? scale_exponent(src, index) : 0;
-    }
+    const int64_t col = ((first + b) * block_k) / src.cols;
+    for (int i = 0; i < r; ++i) exps[b * r + i] = i < rows ? scale_exponent(src, row_index[i] + col) : 0;
   }
   fold(panel, ks.elem_bytes, kb, r, ks.k_align, exps, block_k);
 }
