@@ -135,6 +135,18 @@ void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, const fl
                 int64_t ldc_in, float* c_out, int64_t ldc_out) {
   const float* a = static_cast<const float*>(a_packed);
   const float* b = static_cast<const float*>(b_packed);
+  // The C tile is read and written only after the k loop; when it lives in the fp32 totals of a
+  // multi-pass K (megabytes, in L3 or memory), asking for its lines now lets them arrive while the
+  // FMAs run instead of stalling the tile's end (measured ~4% on the grouped weight gradient).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    if (c_in) {
+      _mm_prefetch(reinterpret_cast<const char*>(c_in + i * ldc_in), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c_in + i * ldc_in + 8 * NV - 1), _MM_HINT_T0);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(c_out + i * ldc_out), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c_out + i * ldc_out + 8 * NV - 1), _MM_HINT_T0);
+  }
   __m256 acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {

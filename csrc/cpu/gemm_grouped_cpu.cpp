@@ -238,13 +238,12 @@ bool foldable(const GroupedGemmParams& p, const KernelSet& ks, int64_t contracti
 void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, uint8_t* panel, const ScaleSource& src,
                 int64_t row0, int64_t rows, int r, int64_t pc, int64_t kb, int64_t block_k) {
   int32_t exps[kMaxFoldExps];
+  int64_t row_index[64];  // the scale-grid offset of each panel row (r <= 64)
+  for (int i = 0; i < r; ++i) row_index[i] = ((row0 + i) / src.rows) * src.grid_cols + src.col0;
   const int64_t first = pc / block_k, blocks = ceil_div(pc + kb, block_k) - first;
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < r; ++i) {
-      const int64_t row = row0 + i;
-      const int64_t index = (row / src.rows) * src.grid_cols + src.col0 + ((first + b) * block_k) / src.cols;
-      exps[b * r + i] = i < rows ? scale_exponent(src, index) : 0;
-    }
+    const int64_t col = ((first + b) * block_k) / src.cols;
+    for (int i = 0; i < r; ++i) exps[b * r + i] = i < rows ? scale_exponent(src, row_index[i] + col) : 0;
   }
   fold(panel, ks.elem_bytes, kb, r, ks.k_align, exps, block_k);
 }
@@ -309,7 +308,9 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
     const int64_t kc_max = ks.kc;
     Buffer a_buffer = aligned_buffer(ceil_div(mt, mr) * ks.panel_bytes(kc_max, mr));
     Buffer b_buffer = aligned_buffer(ceil_div(nt, nr) * ks.panel_bytes(kc_max, nr));
-    std::vector<float> totals(static_cast<size_t>(round_up(rows_max, mr) * nt));
+    // Not initialized: each K chunk but the first adds to what the one before wrote.
+    Buffer totals_buffer = aligned_buffer(static_cast<size_t>(round_up(rows_max, mr) * nt) * sizeof(float));
+    float* totals = reinterpret_cast<float*>(totals_buffer.get());
     alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
     // The scales of one KC chunk, looked up once per chunk rather than per micro-tile: the
     // rows of a row block (and the columns of the tile) for each promotion step, 0 past the edge.
@@ -328,9 +329,10 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
       const bool whole_k = folded || g >= q.k;
       const int64_t step = whole_k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
       const int64_t kc = ks.kc / step * step;
-      if (q.k == 0) std::fill(totals.begin(), totals.end(), 0.0f);
+      const T* tile_bias = q.bias_offset >= 0 ? bias + q.bias_offset + item.j0 : nullptr;
       for (int64_t pc = 0; pc < q.k; pc += kc) {
         const int64_t kb = std::min(kc, q.k - pc);
+        const bool last = pc + kb == q.k;
         const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
         ks.pack_b(sub_operand(q.b, item.j0, pc), nb, kb, nr, b_buffer.get());
         const int64_t steps = ceil_div(kb, step);
@@ -361,37 +363,49 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
           if (ks.prepare) ks.prepare();
           for (int64_t jr = 0; jr < nb; jr += nr) {
             const uint8_t* b_panel = b_buffer.get() + (jr / nr) * b_panel_bytes;
+            const T* panel_bias = tile_bias ? tile_bias + jr : nullptr;
             for (int64_t ir = 0; ir < mb; ir += mr) {
               const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
-              float* acc = totals.data() + (ic + ir) * nt + jr;
+              // The tile's fp32 total: in `totals` across K chunks; the last chunk's tile goes
+              // from the stack (or from `totals`, still in cache) straight to d.
+              float* acc = totals + (ic + ir) * nt + jr;
+              int64_t ld_acc = nt;
               if (whole_k) {
                 // One scale over all of K: the micro-kernel accumulates the chunks' sums in place
-                // (as the dense GEMM does), and the last chunk's tile is scaled once on its way in.
+                // (as the dense GEMM does), and the last chunk's tile is scaled once on its way out.
                 const float* c_in = pc == 0 ? nullptr : acc;
-                if (pc + kb < q.k) {
+                if (!last) {
                   ks.micro(kb, a_panel, b_panel, c_in, nt, acc, nt);
-                } else {
-                  ks.micro(kb, a_panel, b_panel, c_in, nt, part, nr);
-                  promote(part, nr, sa_table.data() + ir, sb_table.data() + jr, mr, nr, true, acc, nt);
+                  continue;
                 }
-                continue;
+                ks.micro(kb, a_panel, b_panel, c_in, nt, part, nr);
+                promote(part, nr, sa_table.data() + ir, sb_table.data() + jr, mr, nr, true, part, nr);
+                acc = part;
+                ld_acc = nr;
+              } else {
+                for (int64_t t = 0; t < steps; ++t) {
+                  // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
+                  // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
+                  const int64_t s0 = t * step;
+                  ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                           b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+                  promote(part, nr, sa_table.data() + t * mt_pad + ir, sb_table.data() + t * nt_pad + jr, mr, nr,
+                          pc == 0 && t == 0, acc, nt);
+                }
               }
-              for (int64_t t = 0; t < steps; ++t) {
-                // Packed panels store k in order: a sub-panel at k offset s0 starts s0 * rows
-                // elements in (step is a multiple of the kernel's k_align, see fp8_grouped_gemm).
-                const int64_t s0 = t * step;
-                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
-                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
-                promote(part, nr, sa_table.data() + t * mt_pad + ir, sb_table.data() + t * nt_pad + jr, mr, nr,
-                        pc == 0 && t == 0, acc, nt);
+              if (last) {
+                store_tile<Out>(acc, ld_acc, std::min<int64_t>(mr, mb - ir), std::min<int64_t>(nr, nb - jr), 1.0f,
+                                panel_bias, false, d + q.d_offset + (i0 + ir) * q.ldd + item.j0 + jr, q.ldd);
               }
             }
           }
         }
       }
-      const T* tile_bias = q.bias_offset >= 0 ? bias + q.bias_offset + item.j0 : nullptr;
-      store_tile<Out>(totals.data(), nt, rows, nb, 1.0f, tile_bias, false,
-                      d + q.d_offset + item.i0 * q.ldd + item.j0, q.ldd);
+      if (q.k == 0) {  // an empty contraction: d = bias (or 0)
+        std::fill(totals, totals + rows * nt, 0.0f);
+        store_tile<Out>(totals, nt, rows, nb, 1.0f, tile_bias, false, d + q.d_offset + item.i0 * q.ldd + item.j0,
+                        q.ldd);
+      }
     }
   });
 }
