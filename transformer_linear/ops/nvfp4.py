@@ -2,7 +2,9 @@
 
 Each op is a ``torch.library`` custom op with a fake implementation, so it
 traces under ``torch.compile``; the CPU kernels are the extension's
-(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp), the CUDA kernels are
+(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp; the global amaxes, plain and
+of the Hadamard-transformed columnwise copy, in one pass: quantize_nvfp4_cpu_amax.h;
+fake, meta and traced tensors take the torch form), the CUDA kernels are
 registered by ``ops.nvfp4_cuda`` (Triton, and cuBLASLt's NVFP4 matmul where the
 GPU and build have it). The format and every
 numeric rule: :mod:`transformer_linear.formats.nvfp4` and
