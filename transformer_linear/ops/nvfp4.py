@@ -21,6 +21,7 @@ op's tensors. The public functions take and return ``float4_e2m1fn_x2`` views.
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -453,6 +454,51 @@ def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochast
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
 
 
+def _write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
+    """The head of packed scales (see :func:`pack_scales`) from a () float32 CPU global scale."""
+    bits = struct.unpack("<I", struct.pack("<f", global_scale.item()))[0]
+    head = [(bits >> shift) & 0xF for shift in _NIBBLE_SHIFTS]
+    packed[:GLOBAL_SCALE_ELEMENTS].view(torch.uint8).copy_(torch.tensor(head, dtype=torch.uint8))
+
+
+def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
+    """The CPU kernel writing its block scales straight into the packed scale tensors (no copy to pack them);
+    the same bits as :func:`quantize_nvfp4` then :func:`pack_scales`. x on the CPU, not empty."""
+    op = "quantize_nvfp4_packed"
+    x = x.contiguous()  # held here: the kernel reads it after desc() returns
+    m, k = x.shape
+    outs = _packed_outputs(x, rowwise, columnwise)
+    g, g_t = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float32)
+    scale = outs[1][GLOBAL_SCALE_ELEMENTS:].view(m, k // BLOCK) if rowwise else None
+    scale_t = outs[3][GLOBAL_SCALE_ELEMENTS:].view(k, m // BLOCK) if columnwise else None
+
+    def named(t, name, present):
+        return desc(t, op, name) if present else None
+
+    _C.quantize_nvfp4(
+        desc(x, op, "x"),
+        desc(amax, op, "amax"),
+        desc(amax if amax_t is None else amax_t, op, "amax_t"),
+        named(outs[0], "output", rowwise),
+        named(scale, "scale", rowwise),
+        named(g, "global_scale", rowwise),
+        named(outs[2], "output_t", columnwise),
+        named(scale_t, "scale_t", columnwise),
+        named(g_t, "global_scale_t", columnwise),
+        scaling_2d,
+        rht,
+        stochastic_rounding,
+        seed,
+        0,
+        stream_for(x),
+    )
+    if rowwise:
+        _write_packed_global_scale(outs[1], g)
+    if columnwise:
+        _write_packed_global_scale(outs[3], g_t)
+    return outs
+
+
 @torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _quantize_packed_op(
     x: torch.Tensor,
@@ -470,6 +516,9 @@ def _quantize_packed_op(
     else:
         amax, amax_t = _amaxes(x.detach(), True, columnwise and rht)
     seed_value = int(seed.reshape(())) if stochastic_rounding else 0
+    if x.device.type == "cpu" and x.numel() > 0:
+        return _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding,
+                                    seed_value)
     data, scale, g, data_t, scale_t, g_t = torch.ops.transformer_linear.quantize_nvfp4(
         x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed_value, 0
     )
