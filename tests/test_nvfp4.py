@@ -489,3 +489,30 @@ def test_kernel_front_end_rejects_overlap():
         _C.nvfp4_gemm(desc(A.data.view(torch.uint8), "t", "a"), desc(A.scale, "t", "s"), desc(A.global_scale, "t", "g"),
                       desc(A.data.view(torch.uint8), "t", "b"), desc(A.scale, "t", "s"), desc(d[0, 0], "t", "g"),
                       None, desc(d, "t", "d"))
+
+
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize(
+    "usage",
+    [
+        dict(rowwise=True, columnwise=True, rht=True, stochastic_rounding=True),
+        dict(rowwise=True, columnwise=True, scaling_2d=True),
+        dict(rowwise=False, columnwise=True, rht=True),
+        dict(rowwise=True, columnwise=False, stochastic_rounding=True),
+    ],
+    ids=["input_or_grad", "weight_2d", "columnwise_rht", "rowwise_sr"],
+)
+def test_packed_quantize_is_quantize_then_pack(cpu_isa, dtype, usage):
+    """The Linear's packed form (the CPU kernel writing into the packed scales) has the bits of
+    ``quantize_nvfp4`` with ``nvfp4_amax``'s amaxes followed by ``pack_scales``."""
+    x = (torch.randn(48, 80) * 3).to(dtype)
+    sr = usage.get("stochastic_rounding", False)
+    got = ops.quantize_nvfp4_packed(x, **usage, seed=torch.tensor(-99) if sr else None)
+    amax_t = ops.nvfp4_amax(x, rht=True) if usage.get("rht") else None
+    want = ops.quantize_nvfp4(x, ops.nvfp4_amax(x), amax_t, **usage, seed=-99 if sr else 0)
+    if usage["rowwise"]:
+        assert_bitwise_equal(got[0], want.data.view(torch.uint8), "data")
+        assert_bitwise_equal(got[1], ops.pack_scales(want.scale, want.global_scale), "packed scales")
+    if usage["columnwise"]:
+        assert_bitwise_equal(got[2], want.data_t.view(torch.uint8), "data_t")
+        assert_bitwise_equal(got[3], ops.pack_scales(want.scale_t, want.global_scale_t), "packed scales_t")

@@ -17,6 +17,9 @@ void register_nvfp4(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "NVFP4 quantize (E2M1 + E4M3 1x16 / 16x16 block scales + float32 global scale); "
         "rowwise and/or columnwise copy");
+  m.def("nvfp4_amax", &tl::nvfp4_amax, "input"_a, "amax"_a, "amax_rht"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "NVFP4 global amaxes: max |x| and/or max |H(x^T)| (the RHT columnwise copy's), one pass");
   m.def("nvfp4_gemm", &tl::nvfp4_gemm, "a"_a, "a_scale"_a, "a_global_scale"_a, "b"_a,
         "b_scale"_a, "b_global_scale"_a, "bias"_a, "d"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(),

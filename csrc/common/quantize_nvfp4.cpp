@@ -1,8 +1,10 @@
 // NVFP4 quantize entry point: validate, write the global decode scales, run the CPU kernel.
 #include <cmath>
+#include <utility>
 
 #include "../cpu/parallel.h"
 #include "../cpu/quantize_nvfp4_cpu.h"
+#include "../cpu/quantize_nvfp4_cpu_amax.h"
 #include "backend_nvfp4.h"
 #include "transformer_linear/nvfp4.h"
 #include "validate.h"
@@ -96,6 +98,35 @@ void quantize_nvfp4(const TensorDesc& input, const TensorDesc& amax, const Tenso
   if (output_t.defined()) *global_scale_t.ptr<float>() = 1.0f / p.s_enc_t;
   const cpu::ThreadCountScope threads(cpu::call_threads(kOp, stream));
   cpu::quantize_nvfp4(p);
+}
+
+void nvfp4_amax(const TensorDesc& input, const TensorDesc& amax, const TensorDesc& amax_rht, Stream stream) {
+  constexpr const char* op = "nvfp4_amax";
+  check_defined(op, "x", input);
+  TL_CHECK_TYPE(input.device == DeviceType::kCPU, op, ": argument 'x' must be on cpu, got ",
+                device_name(input.device));
+  check_dtype(op, "x", input, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  check_rank(op, "x", input, 2);
+  check_contiguous(op, "x", input);
+  TL_CHECK(amax.defined() || amax_rht.defined(), op, ": at least one of 'amax' and 'amax_rht' is required");
+  const int64_t m = input.shape[0], k = input.shape[1];
+  for (const auto& [name, out] : {std::pair<const char*, const TensorDesc*>{"amax", &amax}, {"amax_rht", &amax_rht}}) {
+    if (!out->defined()) continue;
+    check_scalar_fp32(op, name, *out);
+    check_device(op, name, *out, input.device, input.device_index);
+  }
+  TL_CHECK(!amax_rht.defined() || m % cpu::nvfp4::kBlock == 0, op, ": the rows of 'x' (", m,
+           ") must be a multiple of 16 for the transformed columnwise amax");
+  check_disjoint(op, {{"amax", &amax}, {"amax_rht", &amax_rht}}, {{"x", &input}});
+  float* amax_out = amax.defined() ? amax.ptr<float>() : nullptr;
+  float* rht_out = amax_rht.defined() ? amax_rht.ptr<float>() : nullptr;
+  if (m == 0 || k == 0) {
+    if (amax_out != nullptr) *amax_out = 0.0f;
+    if (rht_out != nullptr) *rht_out = 0.0f;
+    return;
+  }
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::nvfp4::nvfp4_amaxes(input, k, cpu::nvfp4::AmaxRange{0, m, 0, m / cpu::nvfp4::kBlock}, amax_out, rht_out);
 }
 
 }  // namespace tl

@@ -16,106 +16,26 @@
 #include "../common/backend_nvfp4.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
+#include "quantize_nvfp4_cpu_amax.h"
 #include "transformer_linear/check.h"
 #include "transformer_linear/dispatch.h"
 #include "transformer_linear/fp8_math.h"
 
 namespace tl {
 namespace cpu {
-namespace {
 
 using nvfp4::kBlock;
-
-// Columns of a band transformed at once: 16 rows x 64 float32 (4 KiB) in L1.
-constexpr int64_t kAmaxCols = 64;
-
-// Running max of |values| and whether any was not finite (NaN or inf), elementwise so that the
-// loops vectorize; a non-finite amax is an error, so its value need not be kept.
-struct AbsMax {
-  float max = 0.0f;
-  bool non_finite = false;
-  void add(float v) {
-    const float a = std::fabs(v);
-    max = a > max ? a : max;
-    non_finite |= !(a <= fp8::kFloatMax);
-  }
-  void add(const AbsMax& o) {
-    max = o.max > max ? o.max : max;
-    non_finite |= o.non_finite;
-  }
-};
-
-// max |x| over rows [start, end), or over the Hadamard transforms of the 16-row bands
-// [band0, band1) with rows outside [start, end) as +0 (the transform's fixed stage order, as
-// nvfp4::hadamard16 and formats/nvfp4.py, on a band's columns side by side; the 0.25 scaling
-// is applied to the maximum, which it commutes with). NaN when any of them is not finite.
-template <typename In>
-float group_amax(const QuantizeGroupedNvfp4Params& p, int64_t start, int64_t end, int64_t band0, int64_t band1) {
-  using T = typename In::storage;
-  const T* x = p.input.ptr<const T>();
-  const int64_t k = p.k;
-  const int threads = get_num_threads();
-  std::vector<AbsMax> partial(std::max(threads, 1));
-  if (!p.rht) {
-    parallel_for(threads, end - start, 16, [&](int64_t i0, int64_t i1) {
-      AbsMax m;
-      for (int64_t r = start + i0; r < start + i1; ++r) {
-        const T* row = x + r * k;
-        for (int64_t c = 0; c < k; ++c) m.add(In::load(row[c]));
-      }
-      partial[omp_get_thread_num()].add(m);
-    });
-  } else {
-    parallel_for(threads, band1 - band0, 1, [&](int64_t b0, int64_t b1) {
-      AbsMax m;
-      alignas(64) float v[kBlock][kAmaxCols];
-      for (int64_t b = band0 + b0; b < band0 + b1; ++b) {
-        for (int64_t c0 = 0; c0 < k; c0 += kAmaxCols) {
-          const int64_t w = std::min(kAmaxCols, k - c0);
-          for (int i = 0; i < kBlock; ++i) {
-            const int64_t r = b * kBlock + i;
-            if (r >= start && r < end) {
-              const T* row = x + r * k + c0;
-              for (int64_t j = 0; j < w; ++j) v[i][j] = In::load(row[j]) * nvfp4::kRhtSigns[i];
-            } else {
-              std::fill_n(v[i], w, 0.0f);
-            }
-          }
-          for (int half = 1; half < kBlock; half *= 2) {
-            for (int base = 0; base < kBlock; base += 2 * half) {
-              for (int i = base; i < base + half; ++i) {
-                for (int64_t j = 0; j < w; ++j) {
-                  const float lo = v[i][j], hi = v[i + half][j];
-                  v[i][j] = lo + hi;
-                  v[i + half][j] = lo - hi;
-                }
-              }
-            }
-          }
-          for (int i = 0; i < kBlock; ++i) {
-            for (int64_t j = 0; j < w; ++j) m.add(v[i][j]);
-          }
-        }
-      }
-      partial[omp_get_thread_num()].add(m);
-    });
-  }
-  AbsMax amax;
-  for (const AbsMax& m : partial) amax.add(m);
-  if (amax.non_finite) return std::nanf("");
-  return p.rht ? amax.max * 0.25f : amax.max;
-}
-
-}  // namespace
 
 void quantize_grouped_nvfp4(const QuantizeGroupedNvfp4Params& p) {
   const int64_t scale_stride = 8 + p.k * (p.total / kBlock);
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t start = g == 0 ? 0 : p.offs[g - 1], end = p.offs[g];
     const int64_t band0 = start / kBlock, band1 = start == end ? band0 : (end + kBlock - 1) / kBlock;
-    const float amax = dispatch_high_precision(p.input.dtype, "quantize_grouped_nvfp4: argument 'x'", [&](auto tag) {
-      return group_amax<decltype(tag)>(p, start, end, band0, band1);
-    });
+    // The masked tensor's global amax: over the group's rows, or over the transforms of its bands
+    // (the transform of a band computed with the group's rows only, as the kernel transforms it).
+    float amax = 0.0f;
+    const nvfp4::AmaxRange range{start, end, band0, band1};
+    nvfp4::nvfp4_amaxes(p.input, p.k, range, p.rht ? nullptr : &amax, p.rht ? &amax : nullptr);
     TL_CHECK(std::isfinite(amax), "quantize_grouped_nvfp4: the global amax of group ", g,
              " must be finite and non-negative (the global scale is 448 * 6 / amax), got ", amax);
     const float s_enc = nvfp4::global_encode_scale(amax);

@@ -16,6 +16,7 @@
 #include "cpu_features.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
+#include "quantize_nvfp4_cpu_amax.h"
 #include "quantize_nvfp4_cpu_vec.h"
 #include "transformer_linear/dispatch.h"
 
@@ -193,6 +194,45 @@ void quantize_nvfp4(const QuantizeNvfp4Params& p) {
     q.template run<decltype(tag)>();
   });
 }
+
+namespace nvfp4 {
+
+AmaxKernels portable_amax_kernels() { return make_amax_kernels<4>(); }
+
+void nvfp4_amaxes(const TensorDesc& x, int64_t k, const AmaxRange& range, float* amax, float* amax_rht) {
+  const Isa isa = current_isa();
+  const AmaxKernels kernels = isa == Isa::kAvx2                                   ? avx2_amax_kernels()
+                              : isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16 ? avx512_amax_kernels()
+                                                                               : portable_amax_kernels();
+  const int threads = std::max(get_num_threads(), 1);
+  // One partial result per thread (omp_get_thread_num() < threads), reduced in a fixed order.
+  std::vector<AbsMax> plain(threads), rht(threads);
+  // The plain amax rides along the transform's pass when the bands hold exactly the rows.
+  const bool fused = amax != nullptr && amax_rht != nullptr && range.band_begin * kBlock <= range.row_begin &&
+                     range.band_end * kBlock >= range.row_end;
+  if (amax_rht != nullptr) {
+    parallel_for(threads, range.band_end - range.band_begin, 1, [&](int64_t b0, int64_t b1) {
+      const int t = omp_get_thread_num();
+      AbsMax p;
+      rht[t].add(kernels.bands(x, k, range, range.band_begin + b0, range.band_begin + b1, fused ? &p : nullptr));
+      plain[t].add(p);
+    });
+  }
+  if (amax != nullptr && !fused) {
+    parallel_for(threads, range.row_end - range.row_begin, 16, [&](int64_t i0, int64_t i1) {
+      plain[omp_get_thread_num()].add(kernels.rows(x, k, range.row_begin + i0, range.row_begin + i1));
+    });
+  }
+  AbsMax total, total_rht;
+  for (int t = 0; t < threads; ++t) {
+    total.add(plain[t]);
+    total_rht.add(rht[t]);
+  }
+  if (amax != nullptr) *amax = total.value();
+  if (amax_rht != nullptr) *amax_rht = total_rht.nan ? std::nanf("") : total_rht.max * 0.25f;
+}
+
+}  // namespace nvfp4
 
 }  // namespace cpu
 }  // namespace tl

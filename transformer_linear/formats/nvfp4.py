@@ -85,6 +85,9 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 def hadamard_amax_of_transpose(x: torch.Tensor) -> torch.Tensor:
     """``hadamard_transform(x.t()).abs().amax()`` without the transposing copy.
 
+    The torch form of the amax (CUDA, fake and meta tensors, traced graphs); on the CPU the extension's
+    kernel computes the same bits in one pass (``ops.nvfp4.nvfp4_amax``).
+
     The blocks of ``x.t()``'s rows are 16 consecutive rows of ``x`` in one column, so the transform runs
     on ``x``'s rows, every column at once, with the same arithmetic for each element; the maximum (exact,
     and commuting with the exact scaling by 0.25) is then bitwise the same.

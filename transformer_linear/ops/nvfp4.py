@@ -2,7 +2,9 @@
 
 Each op is a ``torch.library`` custom op with a fake implementation, so it
 traces under ``torch.compile``; the CPU kernels are the extension's
-(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp), the CUDA kernels are
+(csrc/cpu/quantize_nvfp4_cpu.cpp, gemm_nvfp4_cpu.cpp; the global amaxes, plain and
+of the Hadamard-transformed columnwise copy, in one pass: quantize_nvfp4_cpu_amax.h;
+fake, meta and traced tensors take the torch form), the CUDA kernels are
 registered by ``ops.nvfp4_cuda`` (Triton, and cuBLASLt's NVFP4 matmul where the
 GPU and build have it). The format and every
 numeric rule: :mod:`transformer_linear.formats.nvfp4` and
@@ -19,6 +21,7 @@ op's tensors. The public functions take and return ``float4_e2m1fn_x2`` views.
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -224,6 +227,42 @@ def quantize_nvfp4(
     return NVFP4Tensors(*row, *col)
 
 
+def _amaxes_in_kernel(x: torch.Tensor) -> bool:
+    """Whether x's amaxes come from the extension's CPU kernel: a real CPU tensor of a dtype it reads,
+    outside tracing (fake and meta tensors, other devices and traced graphs take the torch ops)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and not isinstance(x, torch._subclasses.FakeTensor)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _amaxes(x: torch.Tensor, plain: bool, rht: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(max |x|, max |H(x.T)|), each () float32 or None where not asked for; x 2-D, not empty, detached.
+
+    On the CPU one call of the extension's kernel (csrc/cpu/quantize_nvfp4_cpu_amax.h: one pass over x for
+    both, bitwise the torch ops' result); elsewhere the extension's amax op and the torch form of the
+    transform's amax (formats.nvfp4.hadamard_amax_of_transpose).
+    """
+    if _amaxes_in_kernel(x):
+        x = x.contiguous()  # held here: the kernel reads it after desc() returns
+        amax = torch.empty((), dtype=torch.float32) if plain else None
+        amax_rht = torch.empty((), dtype=torch.float32) if rht else None
+        op = "nvfp4_amax"
+        _C.nvfp4_amax(
+            desc(x, op, "x"),
+            desc(amax, op, "amax"),
+            desc(amax_rht, op, "amax_rht"),
+            stream_for(x),
+        )
+        return amax, amax_rht
+    # The extension's amax op (ops.amax; looked up by name: ops/__init__ imports this module): one pass,
+    # no float32 and |x| copies, the same NaN-propagating max.
+    amax = torch.ops.transformer_linear.amax(x.contiguous()) if plain else None
+    return amax, hadamard_amax_of_transpose(x) if rht else None
+
+
 def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
     """The global amax of x's NVFP4 copy: max |x|, or with ``rht`` of x.T's Hadamard transform.
 
@@ -234,14 +273,19 @@ def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
 
     Returns:
         () float32; 0 for an empty x; NaN if x holds a NaN.
+
+    Raises:
+        ValueError: ``rht`` with M not a multiple of 16.
     """
+    if rht and (x.dim() != 2 or x.shape[0] % BLOCK):
+        raise ValueError(f"nvfp4_amax: with 'rht' argument 'x' must be 2-D with rows a multiple of {BLOCK}, "
+                         f"got shape {tuple(x.shape)}")
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if not rht:
-        # The extension's amax op (ops.amax; looked up by name: ops/__init__ imports this module): one pass,
-        # no float32 and |x| copies, the same NaN-propagating max.
-        return torch.ops.transformer_linear.amax(x.detach().contiguous())
-    return hadamard_amax_of_transpose(x.detach())
+    if not rht and x.dim() != 2:
+        x = x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+    amax, amax_rht = _amaxes(x.detach(), not rht, rht)
+    return amax_rht if rht else amax
 
 
 def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=torch.uint8):
@@ -410,6 +454,51 @@ def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochast
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
 
 
+def _write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
+    """The head of packed scales (see :func:`pack_scales`) from a () float32 CPU global scale."""
+    bits = struct.unpack("<I", struct.pack("<f", global_scale.item()))[0]
+    head = [(bits >> shift) & 0xF for shift in _NIBBLE_SHIFTS]
+    packed[:GLOBAL_SCALE_ELEMENTS].view(torch.uint8).copy_(torch.tensor(head, dtype=torch.uint8))
+
+
+def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
+    """The CPU kernel writing its block scales straight into the packed scale tensors (no copy to pack them);
+    the same bits as :func:`quantize_nvfp4` then :func:`pack_scales`. x on the CPU, not empty."""
+    op = "quantize_nvfp4_packed"
+    x = x.contiguous()  # held here: the kernel reads it after desc() returns
+    m, k = x.shape
+    outs = _packed_outputs(x, rowwise, columnwise)
+    g, g_t = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float32)
+    scale = outs[1][GLOBAL_SCALE_ELEMENTS:].view(m, k // BLOCK) if rowwise else None
+    scale_t = outs[3][GLOBAL_SCALE_ELEMENTS:].view(k, m // BLOCK) if columnwise else None
+
+    def named(t, name, present):
+        return desc(t, op, name) if present else None
+
+    _C.quantize_nvfp4(
+        desc(x, op, "x"),
+        desc(amax, op, "amax"),
+        desc(amax if amax_t is None else amax_t, op, "amax_t"),
+        named(outs[0], "output", rowwise),
+        named(scale, "scale", rowwise),
+        named(g, "global_scale", rowwise),
+        named(outs[2], "output_t", columnwise),
+        named(scale_t, "scale_t", columnwise),
+        named(g_t, "global_scale_t", columnwise),
+        scaling_2d,
+        rht,
+        stochastic_rounding,
+        seed,
+        0,
+        stream_for(x),
+    )
+    if rowwise:
+        _write_packed_global_scale(outs[1], g)
+    if columnwise:
+        _write_packed_global_scale(outs[3], g_t)
+    return outs
+
+
 @torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _quantize_packed_op(
     x: torch.Tensor,
@@ -422,9 +511,14 @@ def _quantize_packed_op(
 ) -> list[torch.Tensor]:
     op = "quantize_nvfp4_packed"
     _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
-    amax = nvfp4_amax(x)
-    amax_t = nvfp4_amax(x, rht=True) if columnwise and rht else None
+    if x.numel() == 0:
+        amax = amax_t = torch.zeros((), dtype=torch.float32, device=x.device)
+    else:
+        amax, amax_t = _amaxes(x.detach(), True, columnwise and rht)
     seed_value = int(seed.reshape(())) if stochastic_rounding else 0
+    if x.device.type == "cpu" and x.numel() > 0:
+        return _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding,
+                                    seed_value)
     data, scale, g, data_t, scale_t, g_t = torch.ops.transformer_linear.quantize_nvfp4(
         x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed_value, 0
     )

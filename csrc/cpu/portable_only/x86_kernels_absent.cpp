@@ -7,6 +7,7 @@
 #include "../gemm_cpu.h"
 #include "../gemm_nvfp4_cpu.h"
 #include "../quantize_block_cpu.h"
+#include "../quantize_nvfp4_cpu_amax.h"
 #include "../quantize_nvfp4_cpu_vec.h"
 #include "../quantize_cpu_isa.h"
 #include "transformer_linear/check.h"
@@ -53,6 +54,8 @@ KernelSet avx512_bf16_kernels() { absent("gemm_nvfp4::avx512_bf16_kernels"); }
 namespace nvfp4 {
 VecKernels avx2_vec_kernels() { absent("nvfp4::avx2_vec_kernels"); }
 VecKernels avx512_vec_kernels() { absent("nvfp4::avx512_vec_kernels"); }
+AmaxKernels avx2_amax_kernels() { absent("nvfp4::avx2_amax_kernels"); }
+AmaxKernels avx512_amax_kernels() { absent("nvfp4::avx512_amax_kernels"); }
 }  // namespace nvfp4
 
 }  // namespace cpu

@@ -44,6 +44,23 @@ void quantize_nvfp4(const TensorDesc& input, const TensorDesc& amax, const Tenso
                     Stream stream);
 
 /*!
+ * \brief The global amaxes an NVFP4 quantize of `input` takes: max |input| and/or max |H(input^T)|,
+ *        the Hadamard transform of the columnwise copy's 16-element blocks (16 rows of a column),
+ *        one pass over the input when both are asked for.
+ *
+ * Bitwise transformer_linear/ops/nvfp4.py's torch form (formats/nvfp4.py: signs, then the
+ * butterfly stages 1, 2, 4, 8 apart, then 0.25): NaN where the input holds a NaN (or an inf
+ * that the transform turns into inf - inf), an inf where it holds one, 0 for an empty input.
+ *
+ * \param input     contiguous (M, K) float32, bfloat16 or float16 on the CPU; M % 16 == 0 with
+ *                  `amax_rht`.
+ * \param amax      float32 scalar out: max |input|, or undefined.
+ * \param amax_rht  float32 scalar out: max |H(input^T)|, or undefined.
+ * \param stream    thread count of the call.
+ */
+void nvfp4_amax(const TensorDesc& input, const TensorDesc& amax, const TensorDesc& amax_rht, Stream stream);
+
+/*!
  * \brief d = (A @ B^T) * (a_global_scale * b_global_scale) [+ bias] for NVFP4 operands.
  *
  * Each 16-element K block's products (block scales folded into the decoded operands) sum
