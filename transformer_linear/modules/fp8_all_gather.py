@@ -37,7 +37,7 @@ root never does), backward gathers again (training state ``PRE_BACKWARD``): the 
 carries the rowwise copy only and backward's the columnwise copy only (as Transformer Engine's
 MXFP8Tensor does), half the bytes. The choice is made at the parameter's first gather and kept
 (the buffers are fixed then); without ``reshard_after_forward`` both copies are gathered every time,
-since backward reuses the forward's gather.
+since backward reuses the forward's gather (:mod:`transformer_linear.modules.fsdp_gather_usages` makes the choice).
 
 The gathered weight says which copies it holds (:attr:`GatheredFP8Weight.holds_rowwise`). The
 columnwise copy (contiguous (K, N) tensors, what dgrad reads and what the forward's autograd node saves)
@@ -56,7 +56,6 @@ move on after each forward.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -67,6 +66,14 @@ from torch import Tensor, nn
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats import layout
+from transformer_linear.modules.fsdp_gather_usages import (
+    BOTH,
+    COLUMNWISE,
+    ROWWISE,
+    GatheredUsages,
+    separate_columnwise_copy,
+    usages_to_gather,
+)
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import HistoryConfig
 from transformer_linear.recipe.delayed_scaling import delayed_scaling_flush
@@ -75,6 +82,10 @@ from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS, no_amax_yet
 from transformer_linear.reference import compute_scale, fp8_max
 
 __all__ = [
+    "BOTH",
+    "COLUMNWISE",
+    "ROWWISE",
+    "GatheredUsages",
     "FP8AllGatherWeight",
     "GatheredFP8Weight",
     "check_shardable",
@@ -102,12 +113,6 @@ _OPS_KEEPING_SHARD = {
     torch.ops.aten.detach.default,
     torch.ops.aten.alias.default,
 }
-
-
-def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
-    """Whether ``quantizer``'s columnwise copy of a weight has blocks of its own (a non-square block: MXFP8's
-    1x32), so that it is gathered rather than made from the gathered rowwise copy (its transpose)."""
-    return quantizer.blockwise and quantizer.block_shape[0] != quantizer.block_shape[1]
 
 
 def _in_backward() -> bool:
@@ -155,19 +160,6 @@ class _ShardQuantization(NamedTuple):
 
     scale: Tensor
     amax: Tensor
-
-
-class GatheredUsages(NamedTuple):
-    """Which copies of a weight one all-gather carries (a columnwise copy that is the rowwise one transposed
-    is made after the gather and counts as carried with it)."""
-
-    rowwise: bool
-    columnwise: bool
-
-
-ROWWISE = GatheredUsages(True, False)
-COLUMNWISE = GatheredUsages(False, True)
-BOTH = GatheredUsages(True, True)
 
 
 class _GatherMetadata(NamedTuple):
@@ -266,7 +258,7 @@ class FP8AllGatherWeight(torch.Tensor):
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
             if quantizer.blockwise:
-                usages = _usages_to_gather(quantizer, module)
+                usages = usages_to_gather(quantizer, module)
                 q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
                 gathered = [q.data, q.scale_inv] if usages.rowwise else []
                 if usages.columnwise:
@@ -396,61 +388,6 @@ def _free(t: Tensor) -> None:
     """Free ``t``'s storage (FSDP2's ``free_storage``; it reallocates it before the next gather)."""
     if t.untyped_storage().size() != 0:
         t.untyped_storage().resize_(0)
-
-
-# The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
-# fixed at its first one (FSDP2's all-gather buffers are fixed then).
-_PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
-_PER_PASS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def _param_group(module: nn.Module) -> Any:
-    """The FSDP2 parameter group holding ``module``'s weight (FSDP2 hands ``fsdp_pre_all_gather`` the
-    parameter's module, which need not be the ``fully_shard``-ed one), or None."""
-    ref = _PARAM_GROUPS.get(module)
-    if ref is not None and ref() is not None:
-        return ref()
-    from torch.distributed._composable_state import _module_state_mapping
-
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                if info.module is module and info.param_name == "weight":
-                    _PARAM_GROUPS[module] = weakref.ref(group)
-                    return group
-    return None
-
-
-def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredUsages:
-    """The copies of a block-scaled weight this all-gather carries.
-
-    A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
-    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
-    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
-
-    Raises:
-        RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
-            (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
-    """
-    if not separate_columnwise_copy(quantizer):
-        return ROWWISE
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    group = _param_group(module)
-    reshards = group is not None and group._reshard_after_forward
-    per_pass = _PER_PASS.setdefault(module, reshards)
-    if not per_pass:
-        return BOTH
-    if not reshards:
-        raise RuntimeError(
-            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
-            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
-            "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
-            "before the first forward"
-        )
-    return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
 
 
 def _shard_scale(
