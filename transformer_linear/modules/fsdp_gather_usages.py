@@ -7,21 +7,36 @@ after forward, backward gathers again (training state ``PRE_BACKWARD``), so the 
 rowwise copy only and backward's the columnwise copy only (as Transformer Engine's MXFP8Tensor does);
 otherwise one gather serves both passes and carries both. The choice is made at the parameter's first
 gather and kept: FSDP2 fixes its all-gather buffers then (:mod:`transformer_linear.modules.fp8_all_gather`
-explains why either copy fits them).
+explains why either copy fits them). A forward recomputed after backward's columnwise-only gather
+(activation checkpointing) gathers the rowwise copy itself (:func:`gather_rowwise_if_missing`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, NamedTuple
 
-from torch import nn
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.recipe.quantization import TensorQuantizer
 
-__all__ = ["BOTH", "COLUMNWISE", "ROWWISE", "GatheredUsages", "separate_columnwise_copy", "usages_to_gather"]
+__all__ = [
+    "BOTH",
+    "COLUMNWISE",
+    "ROWWISE",
+    "GatheredUsages",
+    "RowwiseSource",
+    "gather_rowwise_if_missing",
+    "rowwise_source_handle",
+    "separate_columnwise_copy",
+    "usages_to_gather",
+]
 
 
 def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
@@ -92,3 +107,83 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
             "before the first forward"
         )
     return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
+
+
+# ---------------------------------------------------------------------------
+# A recomputed forward's rowwise copy
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowwiseSource:
+    """Where a gathered weight holding only its columnwise copy gets its rowwise copy (a forward recomputed in
+    backward, after backward's columnwise-only gather)."""
+
+    shard: Any
+    """The FP8AllGatherWeight shard of this rank (its ``_tensor`` is the current high-precision shard)."""
+    quantizer: TensorQuantizer
+    dtype: torch.dtype
+    """The gathered weight's dtype (FSDP2's ``param_dtype``), which the shard is cast to before quantizing."""
+    group: Any
+    rows: int
+
+
+_ROWWISE_SOURCES: HandleTable[RowwiseSource] = HandleTable()
+
+
+def rowwise_source_handle(source: RowwiseSource) -> int:
+    """A handle of ``source`` for :func:`gather_rowwise_if_missing` (the caller keeps ``source`` alive)."""
+    return _ROWWISE_SOURCES.add(source)
+
+
+# The handle travels as a tensor, not as an int of the schema: torch.compile would guard on an int's value,
+# specializing the layer's graph per layer and per pass; a tensor's value it does not guard on, so every pass
+# (forward, recompute) and every layer of one shape runs one graph.
+@torch.library.custom_op(
+    "transformer_linear::fsdp_gather_rowwise_if_missing",
+    mutates_args=("missing_rowwise", "weight_fp8", "weight_scale_inv"),
+)
+def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+    """Fill a gathered weight's rowwise copy where its last gather carried only the columnwise copy.
+
+    ``missing_rowwise`` (0-d int64) is :data:`NO_HANDLE` where the weight holds its rowwise copy (nothing to
+    do), else the handle of its :class:`RowwiseSource`: the rowwise copy is then all-gathered from the current
+    shard (bitwise the forward's: the same shard and quantizer) into ``weight_fp8`` / ``weight_scale_inv``
+    (views of FSDP2's all-gather buffers, whose columnwise copy was already copied out), and
+    ``missing_rowwise`` is set to :data:`NO_HANDLE`. Every rank recomputes the same layers in the same order,
+    so the collectives match.
+
+    Raises:
+        RuntimeError: the handle names no live source.
+    """
+    handle = int(missing_rowwise)
+    if handle == NO_HANDLE:
+        return
+    source = _ROWWISE_SOURCES.get(handle)
+    if source is None:
+        raise RuntimeError(
+            "Linear: the weight holds only the columnwise copy FSDP2 gathered for backward and its shard is gone, "
+            "so its rowwise copy cannot be gathered for this forward"
+        )
+    shard = source.shard._tensor.contiguous()
+    if shard.dtype != source.dtype:
+        shard = shard.to(source.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
+    world_size = dist.get_world_size(source.group)
+    with torch.no_grad():
+        q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
+        data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
+        weight_fp8.copy_(data[: source.rows])
+        weight_scale_inv.copy_(scale_inv)
+        missing_rowwise.fill_(NO_HANDLE)
+
+
+@gather_rowwise_if_missing.register_fake
+def _(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+    return None
+
+
+def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:
+    """``shard`` of every rank of ``group``, concatenated along rows (as raw bytes: any collective backend)."""
+    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_single(out.view(torch.uint8), shard.contiguous().view(torch.uint8), group=group)
+    return out
