@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import transformer_linear as tl
 from transformer_linear import recipe
+from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.fp8_all_gather import (
     BOTH,
@@ -32,6 +33,7 @@ from transformer_linear.modules.fp8_all_gather import (
     check_shardable,
     is_fp8_all_gathered,
 )
+from transformer_linear.modules.fsdp_gather_usages import gather_rowwise_if_missing
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.recipe.quantization import quantization_spec
@@ -235,11 +237,7 @@ class _Checkpointed(nn.Module):
 
 
 def _checkpointed_rank(rank, world, name, compile_backend=None):
-    if compile_backend is not None:
-        # Both layers share Linear.forward's code, whose graphs torch.compile specializes on each layer's
-        # weight shape, its input's requires_grad and, under MXFP8's per-pass gather, whether the weight holds
-        # its rowwise copy (a recompute after backward's gather gathers it in the graph): 14 graphs here.
-        torch._dynamo.config.recompile_limit = 16
+    torch._dynamo.utils.counters.clear()
 
     def build(fp8_all_gather):
         first, _, last = _mlp(RECIPES[name])
@@ -257,6 +255,13 @@ def _checkpointed_rank(rank, world, name, compile_backend=None):
     _assert_same_training(
         rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}"
     )
+    if compile_backend is not None:
+        # Both layers share Linear.forward's code, whose graphs torch.compile specializes on the weight's shape
+        # and type and the input's requires_grad: one graph per layer and model (FP8 and high-precision gather).
+        # A pass whose gather carried other copies of the weight (MXFP8: the forward's rowwise copy, backward's
+        # columnwise copy, which the recompute fills in) runs the same graph, within the default recompile limit.
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs == 4, f"torch.compile built {graphs} graphs of the two Linears of two models, expected 4"
 
 
 def _deferred_init_rank(rank, world):
@@ -532,3 +537,21 @@ def test_gathered_weight_raises_outside_the_linear(use):
             "matmul": lambda: torch.ones(2, 8) @ gathered.t()}
     with pytest.raises(RuntimeError, match="holds only its quantized form"):
         uses[use]()
+
+
+def test_gather_rowwise_if_missing_op():
+    """The recompute's rowwise gather is one opaque op in every forward: it leaves a weight holding its rowwise
+    copy as it is (its schema, fake and autograd registrations checked by opcheck), and refuses a handle whose
+    shard is gone."""
+    quantizer = quantization_spec(RECIPES["mxfp8"]).weight
+    q = quantizer.quantize(torch.randn(64, 64), rowwise=True, columnwise=False)
+    held = torch.full((), NO_HANDLE, dtype=torch.int64)
+    data, scale_inv = q.data.clone(), q.scale_inv.clone()
+    # test_schema compares inputs with arithmetic that FP8 tensors lack: the op is checked on their bytes.
+    torch.library.opcheck(gather_rowwise_if_missing, (held, data.view(torch.uint8), scale_inv.view(torch.uint8)))
+    gather_rowwise_if_missing(held, data, scale_inv)
+    assert_bitwise_equal(data.view(torch.uint8), q.data.view(torch.uint8), "rowwise data left as held")
+    assert_bitwise_equal(scale_inv.view(torch.uint8), q.scale_inv.view(torch.uint8), "rowwise scales left as held")
+    gone = torch.full((), 2**62, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="its shard is gone"):
+        gather_rowwise_if_missing(gone, data, scale_inv)

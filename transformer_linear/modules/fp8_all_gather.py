@@ -37,16 +37,18 @@ root never does), backward gathers again (training state ``PRE_BACKWARD``): the 
 carries the rowwise copy only and backward's the columnwise copy only (as Transformer Engine's
 MXFP8Tensor does), half the bytes. The choice is made at the parameter's first gather and kept
 (the buffers are fixed then); without ``reshard_after_forward`` both copies are gathered every time,
-since backward reuses the forward's gather.
+since backward reuses the forward's gather (:mod:`transformer_linear.modules.fsdp_gather_usages` makes the choice).
 
-The gathered weight says which copies it holds (:attr:`GatheredFP8Weight.holds_rowwise`). The
-columnwise copy (contiguous (K, N) tensors, what dgrad reads and what the forward's autograd node saves)
+The gathered weight has the same fields in every pass (torch.compile runs one graph of the layer); a
+0-d tensor says whether its rowwise fields hold the rowwise copy (:attr:`GatheredFP8Weight.missing_rowwise`).
+The columnwise copy (contiguous (K, N) tensors, what dgrad reads and what the forward's autograd node saves)
 is owned by the gathered weight, not a view of FSDP2's buffers: after a rowwise-only gather its storage is
 freed (it holds nothing and costs nothing until backward), and backward's gather refills it in
 place (the version counter kept), so the forward's saved tensors hold the backward's gather; they never
 alias the buffers, which then hold the rowwise copy of the next forward. A forward that runs after
 backward's columnwise-only gather (activation checkpointing's recompute) all-gathers the rowwise copy
-itself, once, from the current shard (bitwise the forward's: the same shard, the same quantizer).
+itself, once, from the current shard (bitwise the forward's: the same shard, the same quantizer), into the
+buffers, in an op that is part of every forward's graph and does nothing where the copy is held.
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
 the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
@@ -56,7 +58,6 @@ move on after each forward.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -67,6 +68,17 @@ from torch import Tensor, nn
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats import layout
+from transformer_linear.modules.fsdp_gather_usages import (
+    BOTH,
+    COLUMNWISE,
+    ROWWISE,
+    GatheredUsages,
+    RowwiseSource,
+    gather_rowwise_if_missing,
+    rowwise_source_handle,
+    separate_columnwise_copy,
+    usages_to_gather,
+)
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import HistoryConfig
 from transformer_linear.recipe.delayed_scaling import delayed_scaling_flush
@@ -75,6 +87,10 @@ from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS, no_amax_yet
 from transformer_linear.reference import compute_scale, fp8_max
 
 __all__ = [
+    "BOTH",
+    "COLUMNWISE",
+    "ROWWISE",
+    "GatheredUsages",
     "FP8AllGatherWeight",
     "GatheredFP8Weight",
     "check_shardable",
@@ -102,12 +118,6 @@ _OPS_KEEPING_SHARD = {
     torch.ops.aten.detach.default,
     torch.ops.aten.alias.default,
 }
-
-
-def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
-    """Whether ``quantizer``'s columnwise copy of a weight has blocks of its own (a non-square block: MXFP8's
-    1x32), so that it is gathered rather than made from the gathered rowwise copy (its transpose)."""
-    return quantizer.blockwise and quantizer.block_shape[0] != quantizer.block_shape[1]
 
 
 def _in_backward() -> bool:
@@ -155,19 +165,6 @@ class _ShardQuantization(NamedTuple):
 
     scale: Tensor
     amax: Tensor
-
-
-class GatheredUsages(NamedTuple):
-    """Which copies of a weight one all-gather carries (a columnwise copy that is the rowwise one transposed
-    is made after the gather and counts as carried with it)."""
-
-    rowwise: bool
-    columnwise: bool
-
-
-ROWWISE = GatheredUsages(True, False)
-COLUMNWISE = GatheredUsages(False, True)
-BOTH = GatheredUsages(True, True)
 
 
 class _GatherMetadata(NamedTuple):
@@ -266,7 +263,7 @@ class FP8AllGatherWeight(torch.Tensor):
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
             if quantizer.blockwise:
-                usages = _usages_to_gather(quantizer, module)
+                usages = usages_to_gather(quantizer, module)
                 q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
                 gathered = [q.data, q.scale_inv] if usages.rowwise else []
                 if usages.columnwise:
@@ -361,22 +358,16 @@ class FP8AllGatherWeight(torch.Tensor):
                     with torch.no_grad():
                         dst.copy_(src.t())
             cached = CachedWeight(data, data_t, all_gather_outputs[1], scale_inv_t, None)
-            gathered = GatheredFP8Weight(cached, self.quantizer, param_dtype)
-            # Set once, the same object at every gather: torch.compile guards on what a traced forward reads.
-            gathered.rowwise_source = _RowwiseSource(self, metadata.group, rows)
-        gathered.holds_rowwise = usages.rowwise
+            source = RowwiseSource(self, self.quantizer, param_dtype, metadata.group, rows)
+            missing_rowwise = torch.full((), NO_HANDLE, dtype=torch.int64)
+            gathered = GatheredFP8Weight(cached, self.quantizer, param_dtype, missing_rowwise)
+            gathered.rowwise_source = source  # kept alive with the weight: the handle refers to it weakly
+            gathered.rowwise_source_handle = rowwise_source_handle(source)
+        # Data, not metadata: a compiled forward runs the same graph whichever copies this gather carried.
+        gathered.missing_rowwise.fill_(NO_HANDLE if usages.rowwise else gathered.rowwise_source_handle)
         if out is not None:
             return None
         return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
-
-
-class _RowwiseSource(NamedTuple):
-    """Where a gathered weight holding only its columnwise copy gets its rowwise copy (a recompute's
-    forward): the shard and the shard group of the gather."""
-
-    shard: "FP8AllGatherWeight"
-    group: Any
-    rows: int
 
 
 def _owned_copy(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -396,61 +387,6 @@ def _free(t: Tensor) -> None:
     """Free ``t``'s storage (FSDP2's ``free_storage``; it reallocates it before the next gather)."""
     if t.untyped_storage().size() != 0:
         t.untyped_storage().resize_(0)
-
-
-# The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
-# fixed at its first one (FSDP2's all-gather buffers are fixed then).
-_PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
-_PER_PASS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def _param_group(module: nn.Module) -> Any:
-    """The FSDP2 parameter group holding ``module``'s weight (FSDP2 hands ``fsdp_pre_all_gather`` the
-    parameter's module, which need not be the ``fully_shard``-ed one), or None."""
-    ref = _PARAM_GROUPS.get(module)
-    if ref is not None and ref() is not None:
-        return ref()
-    from torch.distributed._composable_state import _module_state_mapping
-
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                if info.module is module and info.param_name == "weight":
-                    _PARAM_GROUPS[module] = weakref.ref(group)
-                    return group
-    return None
-
-
-def _usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredUsages:
-    """The copies of a block-scaled weight this all-gather carries.
-
-    A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
-    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
-    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
-
-    Raises:
-        RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
-            (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
-    """
-    if not separate_columnwise_copy(quantizer):
-        return ROWWISE
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    group = _param_group(module)
-    reshards = group is not None and group._reshard_after_forward
-    per_pass = _PER_PASS.setdefault(module, reshards)
-    if not per_pass:
-        return BOTH
-    if not reshards:
-        raise RuntimeError(
-            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
-            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
-            "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
-            "before the first forward"
-        )
-    return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
 
 
 def _shard_scale(
@@ -496,7 +432,10 @@ class GatheredFP8Weight(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype, holds_rowwise: bool = True
+        cls, cached_weight: CachedWeight,
+        quantizer: TensorQuantizer,
+        dtype: torch.dtype,
+        missing_rowwise: Optional[Tensor] = None,
     ) -> "GatheredFP8Weight":
         data = cached_weight.weight_fp8
         return torch.Tensor._make_wrapper_subclass(
@@ -504,16 +443,22 @@ class GatheredFP8Weight(torch.Tensor):
         )
 
     def __init__(
-        self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype, holds_rowwise: bool = True
+        self, cached_weight: CachedWeight,
+        quantizer: TensorQuantizer,
+        dtype: torch.dtype,
+        missing_rowwise: Optional[Tensor] = None,
     ) -> None:
         # One attribute per CachedWeight field: what __tensor_flatten__ names (torch.compile reads them).
         for name in _CACHED_FIELDS:
             setattr(self, name, getattr(cached_weight, name))
         self.quantizer = quantizer
-        self.holds_rowwise = holds_rowwise
-        """False after a gather that carried only the columnwise copy (backward's, under
-        ``reshard_after_forward``): the rowwise fields then view buffers holding the columnwise copy."""
-        self.rowwise_source: Optional[_RowwiseSource] = None
+        self.missing_rowwise = missing_rowwise
+        """A weight gathered one copy per pass (MXFP8 under ``reshard_after_forward``): a 0-d int64 tensor,
+        :data:`NO_HANDLE` where the rowwise fields hold the rowwise copy, else (after backward's columnwise-only
+        gather, when they view buffers holding the columnwise copy) the handle a recomputed forward gathers the
+        rowwise copy with (:func:`gather_rowwise_if_missing`). None where the rowwise copy is always held."""
+        self.rowwise_source: Optional[RowwiseSource] = None
+        self.rowwise_source_handle = NO_HANDLE
 
     @property
     def cached_weight(self) -> CachedWeight:
@@ -533,8 +478,8 @@ class GatheredFP8Weight(torch.Tensor):
             and list(args[1]) == list(this.shape)
         )
         if same and args[0] is this:
-            again = GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype, this.holds_rowwise)
-            again.rowwise_source = this.rowwise_source
+            again = GatheredFP8Weight(this.cached_weight, this.quantizer, this.dtype, this.missing_rowwise)
+            again.rowwise_source, again.rowwise_source_handle = this.rowwise_source, this.rowwise_source_handle
             return again
         raise RuntimeError(  # not a TypeError: Tensor's operators would turn that into NotImplemented
             f"a tl.Linear weight all-gathered in FP8 by fully_shard(fp8_all_gather=True) holds only its quantized "
@@ -543,13 +488,15 @@ class GatheredFP8Weight(torch.Tensor):
         )
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        names = [name for name in _CACHED_FIELDS if getattr(self, name) is not None]
-        return names, (self.quantizer, self.dtype, self.holds_rowwise)
+        # The same fields in every pass (a copy this gather did not carry is present, its storage freed or
+        # holding the other copy) and metadata that does not say which copies it holds: one compiled graph.
+        names = [name for name in (*_CACHED_FIELDS, "missing_rowwise") if getattr(self, name) is not None]
+        return names, (self.quantizer, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "GatheredFP8Weight":
         cached = CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS})
-        return GatheredFP8Weight(cached, *meta)
+        return GatheredFP8Weight(cached, *meta, inner_tensors.get("missing_rowwise"))
 
 
 def _gathered_of(t: Tensor) -> "GatheredFP8Weight":
@@ -581,45 +528,12 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
             f"Linear: the weight was {weight.source} as {weight.quantizer}; "
             f"the forward's recipe quantizes it as {quantizer}"
         )
-    if not weight.holds_rowwise:
-        return _with_rowwise_gathered(weight)
-    return weight.cached_weight
-
-
-def _with_rowwise_gathered(weight: GatheredFP8Weight) -> CachedWeight:
-    """A forward's operands from a gathered weight holding only its columnwise copy (a forward recomputed
-    in backward, after backward's all-gather): the rowwise copy all-gathered now from the current shard
-    (bitwise the forward's: the same shard and quantizer), beside the gathered columnwise copy (what the
-    recomputed node saves for dgrad). Every rank recomputes the same layers in the same order, so the
-    collectives match.
-
-    Raises:
-        RuntimeError: the weight does not know its shard (it was rebuilt outside FSDP2's gather, e.g. traced
-            by torch.compile).
-    """
-    source = weight.rowwise_source
-    if source is None:
-        raise RuntimeError(
-            "Linear: the weight holds only the columnwise copy FSDP2 gathered for backward (reshard_after_forward, "
-            f"{weight.quantizer}) and cannot gather its rowwise copy for this forward here; recompute the layer "
-            "eagerly, or shard it with reshard_after_forward=False"
-        )
-    shard = source.shard._tensor.contiguous()
-    if shard.dtype != weight.dtype:
-        shard = shard.to(weight.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
-    world_size = dist.get_world_size(source.group)
-    with torch.no_grad():
-        q = weight.quantizer.quantize(shard, rowwise=True, columnwise=False)
-        data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
     cached = weight.cached_weight
-    return dataclasses.replace(cached, weight_fp8=data[: source.rows], weight_scale_inv=scale_inv)
-
-
-def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:
-    """``shard`` of every rank of ``group``, concatenated along rows (as raw bytes: any collective backend)."""
-    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
-    dist.all_gather_single(out.view(torch.uint8), shard.contiguous().view(torch.uint8), group=group)
-    return out
+    if weight.missing_rowwise is not None:
+        # A forward recomputed after backward's columnwise-only gather gathers the rowwise copy (an opaque op
+        # that does nothing otherwise: the forward's graph is the same in every pass).
+        gather_rowwise_if_missing(weight.missing_rowwise, cached.weight_fp8, cached.weight_scale_inv)
+    return cached
 
 
 class _WeightForOp(torch.autograd.Function):

@@ -322,7 +322,7 @@ class QuantizedWeight(GatheredFP8Weight):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride) -> "QuantizedWeight":
-        quantizer, dtype = meta[:2]  # GatheredFP8Weight's metadata; a kept weight holds every usage
+        quantizer, dtype = meta
         cached = CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS})
         return QuantizedWeight(cached, quantizer, dtype)
 

@@ -1,0 +1,189 @@
+"""Which copies of a block-scaled weight an FSDP2 all-gather carries, from the layer's FSDP2 state.
+
+A weight whose columnwise copy is the rowwise one transposed (one scale per tensor, square blocks) gathers
+its rowwise copy only (the transpose is made after the gather). A non-square block's (MXFP8's 1x32)
+columnwise copy has its own blocks and must be gathered: where the layer's FSDP2 parameter group reshards
+after forward, backward gathers again (training state ``PRE_BACKWARD``), so the forward's gather carries the
+rowwise copy only and backward's the columnwise copy only (as Transformer Engine's MXFP8Tensor does);
+otherwise one gather serves both passes and carries both. The choice is made at the parameter's first
+gather and kept: FSDP2 fixes its all-gather buffers then (:mod:`transformer_linear.modules.fp8_all_gather`
+explains why either copy fits them). A forward recomputed after backward's columnwise-only gather
+(activation checkpointing) gathers the rowwise copy itself (:func:`gather_rowwise_if_missing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from transformer_linear._handles import NO_HANDLE, HandleTable
+from transformer_linear.recipe.quantization import TensorQuantizer
+
+__all__ = [
+    "BOTH",
+    "COLUMNWISE",
+    "ROWWISE",
+    "GatheredUsages",
+    "RowwiseSource",
+    "gather_rowwise_if_missing",
+    "rowwise_source_handle",
+    "separate_columnwise_copy",
+    "usages_to_gather",
+]
+
+
+def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
+    """Whether ``quantizer``'s columnwise copy of a weight has blocks of its own (a non-square block: MXFP8's
+    1x32), so that it is gathered rather than made from the gathered rowwise copy (its transpose)."""
+    return quantizer.blockwise and quantizer.block_shape[0] != quantizer.block_shape[1]
+
+
+class GatheredUsages(NamedTuple):
+    """Which copies of a weight one all-gather carries (a columnwise copy that is the rowwise one transposed
+    is made after the gather and counts as carried with it)."""
+
+    rowwise: bool
+    columnwise: bool
+
+
+ROWWISE = GatheredUsages(True, False)
+COLUMNWISE = GatheredUsages(False, True)
+BOTH = GatheredUsages(True, True)
+
+
+# The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
+# fixed at its first one (FSDP2's all-gather buffers are fixed then).
+_PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_PER_PASS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _param_group(module: nn.Module) -> Any:
+    """The FSDP2 parameter group holding ``module``'s weight (FSDP2 hands ``fsdp_pre_all_gather`` the
+    parameter's module, which need not be the ``fully_shard``-ed one), or None."""
+    ref = _PARAM_GROUPS.get(module)
+    if ref is not None and ref() is not None:
+        return ref()
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                if info.module is module and info.param_name == "weight":
+                    _PARAM_GROUPS[module] = weakref.ref(group)
+                    return group
+    return None
+
+
+def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredUsages:
+    """The copies of a block-scaled weight this all-gather carries.
+
+    A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
+    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
+    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
+
+    Raises:
+        RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
+            (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
+    """
+    if not separate_columnwise_copy(quantizer):
+        return ROWWISE
+    group = _param_group(module)
+    reshards = group is not None and group._reshard_after_forward
+    per_pass = _PER_PASS.setdefault(module, reshards)
+    if not per_pass:
+        return BOTH
+    if not reshards:
+        raise RuntimeError(
+            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
+            "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
+            "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
+            "before the first forward"
+        )
+    return COLUMNWISE if group._training_state == TrainingState.PRE_BACKWARD else ROWWISE
+
+
+# ---------------------------------------------------------------------------
+# A recomputed forward's rowwise copy
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowwiseSource:
+    """Where a gathered weight holding only its columnwise copy gets its rowwise copy (a forward recomputed in
+    backward, after backward's columnwise-only gather)."""
+
+    shard: Any
+    """The FP8AllGatherWeight shard of this rank (its ``_tensor`` is the current high-precision shard)."""
+    quantizer: TensorQuantizer
+    dtype: torch.dtype
+    """The gathered weight's dtype (FSDP2's ``param_dtype``), which the shard is cast to before quantizing."""
+    group: Any
+    rows: int
+
+
+_ROWWISE_SOURCES: HandleTable[RowwiseSource] = HandleTable()
+
+
+def rowwise_source_handle(source: RowwiseSource) -> int:
+    """A handle of ``source`` for :func:`gather_rowwise_if_missing` (the caller keeps ``source`` alive)."""
+    return _ROWWISE_SOURCES.add(source)
+
+
+# The handle travels as a tensor, not as an int of the schema: torch.compile would guard on an int's value,
+# specializing the layer's graph per layer and per pass; a tensor's value it does not guard on, so every pass
+# (forward, recompute) and every layer of one shape runs one graph.
+@torch.library.custom_op(
+    "transformer_linear::fsdp_gather_rowwise_if_missing",
+    mutates_args=("missing_rowwise", "weight_fp8", "weight_scale_inv"),
+)
+def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+    """Fill a gathered weight's rowwise copy where its last gather carried only the columnwise copy.
+
+    ``missing_rowwise`` (0-d int64) is :data:`NO_HANDLE` where the weight holds its rowwise copy (nothing to
+    do), else the handle of its :class:`RowwiseSource`: the rowwise copy is then all-gathered from the current
+    shard (bitwise the forward's: the same shard and quantizer) into ``weight_fp8`` / ``weight_scale_inv``
+    (views of FSDP2's all-gather buffers, whose columnwise copy was already copied out), and
+    ``missing_rowwise`` is set to :data:`NO_HANDLE`. Every rank recomputes the same layers in the same order,
+    so the collectives match.
+
+    Raises:
+        RuntimeError: the handle names no live source.
+    """
+    handle = int(missing_rowwise)
+    if handle == NO_HANDLE:
+        return
+    source = _ROWWISE_SOURCES.get(handle)
+    if source is None:
+        raise RuntimeError(
+            "Linear: the weight holds only the columnwise copy FSDP2 gathered for backward and its shard is gone, "
+            "so its rowwise copy cannot be gathered for this forward"
+        )
+    shard = source.shard._tensor.contiguous()
+    if shard.dtype != source.dtype:
+        shard = shard.to(source.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
+    world_size = dist.get_world_size(source.group)
+    with torch.no_grad():
+        q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
+        data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
+        weight_fp8.copy_(data[: source.rows])
+        weight_scale_inv.copy_(scale_inv)
+        missing_rowwise.fill_(NO_HANDLE)
+
+
+@gather_rowwise_if_missing.register_fake
+def _(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+    return None
+
+
+def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:
+    """``shard`` of every rank of ``group``, concatenated along rows (as raw bytes: any collective backend)."""
+    out = shard.new_empty((world_size * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_single(out.view(torch.uint8), shard.contiguous().view(torch.uint8), group=group)
+    return out
