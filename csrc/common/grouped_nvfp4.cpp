@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -76,22 +75,8 @@ std::vector<float> check_packed_scales(const char* op, const char* name, const T
 
 // int32, one entry per group, nondecreasing cumulative row ends in [0, total].
 void check_offs(const char* op, const TensorDesc& offs, int64_t groups, int64_t total, const TensorDesc& like) {
-  check_defined(op, "offs", offs);
-  check_device(op, "offs", offs, like.device, like.device_index);
-  check_dtype(op, "offs", offs, {DType::kInt32});
-  check_rank(op, "offs", offs, 1);
-  check_contiguous(op, "offs", offs);
-  TL_CHECK(offs.shape[0] == groups, op, ": argument 'offs' must have one entry per group (", groups,
-           "), got shape ", shape_str(offs));
-  TL_CHECK(total <= std::numeric_limits<int32_t>::max(), op, ": ", total,
-           " tokens are more than the int32 'offs' can address (2^31 - 1)");
-  const auto* ends = static_cast<const int32_t*>(offs.data);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t prev = g == 0 ? 0 : ends[g - 1];
-    TL_CHECK(ends[g] >= prev && ends[g] <= total, op,
-             ": argument 'offs' must be nondecreasing cumulative row ends in [0, ", total, "], got offs[", g,
-             "] = ", ends[g], " after ", prev);
-  }
+  TL_CHECK(check_host_offs(op, offs, total, like) == groups, op, ": argument 'offs' must have one entry per group (",
+           groups, "), got shape ", shape_str(offs));
 }
 
 void check_out(const char* op, const TensorDesc& d, std::initializer_list<int64_t> shape, const TensorDesc& like) {

@@ -24,19 +24,7 @@ void quantize_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs
   const int64_t total = input.shape[0], c = input.shape[1];
   TL_CHECK(total <= std::numeric_limits<int32_t>::max(), op, ": argument 'input' has ", total,
            " rows, more than the int32 'offs' can address (2^31 - 1)");
-  check_defined(op, "offs", offs);
-  check_device(op, "offs", offs, input.device, input.device_index);
-  check_dtype(op, "offs", offs, {DType::kInt32});
-  check_rank(op, "offs", offs, 1);
-  check_contiguous(op, "offs", offs);
-  const int64_t groups = offs.shape[0];
-  const auto* ends = static_cast<const int32_t*>(offs.data);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t prev = g == 0 ? 0 : ends[g - 1];
-    TL_CHECK(ends[g] >= prev && ends[g] <= total, op,
-             ": argument 'offs' must be nondecreasing cumulative row ends in [0, ", total, "], got offs[", g,
-             "] = ", ends[g], " after ", prev);
-  }
+  const int64_t groups = check_host_offs(op, offs, total, input);
   const int64_t grid_cols = token_block == 0 ? groups : total / token_block + groups;
   check_defined(op, "output_t", output_t);
   check_device(op, "output_t", output_t, input.device, input.device_index);

@@ -1,5 +1,7 @@
 #include "validate.h"
 
+#include <cstdint>
+#include <limits>
 #include <sstream>
 
 namespace tl {
@@ -154,6 +156,25 @@ void check_gemm_output(const char* op, const TensorDesc& d, const TensorDesc& bi
                 dtype_name(d.dtype), ", got ", dtype_name(bias.dtype));
   check_contiguous(op, "bias", bias);
   check_shape(op, "bias", bias, {n});
+}
+
+int64_t check_host_offs(const char* op, const TensorDesc& offs, int64_t total, const TensorDesc& like) {
+  check_defined(op, "offs", offs);
+  check_device(op, "offs", offs, like.device, like.device_index);
+  check_dtype(op, "offs", offs, {DType::kInt32});
+  check_rank(op, "offs", offs, 1);
+  check_contiguous(op, "offs", offs);
+  TL_CHECK(total <= std::numeric_limits<int32_t>::max(), op, ": ", total,
+           " rows are more than the int32 'offs' can address (2^31 - 1)");
+  const int64_t groups = offs.shape[0];
+  const auto* ends = static_cast<const int32_t*>(offs.data);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t prev = g == 0 ? 0 : ends[g - 1];
+    TL_CHECK(ends[g] >= prev && ends[g] <= total, op,
+             ": argument 'offs' must be nondecreasing cumulative row ends in [0, ", total, "], got offs[", g,
+             "] = ", ends[g], " after ", prev);
+  }
+  return groups;
 }
 
 void check_disjoint(const char* op, std::initializer_list<NamedDesc> outputs,

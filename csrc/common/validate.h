@@ -79,6 +79,14 @@ using NamedDesc = std::pair<const char*, const TensorDesc*>;
 void check_disjoint(const char* op, std::initializer_list<NamedDesc> outputs,
                     std::initializer_list<NamedDesc> inputs);
 
+/*!
+ * \brief Check group offsets read on the host (CPU kernels): a contiguous int32 1-D
+ * tensor on `like`'s device whose entries are cumulative row ends, nondecreasing,
+ * in [0, total]; `total` must be addressable by int32.
+ * \return the number of groups (offs.shape[0]).
+ */
+int64_t check_host_offs(const char* op, const TensorDesc& offs, int64_t total, const TensorDesc& like);
+
 /*! \brief Throw the TypeError for CUDA tensors reaching a build without CUDA kernels. */
 [[noreturn]] void fail_no_cuda(const char* op);
 
