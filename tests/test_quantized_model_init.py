@@ -371,27 +371,11 @@ def _mlp_loss_under(model, rec, batch):
 
 
 class TestCompile:
-    @pytest.mark.parametrize("name", ["current", "block"])
-    def test_fullgraph(self, name):
+    # rowwise_only: the columnwise copy quantized in the forward from the stored weight traces into the graph.
+    @pytest.mark.parametrize("name, rowwise_only", [("current", False), ("block", False), ("mxfp8", True)])
+    def test_fullgraph(self, name, rowwise_only):
         rec = recipe.from_name(name)
-        with tl.quantized_model_init(recipe=rec):
-            layer = tl.Linear(64, 32, recipe=rec)
-        x = torch.randn(8, 64, requires_grad=True)
-        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-        out = compiled(x)
-        out.sum().backward()
-        grad_w, grad_x = layer.weight.grad.clone(), x.grad.clone()
-        layer.weight.grad, x.grad = None, None
-        eager = layer(x)
-        eager.sum().backward()
-        assert torch.equal(out, eager)
-        assert torch.equal(grad_w, layer.weight.grad) and torch.equal(grad_x, x.grad)
-
-
-    def test_fullgraph_rowwise_only(self):
-        """The columnwise copy quantized in the forward (rowwise_only) traces into the graph."""
-        rec = recipe.from_name("mxfp8")
-        with tl.quantized_model_init(recipe=rec, rowwise_only=True):
+        with tl.quantized_model_init(recipe=rec, rowwise_only=rowwise_only):
             layer = tl.Linear(64, 32, recipe=rec)
         x = torch.randn(8, 64, requires_grad=True)
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
