@@ -136,21 +136,22 @@ def _quantize_nvfp4_op(
     _check_quantize_op(op, x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
     x = x.contiguous()  # held here: the kernel reads it after desc() returns
     outs = _quantize_outputs(x, rowwise, columnwise)
-    data, scale, g, data_t, scale_t, g_t = outs
+    _run_quantize_kernel(op, x, amax, amax_t, outs, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
+                         offset)
+    return outs
 
-    def named(t, name, present):
-        return desc(t, op, name) if present else None
 
+def _run_quantize_kernel(op, x, amax, amax_t, copies, rowwise, columnwise, scaling_2d, rht, stochastic_rounding,
+                         seed, offset) -> None:
+    """``_C.quantize_nvfp4`` into ``copies``: (data, block scales, global scale) of the rowwise copy, then of
+    the columnwise one; a copy not asked for is passed as absent."""
+    names = ("output", "scale", "global_scale", "output_t", "scale_t", "global_scale_t")
+    present = (rowwise,) * 3 + (columnwise,) * 3
     _C.quantize_nvfp4(
         desc(x, op, "x"),
         desc(amax, op, "amax"),
         desc(amax if amax_t is None else amax_t, op, "amax_t"),
-        named(data, "output", rowwise),
-        named(scale, "scale", rowwise),
-        named(g, "global_scale", rowwise),
-        named(data_t, "output_t", columnwise),
-        named(scale_t, "scale_t", columnwise),
-        named(g_t, "global_scale_t", columnwise),
+        *(desc(t, op, name) if wanted else None for t, name, wanted in zip(copies, names, present)),
         scaling_2d,
         rht,
         stochastic_rounding,
@@ -158,7 +159,6 @@ def _quantize_nvfp4_op(
         offset,
         stream_for(x),
     )
-    return outs
 
 
 @_quantize_nvfp4_op.register_fake
@@ -471,27 +471,9 @@ def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, 
     g, g_t = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.float32)
     scale = outs[1][GLOBAL_SCALE_ELEMENTS:].view(m, k // BLOCK) if rowwise else None
     scale_t = outs[3][GLOBAL_SCALE_ELEMENTS:].view(k, m // BLOCK) if columnwise else None
-
-    def named(t, name, present):
-        return desc(t, op, name) if present else None
-
-    _C.quantize_nvfp4(
-        desc(x, op, "x"),
-        desc(amax, op, "amax"),
-        desc(amax if amax_t is None else amax_t, op, "amax_t"),
-        named(outs[0], "output", rowwise),
-        named(scale, "scale", rowwise),
-        named(g, "global_scale", rowwise),
-        named(outs[2], "output_t", columnwise),
-        named(scale_t, "scale_t", columnwise),
-        named(g_t, "global_scale_t", columnwise),
-        scaling_2d,
-        rht,
-        stochastic_rounding,
-        seed,
-        0,
-        stream_for(x),
-    )
+    copies = (outs[0], scale, g, outs[2], scale_t, g_t)
+    _run_quantize_kernel(op, x, amax, amax_t, copies, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
+                         0)
     if rowwise:
         _write_packed_global_scale(outs[1], g)
     if columnwise:
