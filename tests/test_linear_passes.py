@@ -3,7 +3,8 @@ the data and reads of tensor values on the host.
 
 Every recipe quantizes each of its three tensors (input, weight, grad_output) in one kernel pass, both
 usages of a tensor coming out of that pass, and runs three GEMMs (forward, dgrad, wgrad): counted at the
-extension's entry points. NVFP4 also takes each tensor's global amax in a pass of its own first. A read
+extension's entry points. NVFP4 also takes each tensor's global amaxes (of the tensor and of its
+Hadamard-transformed copy) in a pass of its own first. A read
 of a tensor's value on the host (``.item()``, ``.tolist()``, ``bool()``,
 ``nonzero``) is a device sync on a GPU. The only ones are the CPU kernels' checks of the scales they are
 handed (formats/checks.py, which reads CPU tensors only and skips every other device) and delayed
@@ -39,6 +40,7 @@ KERNEL_FAMILIES = {
     "fp8_gemm": "gemm",
     "fp8_gemm_blockwise": "gemm",
     "quantize_nvfp4": "quantize",
+    "nvfp4_amax": "amax",
     "nvfp4_gemm": "gemm",
     "dequantize": "dequantize",
 }
@@ -119,7 +121,7 @@ def _global_amax_pass(name: str) -> bool:
 def test_three_quantize_passes_and_three_gemms(name, costs):
     first, *later = _steps(name, costs)
     # NVFP4's global scale must be known before its block scales: each tensor's amax is a pass of its own
-    # (the Hadamard-transformed copies' amaxes are PyTorch ops, not counted here).
+    # (one pass also gives the amax of a Hadamard-transformed copy).
     every_step = {"amax": 3} if _global_amax_pass(name) else {}
     for step in later:
         assert dict(step.kernels) == {"quantize": 3, "gemm": 3, **every_step}

@@ -21,7 +21,6 @@ op's tensors. The public functions take and return ``float4_e2m1fn_x2`` views.
 from __future__ import annotations
 
 import math
-import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -418,11 +417,16 @@ def packed_scale_numel(rows: int, cols: int) -> int:
     return GLOBAL_SCALE_ELEMENTS + rows * (cols // BLOCK)
 
 
+def _global_scale_head(global_scale: torch.Tensor) -> torch.Tensor:
+    """The packed head of a () float32 global scale: its 32 bits as 8 nibbles, one a uint8 (no host read)."""
+    bits = global_scale.reshape(1).view(torch.int32).to(torch.int64)
+    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=global_scale.device)
+    return ((bits >> shifts) & 0xF).to(torch.uint8)
+
+
 def pack_scales(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """(rows, cols/16) E4M3 block scales and a () float32 global scale as one 1-D float8_e4m3fn tensor."""
-    bits = global_scale.reshape(1).view(torch.int32).to(torch.int64)
-    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=scale.device)
-    head = ((bits >> shifts) & 0xF).to(torch.uint8)
+    head = _global_scale_head(global_scale).to(scale.device)
     return torch.cat([head, scale.reshape(-1).view(torch.uint8)]).view(torch.float8_e4m3fn)
 
 
@@ -455,10 +459,8 @@ def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochast
 
 
 def _write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
-    """The head of packed scales (see :func:`pack_scales`) from a () float32 CPU global scale."""
-    bits = struct.unpack("<I", struct.pack("<f", global_scale.item()))[0]
-    head = [(bits >> shift) & 0xF for shift in _NIBBLE_SHIFTS]
-    packed[:GLOBAL_SCALE_ELEMENTS].view(torch.uint8).copy_(torch.tensor(head, dtype=torch.uint8))
+    """The head of packed scales (see :func:`pack_scales`) from a () float32 global scale."""
+    packed[:GLOBAL_SCALE_ELEMENTS].view(torch.uint8).copy_(_global_scale_head(global_scale))
 
 
 def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
