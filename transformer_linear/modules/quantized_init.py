@@ -180,6 +180,17 @@ def stored_form(quantizer: TensorQuantizer, cached: CachedWeight, rowwise_only: 
     return dataclasses.replace(cached, weight_fp8_t=None, weight_scale_inv_t=None)
 
 
+def _columnwise_copy(quantizer: TensorQuantizer, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(data_t, scale_inv_t): ``weight``'s columnwise copy alone, as :func:`quantize_weight` makes it (a 2-D
+    weight in one columnwise-only pass; a stacked 3-D one expert by expert, both usages)."""
+    if weight.dim() == 3:
+        q = quantize_weight(quantizer, weight)
+        return q.weight_fp8_t, q.weight_scale_inv_t
+    with torch.no_grad():
+        q = quantizer.quantize(weight.detach().contiguous(), rowwise=False, columnwise=True)
+    return q.data_t, q.scale_inv_t
+
+
 def _transposed(t: Tensor) -> Tensor:
     """A contiguous copy of ``t`` with its last two dimensions swapped (as the quantizer makes it: standard
     strides, also for a dimension of size 1); each expert's of a stacked 3-D one."""
@@ -255,10 +266,8 @@ class QuantizedWeight(GatheredFP8Weight):
         if stored.weight_fp8_t is not None:
             return stored
         if not columnwise_is_transpose(self.quantizer):
-            columnwise = quantize_weight(self.quantizer, self.dequantize())
-            return dataclasses.replace(
-                stored, weight_fp8_t=columnwise.weight_fp8_t, weight_scale_inv_t=columnwise.weight_scale_inv_t
-            )
+            data_t, scale_inv_t = _columnwise_copy(self.quantizer, self.dequantize())
+            return dataclasses.replace(stored, weight_fp8_t=data_t, weight_scale_inv_t=scale_inv_t)
         data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
         if data.dim() == 3 and not self.quantizer.blockwise:
             # The grouped dgrad reads each expert's transpose, with the expert's one scale.
