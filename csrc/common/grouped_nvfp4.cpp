@@ -87,6 +87,26 @@ void check_out(const char* op, const TensorDesc& d, std::initializer_list<int64_
   check_shape(op, "d", d, shape);
 }
 
+// The sizes of a grouped GEMM: groups, total tokens, and each group's N and K.
+struct GroupedSizes {
+  int64_t groups, total, n, k;
+};
+
+// Fills what both forms share (offsets, output, sizes) and runs the kernel on the op's threads.
+void run(const char* op, GroupedGemmNvfp4Params& p, const TensorDesc& offs, const TensorDesc& d,
+         GroupedSizes sizes, bool wgrad, Stream stream) {
+  p.offs = static_cast<const int32_t*>(offs.data);
+  p.d = d.data;
+  p.out_dtype = d.dtype;
+  p.groups = sizes.groups;
+  p.total = sizes.total;
+  p.n = sizes.n;
+  p.k = sizes.k;
+  p.wgrad = wgrad;
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::nvfp4_grouped_gemm(p);
+}
+
 }  // namespace
 
 void nvfp4_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
@@ -124,17 +144,8 @@ void nvfp4_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
   p.b_scale_stride = b_numel;
   p.a_global = ga_per_group.data();
   p.b_global = gb.data();
-  p.offs = static_cast<const int32_t*>(offs.data);
   p.bias = bias.defined() ? bias.data : nullptr;
-  p.d = d.data;
-  p.out_dtype = d.dtype;
-  p.groups = groups;
-  p.total = total;
-  p.n = n;
-  p.k = k;
-  p.wgrad = false;
-  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
-  cpu::nvfp4_grouped_gemm(p);
+  run(op, p, offs, d, {groups, total, n, k}, /*wgrad=*/false, stream);
 }
 
 void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t_scale_inv,
@@ -168,17 +179,8 @@ void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t
   p.b_scale_stride = kGlobalElements + k * (total / kBlock);
   p.a_global = gg.data();
   p.b_global = gx.data();
-  p.offs = static_cast<const int32_t*>(offs.data);
   p.bias = nullptr;
-  p.d = d.data;
-  p.out_dtype = d.dtype;
-  p.groups = groups;
-  p.total = total;
-  p.n = n;
-  p.k = k;
-  p.wgrad = true;
-  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
-  cpu::nvfp4_grouped_gemm(p);
+  run(op, p, offs, d, {groups, total, n, k}, /*wgrad=*/true, stream);
 }
 
 void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs, const TensorDesc& seeds,
