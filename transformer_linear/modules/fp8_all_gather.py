@@ -25,6 +25,11 @@ Nothing here branches on the recipe; the quantizer says what one weight is made 
   has its own blocks: it cannot be made from the gathered rowwise copy without quantizing twice, so it is
   gathered too, but only by the pass that reads it where FSDP2 gathers again before backward (see
   below).
+* NVFP4 (FP4 data, E4M3 scales of 16x16 blocks, a float32 global scale): both of the above. The global
+  scale is the whole weight's (each shard's amax all-reduced, MAX), the FP4 data (uint8, two codes a byte)
+  and the block scales are gathered, the global scale travels as metadata, and the packed scales and the
+  columnwise copy (the rowwise one transposed) are made after the gather
+  (:mod:`transformer_linear.modules.fsdp_gather_nvfp4`, which also says what is not gathered in FP4).
 
 Gathering each usage in its own pass. FSDP2 (torch 2.13) allocates a parameter's all-gather outputs once,
 at its first gather, from the numels and dtypes ``fsdp_pre_all_gather`` returned
@@ -79,6 +84,12 @@ from transformer_linear.modules.fsdp_gather_usages import (
     separate_columnwise_copy,
     usages_to_gather,
 )
+from transformer_linear.modules.fsdp_gather_nvfp4 import (
+    check_nvfp4_shardable,
+    nvfp4_cached_weight,
+    quantize_nvfp4_shard,
+    refill_nvfp4_cached_weight,
+)
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import HistoryConfig
 from transformer_linear.recipe.delayed_scaling import delayed_scaling_flush
@@ -131,8 +142,8 @@ def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, wher
     FSDP2 gives each of ``world_size`` ranks ceil(rows / world_size) rows (dim 0). One scale per tensor
     shards anywhere (the scale is made whole-tensor by an amax all-reduce). A block spans ``bm`` rows of
     the rowwise usage, and a non-square block's columnwise copy (blocks along the weight's rows) ``bk``
-    rows, the whole column (``bk == 0``) never fitting a shard. NVFP4 (a global scale above its block
-    scales) is not gathered in FP4.
+    rows, the whole column (``bk == 0``) never fitting a shard. NVFP4 is gathered with 16x16 blocks and
+    rounding to nearest only (:func:`check_nvfp4_shardable`).
 
     Raises:
         ValueError: naming the weight's rows, the block and the world size.
@@ -140,14 +151,7 @@ def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, wher
     if not quantizer.blockwise or world_size == 1:
         return
     if quantizer.is_nvfp4:
-        # A global (per-tensor) scale above the block scales, which a shard would compute from its own amax,
-        # and scales packed with it: nothing here gathers that format yet.
-        raise ValueError(
-            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with NVFP4 "
-            f"{list(quantizer.block_shape)} blocks: its global scale is the whole weight's (one amax per tensor) "
-            "and its scales are packed with it, which the FP8 all-gather does not gather; use "
-            "fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
-        )
+        check_nvfp4_shardable(quantizer, rows, world_size, where)
     bm, bk = quantizer.block_shape
     spans = [bm] if bm == bk else [bm, bk]
     per_shard, even = -(-rows // world_size), rows % world_size == 0
@@ -177,9 +181,10 @@ class _GatherMetadata(NamedTuple):
     group: Any
     """The shard group (a forward after a columnwise-only gather gathers the rowwise copy over it)."""
     scale_inv: Optional[Tensor]
-    """One scale per tensor: its scale_inv (the same on all ranks); None for block scales (gathered)."""
+    """One scale per tensor: its scale_inv (the same on all ranks); NVFP4: the global decode scale; None for
+    other block scales (gathered)."""
     amax: Optional[Tensor]
-    """One scale per tensor: the whole weight's amax (delayed scaling records it)."""
+    """One scale per tensor (delayed scaling records it) and NVFP4: the whole weight's amax."""
 
 
 class FP8AllGatherWeight(torch.Tensor):
@@ -262,6 +267,10 @@ class FP8AllGatherWeight(torch.Tensor):
         shard = shard.contiguous()
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
+            if quantizer.is_nvfp4:
+                q4 = quantize_nvfp4_shard(quantizer, shard, module, group, _in_backward())
+                metadata = _GatherMetadata(rows, ROWWISE, group, q4.global_scale, q4.amax)
+                return (q4.data, q4.block_scale), metadata
             if quantizer.blockwise:
                 usages = usages_to_gather(quantizer, module)
                 q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
@@ -291,6 +300,16 @@ class FP8AllGatherWeight(torch.Tensor):
         (the transposed usages, the per-tensor scale), which FSDP2 frees on reshard and
         reallocates before the next gather (``out`` given: refilled in place)."""
         quantizer = self.quantizer
+        if quantizer.is_nvfp4:
+            # The FP4 data and block scales gathered, the global decode scale in the metadata.
+            data, block_scale = all_gather_outputs[0][: metadata.rows], all_gather_outputs[1]
+            if out is not None:
+                cached = _gathered_of(out).cached_weight
+                refill_nvfp4_cached_weight(cached, data, block_scale, metadata.scale_inv, _refill)
+                return None
+            cached = nvfp4_cached_weight(data, block_scale, metadata.scale_inv)
+            owned = (cached.weight_scale_inv, cached.weight_fp8_t, cached.weight_scale_inv_t)
+            return GatheredFP8Weight(cached, quantizer, param_dtype), owned
         if quantizer.blockwise and separate_columnwise_copy(quantizer):
             return self._post_all_gather_separate(all_gather_outputs, metadata, param_dtype, out)
         data = all_gather_outputs[0][: metadata.rows]
@@ -438,9 +457,8 @@ class GatheredFP8Weight(torch.Tensor):
         missing_rowwise: Optional[Tensor] = None,
     ) -> "GatheredFP8Weight":
         data = cached_weight.weight_fp8
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
-        )
+        shape = data.shape[:-1] + (data.shape[-1] * (2 if quantizer.is_nvfp4 else 1),)  # FP4: two values a byte
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
     def __init__(
         self, cached_weight: CachedWeight,

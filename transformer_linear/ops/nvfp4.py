@@ -451,11 +451,23 @@ def _packed_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[to
     ]
 
 
-def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
+def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax):
     check_hp_dtype(op, "x", x.dtype)
     check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
     if stochastic_rounding and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
+    if amax is None:
+        return
+    check_same_device(op, {"x": x, "amax": amax})
+    if amax.dtype != torch.float32:
+        raise TypeError(f"{op}: argument 'amax' must be a float32 tensor, got {amax.dtype}")
+    if amax.numel() != 1 or amax.dim() > 1:
+        raise ValueError(f"{op}: argument 'amax' must be a one-element tensor of shape [] or [1], got "
+                         f"{list(amax.shape)}")
+    if columnwise and rht:
+        # The transformed copy's global amax is that of x.T's Hadamard transform, not max |x|.
+        raise ValueError(f"{op}: argument 'amax' cannot be given with an RHT columnwise copy (its global amax is "
+                         "the transformed copy's)")
 
 
 def _write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
@@ -492,10 +504,13 @@ def _quantize_packed_op(
     rht: bool,
     stochastic_rounding: bool,
     seed: Optional[torch.Tensor],
+    amax: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     op = "quantize_nvfp4_packed"
-    _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
-    if x.numel() == 0:
+    _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
+    if amax is not None:
+        amax = amax_t = amax.reshape(())
+    elif x.numel() == 0:
         amax = amax_t = torch.zeros((), dtype=torch.float32, device=x.device)
     else:
         amax, amax_t = _amaxes(x.detach(), True, columnwise and rht)
@@ -515,8 +530,9 @@ def _quantize_packed_op(
 
 
 @_quantize_packed_op.register_fake
-def _(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed):
-    _check_packed_quantize("quantize_nvfp4_packed", x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
+def _(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax=None):
+    _check_packed_quantize("quantize_nvfp4_packed", x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
+                           amax)
     return _packed_outputs(x, rowwise, columnwise)
 
 
@@ -528,30 +544,38 @@ def quantize_nvfp4_packed(
     rht: bool = False,
     stochastic_rounding: bool = False,
     seed: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     """NVFP4 copies of a 2-D ``x`` with their global scales from its amaxes, as the Linear holds them.
 
     The amaxes are :func:`nvfp4_amax` of x (and of its transformed transpose for an RHT columnwise
-    copy); the rest is :func:`quantize_nvfp4` with offset 0.
+    copy), or ``amax`` where given; the rest is :func:`quantize_nvfp4` with offset 0.
 
     Args:
         x: (M, K) float32, bfloat16 or float16 on the CPU or a GPU (the rowwise copy needs K % 16 == 0,
             the columnwise copy M % 16 == 0).
         rowwise / columnwise / scaling_2d / rht / stochastic_rounding: as :func:`quantize_nvfp4`.
         seed: stochastic rounding: a one-element int64 tensor (see :func:`sr_seed`).
+        amax: () or (1,) float32, finite, >= 0, on x's device: the global amax to quantize with instead of
+            x's own (a shard of a tensor quantized with the whole tensor's amax, as FSDP2's NVFP4
+            all-gather does); None: x's. Not with an RHT columnwise copy.
 
     Returns:
         [data (M, K/2) uint8, packed scales, data_t (K, M/2) uint8, packed scales_t] (see
         :func:`pack_scales`); a copy not asked for has empty tensors.
 
     Raises:
-        TypeError: a wrong dtype or a tensor on another device than cpu or cuda.
-        ValueError: a shape the copies cannot take (naming the dimension), or a missing seed.
+        TypeError: a wrong dtype or a tensor on another device than cpu or cuda (or than x's).
+        ValueError: a shape the copies cannot take (naming the dimension), a missing seed, or an ``amax``
+            that is not one finite non-negative float32 or comes with an RHT columnwise copy.
     """
     op = "quantize_nvfp4_packed"
     check_tensor(op, "x", x)
     _check_device_type(op, "x", x)
-    return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed)
+    if amax is not None:
+        check_tensor(op, "amax", amax, like=x, like_name="x")
+        _check_scalar(op, "amax", amax, "amax")
+    return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
 
 
 @torch.library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "cuda", "meta"))

@@ -278,18 +278,26 @@ class TensorQuantizer:
         columnwise: bool = False,
         scale: Optional[Tensor] = None,
         dbias_dtype: Optional[torch.dtype] = None,
+        global_amax: Optional[Tensor] = None,
     ) -> Quantized:
         """Quantize a contiguous 2-D ``x`` into the requested usages, in one pass.
 
         One scale per tensor: ``scale`` (None: from ``x``'s amax) and ``margin``; the rowwise data always,
         its transpose where the backend needs it (the usages asked for do not change the pass), and the
         bias gradient in ``dbias_dtype`` when given. Block scales: the usages asked for; ``scale`` and
-        ``dbias_dtype`` do not apply.
+        ``dbias_dtype`` do not apply. NVFP4: ``global_amax`` (a one-element float32 tensor) is the amax its
+        global scale is computed from instead of ``x``'s (a shard quantized as part of a whole tensor;
+        not with an RHT columnwise copy).
+
+        Raises:
+            ValueError: ``global_amax`` given to a quantizer that is not NVFP4.
         """
+        if global_amax is not None and not self.is_nvfp4:
+            raise ValueError(f"TensorQuantizer.quantize: 'global_amax' applies to NVFP4 quantizers only, not {self}")
         if not self.blockwise:
             return tensorwise_result(quantize_tensorwise(x, self.dtype, scale, self.margin, dbias_dtype=dbias_dtype))
         if self.is_nvfp4:
-            return self._quantize_nvfp4(x, rowwise, columnwise)
+            return self._quantize_nvfp4(x, rowwise, columnwise, global_amax)
         return self._quantize_blocks(x, rowwise, columnwise)
 
     def quantize_flat(
@@ -315,15 +323,18 @@ class TensorQuantizer:
         )
         return Quantized(*out)
 
-    def _quantize_nvfp4(self, x: Tensor, rowwise: bool, columnwise: bool) -> Quantized:
-        """NVFP4 copies of a 2-D ``x`` in the requested usages (Quantized's packed form), one pass."""
+    def _quantize_nvfp4(
+        self, x: Tensor, rowwise: bool, columnwise: bool, global_amax: Optional[Tensor] = None
+    ) -> Quantized:
+        """NVFP4 copies of a 2-D ``x`` in the requested usages (Quantized's packed form), one pass; the global
+        scale from ``global_amax`` where given, else from ``x``'s amax."""
         if not (rowwise or columnwise):
             empty_fp4, empty_scale = x.new_empty(0, dtype=self.dtype), x.new_empty(0, dtype=self.scale_dtype)
             return Quantized(empty_fp4, empty_scale, empty_fp4.clone(), empty_scale.clone())
         seed = ops.nvfp4.sr_seed(x) if self.stochastic_rounding else None
         scaling_2d = self.block_shape == [16, 16]
         out = ops.nvfp4.quantize_nvfp4_packed(
-            x, rowwise, columnwise, scaling_2d, self.rht and columnwise, self.stochastic_rounding, seed
+            x, rowwise, columnwise, scaling_2d, self.rht and columnwise, self.stochastic_rounding, seed, global_amax
         )
         return Quantized(*out)
 
