@@ -10,6 +10,7 @@ blocks in either direction (MXFP8); the uneven model (255 rows) checks FSDP2's p
 scaled shards.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -21,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 import transformer_linear as tl
-from transformer_linear import recipe
+from transformer_linear import ops, recipe
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.fp8_all_gather import (
@@ -33,6 +34,7 @@ from transformer_linear.modules.fp8_all_gather import (
     check_shardable,
     is_fp8_all_gathered,
 )
+from transformer_linear.modules.fsdp_gather_nvfp4 import nvfp4_cached_weight
 from transformer_linear.modules.fsdp_gather_usages import gather_rowwise_if_missing
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
@@ -58,6 +60,11 @@ RECIPES = {
 # element plus E8M0 scales, about what bf16 gathers (measured: 1.03x bf16, 0.52x fp32).
 MAX_RATIO_VS_BF16 = 0.55
 MAX_RATIO_VS_FP32 = 0.3
+# NVFP4: FP4 data (half a byte an element) and one E4M3 scale per 16 elements, the 16x16 columnwise copy
+# made after the gather: 0.5625 bytes an element (measured: 0.28x bf16, 0.14x fp32). FP8 data would
+# exceed these bounds.
+MAX_RATIO_NVFP4_VS_BF16 = 0.3
+MAX_RATIO_NVFP4_VS_FP32 = 0.15
 MAX_RATIO_BOTH_COPIES_VS_BF16 = 1.05
 MAX_RATIO_BOTH_COPIES_VS_FP32 = 0.55
 SEPARATE_COLUMNWISE = {"mxfp8"}  # recipes whose weight's columnwise copy has its own blocks
@@ -128,6 +135,7 @@ class _GatherCounter:
 
     def __enter__(self):
         self.bytes, self.fp8_gathers, self.data_dtypes, self.usages = 0, 0, [], []
+        self.gathered = []  # per gather: (dtype, numel) of each gathered tensor, and the shard's numel
         self._all_gather, self._pre = dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather
 
         def all_gather(output_tensor, input_tensor, *args, **kwargs):
@@ -140,6 +148,7 @@ class _GatherCounter:
             self.fp8_gathers += 1
             self.data_dtypes.append(gathered[0].dtype)
             self.usages.append(metadata.usages)
+            self.gathered.append(([(t.dtype, t.numel()) for t in gathered], weight._tensor.numel()))
             return gathered, metadata
 
         dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
@@ -171,8 +180,14 @@ def _bytes_rank(rank, world, name, reshard_after_forward):
     # again where they are resharded after forward.
     gathers = 4 if rf else 2
     assert fp8.fp8_gathers == gathers, f"{fp8.fp8_gathers} FP8 all-gathers, expected {gathers}"
-    bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in FP8_DTYPES]
-    assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8"
+    if name == "nvfp4":
+        # FP4: uint8 data of half a byte an element, one E4M3 scale per 16 elements.
+        for gathered, numel in fp8.gathered + fp8_bf16.gathered:
+            expected = [(torch.uint8, numel // 2), (torch.float8_e4m3fn, numel // 16)]
+            assert gathered == expected, f"fsdp_pre_all_gather returned {gathered}, expected FP4 {expected}"
+    else:
+        bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in FP8_DTYPES]
+        assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8"
     assert fp32.fp8_gathers == 0 and bf16.fp8_gathers == 0
     assert seen == [GatheredFP8Weight] * 2, f"the forward read {seen}, expected the gathered FP8 weight"
     assert GatheredFP8Weight not in seen_off
@@ -187,6 +202,8 @@ def _bytes_rank(rank, world, name, reshard_after_forward):
     both_copies = name in SEPARATE_COLUMNWISE and not rf
     max_bf16 = MAX_RATIO_BOTH_COPIES_VS_BF16 if both_copies else MAX_RATIO_VS_BF16
     max_fp32 = MAX_RATIO_BOTH_COPIES_VS_FP32 if both_copies else MAX_RATIO_VS_FP32
+    if name == "nvfp4":
+        max_bf16, max_fp32 = MAX_RATIO_NVFP4_VS_BF16, MAX_RATIO_NVFP4_VS_FP32
     assert ratio_bf16 <= max_bf16, f"FP8 all-gather {fp8_bf16.bytes} B vs bf16 {bf16.bytes} B: {ratio_bf16:.3f}"
     assert ratio_fp32 <= max_fp32, f"FP8 all-gather {fp8.bytes} B vs fp32 {fp32.bytes} B: {ratio_fp32:.3f}"
     return fp32.bytes, bf16.bytes, fp8.bytes, fp8_bf16.bytes
@@ -303,8 +320,8 @@ def _gpt_rank(rank, world, name):
     """The built-in GPT (each block and the root sharded) with FP8 all-gather against the high-precision
     gather, under the same recipe: bitwise the same losses, gradients and weights over 5 AdamW steps, with
     the blocks resharded after forward (each gather carries one copy of a separate columnwise copy; the
-    head, in the root, both) and without (both copies, one gather)."""
-    assert name in SEPARATE_COLUMNWISE, "the gathers counted below are a separate columnwise copy's"
+    head, in the root, both) and without (both copies, one gather). A columnwise copy made from the gathered
+    rowwise one (NVFP4's 16x16 blocks) is gathered with the rowwise copy, by each gather."""
     cfg = GPTConfig()
     data = SyntheticText(cfg, seed=0)
     batches = [data.batch(4).chunk(world)[rank] for _ in range(STEPS)]
@@ -332,7 +349,9 @@ def _gpt_rank(rank, world, name):
         # Per step: the blocks' 4 weights each, gathered per pass or once with both copies, and the head (in
         # the root, which FSDP2 does not reshard after forward) once with both.
         weights = 4 * cfg.n_layers * STEPS
-        if reshard_after_forward:
+        if name not in SEPARATE_COLUMNWISE:
+            expected = {ROWWISE: 2 * weights + STEPS if reshard_after_forward else weights + STEPS}
+        elif reshard_after_forward:
             expected = {ROWWISE: weights, COLUMNWISE: weights, BOTH: STEPS}
         else:
             expected = {BOTH: weights + STEPS}
@@ -405,6 +424,13 @@ def _errors_rank(rank, world):
         _sharded(recipe.from_name("rowwise"), True)
     with pytest.raises(ValueError, match=r"64 rows over 2 ranks with \[128, 128\] blocks"):
         _sharded(RECIPES["block"], True, out=64)
+    # NVFP4: 16x16 blocks whole in each shard, one copy gathered (the columnwise one its transpose).
+    with pytest.raises(ValueError, match=r"48 rows over 2 ranks with \[16, 16\] blocks.*\(16\)"):
+        _sharded(RECIPES["nvfp4"], True, out=48)
+    with pytest.raises(ValueError, match=r"33 rows over 2 ranks with \[16, 16\] blocks"):
+        _sharded(RECIPES["nvfp4"], True, out=33)
+    with pytest.raises(ValueError, match=r"NVFP4 \[1, 16\] blocks: only 16x16 weight blocks are gathered in FP4"):
+        _sharded(recipe.from_name("nvfp4", disable_2d_quantization=True), True)
     with pytest.raises(ValueError, match="fp8_all_gather=True needs tl.Linear '<root>' to have a recipe"):
         _sharded(None, True)
     with pytest.raises(TypeError, match="fully_shard: 'recipe' must be one of"):
@@ -443,18 +469,19 @@ class TestFP8AllGather:
         print(f"{name}, reshard_after_forward={reshard_after_forward}: fp32 {fp32} B, bf16 {bf16} B, FP8 {fp8} B "
               f"(bf16 params: {fp8_bf16} B)")
 
-    def test_gpt_training_bitwise_mxfp8(self):
-        run_ranks(_gpt_rank, "mxfp8", world_size=WORLD, timeout=TIMEOUT)
+    @pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+    def test_gpt_training_bitwise(self, name):
+        run_ranks(_gpt_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_training_bitwise_matches_high_precision_gather(self, name):
         run_ranks(_parity_rank, name, None, OUT, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed"])
+    @pytest.mark.parametrize("name", ["current", "delayed", "nvfp4"])
     def test_bf16_mixed_precision_policy(self, name):
         run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8"])
+    @pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8", "nvfp4"])
     def test_compiled_layers(self, name):
         run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
 
@@ -506,19 +533,64 @@ _SHARDABLE = [
     ("mxfp8", 64, 2, True),  # 32 rows a rank: whole 1x32 blocks of the columnwise copy
     ("mxfp8", 32, 2, False),
     ("rowwise", 256, 2, False),  # the columnwise copy scales whole columns
-    ("nvfp4", 256, 2, False),  # a global scale per tensor above the 16x16 blocks: not gathered in FP4
+    ("nvfp4", 256, 2, True),  # 128 rows a rank: whole 16x16 blocks (the global scale all-reduced)
+    ("nvfp4", 64, 4, True),
+    ("nvfp4", 48, 2, False),  # 24 rows a rank
+    ("nvfp4", 33, 2, False),  # uneven
     ("nvfp4", 256, 1, True),  # nothing sharded
+    ("nvfp4-1x16", 256, 2, False),  # the columnwise copy has blocks of its own (and with RHT its own amax)
+    ("nvfp4-sr", 256, 2, False),  # shards would round with other random bits than the whole weight
 ]
+
+
+def _weight_quantizer(name):
+    if name == "nvfp4-1x16":
+        return quantization_spec(recipe.from_name("nvfp4", disable_2d_quantization=True)).weight
+    if name == "nvfp4-sr":
+        return dataclasses.replace(quantization_spec(recipe.from_name("nvfp4")).weight, stochastic_rounding=True)
+    return quantization_spec(recipe.from_name(name)).weight
 
 
 @pytest.mark.parametrize("name, rows, world, ok", _SHARDABLE)
 def test_check_shardable(name, rows, world, ok):
-    quantizer = quantization_spec(recipe.from_name(name)).weight
+    quantizer = _weight_quantizer(name)
     if ok:
         check_shardable(quantizer, rows, world)
     else:
         with pytest.raises(ValueError, match=f"a weight of {rows} rows over {world} ranks"):
             check_shardable(quantizer, rows, world)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols, world", [(64, 96, 2), (256, 128, 4), (32, 16, 2)])
+def test_nvfp4_shards_gather_to_the_whole_weight(dtype, rows, cols, world):
+    """NVFP4 shards quantized with the whole weight's amax (the MAX of theirs, as the all-reduce makes it),
+    their data and block scales concatenated along rows, then packed, with the columnwise copy made from
+    them: bitwise the quantizer's copies of the whole weight, both usages (what fp8_all_gather=False reads)."""
+    quantizer = quantization_spec(RECIPES["nvfp4"]).weight
+    weight = (torch.randn(rows, cols) * torch.logspace(-2, 2, rows).unsqueeze(1)).to(dtype)
+    shards = weight.chunk(world)
+    amax = torch.stack([ops.nvfp4.nvfp4_amax(s) for s in shards]).amax()
+    datas, block_scales, global_scales = [], [], set()
+    for shard in shards:
+        q = quantizer.quantize(shard, rowwise=True, columnwise=False, global_amax=amax)
+        assert q.data.dtype == torch.uint8 and q.data.shape == (shard.shape[0], cols // 2)
+        block_scale, global_scale = ops.nvfp4.unpack_scales(q.scale_inv, shard.shape[0], cols)
+        datas.append(q.data)
+        block_scales.append(block_scale)
+        global_scales.add(float(global_scale))
+    assert len(global_scales) == 1, f"the shards' global scales differ: {global_scales}"
+    cached = nvfp4_cached_weight(torch.cat(datas), torch.cat(block_scales), global_scale)
+    whole = quantizer.quantize(weight.contiguous(), rowwise=True, columnwise=True)
+    for what, got, want in (("data", cached.weight_fp8, whole.data), ("data_t", cached.weight_fp8_t, whole.data_t),
+                            ("scale_inv", cached.weight_scale_inv, whole.scale_inv),
+                            ("scale_inv_t", cached.weight_scale_inv_t, whole.scale_inv_t)):
+        assert_bitwise_equal(got.view(torch.uint8), want.view(torch.uint8), f"gathered {what}")
+
+
+def test_nvfp4_global_amax_only_for_nvfp4():
+    with pytest.raises(ValueError, match="'global_amax' applies to NVFP4 quantizers only"):
+        quantization_spec(RECIPES["mxfp8"]).weight.quantize(torch.randn(32, 32), global_amax=torch.tensor(1.0))
 
 
 def test_shard_is_the_plain_weight_to_other_ops():

@@ -437,6 +437,44 @@ def test_opcheck_packed_nvfp4_ops(rows, scaling_2d, rht, sr):
                           (data, scales, w[0], w[1], torch.float32, None))
 
 
+@pytest.mark.parametrize("rows", [0, 16, 48])
+@pytest.mark.parametrize("scaling_2d, columnwise", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_quantize_takes_a_global_amax(rows, scaling_2d, columnwise, dtype):
+    """quantize_nvfp4_packed(amax=...) (a shard quantized with its whole tensor's amax, FSDP2's NVFP4 gather):
+    the reference's copies with that amax, bitwise, for the rowwise and a non-RHT columnwise copy."""
+    x = (torch.randn(rows, 64) * 3).to(dtype)
+    amax = torch.tensor(25.0)  # above x's own: the global scale is not x's
+    torch.library.opcheck(torch.ops.transformer_linear.quantize_nvfp4_packed.default,
+                          (x, True, columnwise, scaling_2d, False, False, None, amax))
+    data, scales, data_t, scales_t = nvfp4_ops.quantize_nvfp4_packed(
+        x, True, columnwise, scaling_2d, amax=amax.reshape(1))
+    q = ref.quantize_nvfp4(x, amax, rowwise=True, columnwise=columnwise, scaling_2d=scaling_2d)
+    _assert_copy_equal(data, scales, q.data, q.scale, q.global_scale, "x")
+    if columnwise:
+        _assert_copy_equal(data_t, scales_t, q.data_t, q.scale_t, q.global_scale_t, "x (columnwise)")
+
+
+def test_packed_quantize_rejects_a_bad_global_amax():
+    x = torch.randn(16, 64)
+    for amax, error, match in (
+        (torch.tensor(1.0, dtype=torch.float64), TypeError, "'amax' must be a float32 tensor"),
+        (torch.ones(2), ValueError, "'amax' must be a one-element tensor"),
+        (torch.tensor(-1.0), ValueError, "'amax' must be finite and non-negative"),
+        (torch.tensor(float("nan")), ValueError, "'amax' must be finite and non-negative"),
+        (torch.tensor(1.0, device="meta"), TypeError, "'amax' must be on cpu like 'x'"),
+        ([1.0], TypeError, "'amax' must be a torch.Tensor"),
+    ):
+        with pytest.raises(error, match=match):
+            nvfp4_ops.quantize_nvfp4_packed(x, amax=amax)
+    with pytest.raises(ValueError, match="'amax' cannot be given with an RHT columnwise copy"):
+        nvfp4_ops.quantize_nvfp4_packed(x, True, True, False, True, amax=torch.tensor(1.0))
+    # The op itself (callable through torch.ops) checks the tensor too.
+    with pytest.raises(TypeError, match="'amax' must be a float32 tensor"):
+        torch.ops.transformer_linear.quantize_nvfp4_packed(x, True, False, False, False, False, None,
+                                                           torch.ones(1).double())
+
+
 def test_sr_seed_follows_the_default_generator():
     """Not opchecked (each call draws a new seed, which is its job): the same torch.manual_seed gives the same
     seeds, in eager and compiled code alike (test_inductor_draws_the_same_sr_seeds_as_eager)."""

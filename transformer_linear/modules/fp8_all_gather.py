@@ -73,6 +73,12 @@ from torch import Tensor, nn
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats import layout
+from transformer_linear.modules.fsdp_gather_nvfp4 import (
+    check_nvfp4_shardable,
+    nvfp4_cached_weight,
+    quantize_nvfp4_shard,
+    refill_nvfp4_cached_weight,
+)
 from transformer_linear.modules.fsdp_gather_usages import (
     BOTH,
     COLUMNWISE,
@@ -83,12 +89,6 @@ from transformer_linear.modules.fsdp_gather_usages import (
     rowwise_source_handle,
     separate_columnwise_copy,
     usages_to_gather,
-)
-from transformer_linear.modules.fsdp_gather_nvfp4 import (
-    check_nvfp4_shardable,
-    nvfp4_cached_weight,
-    quantize_nvfp4_shard,
-    refill_nvfp4_cached_weight,
 )
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import HistoryConfig
