@@ -1,13 +1,14 @@
 """FSDP2 all-gathering tl.Linear weights in FP8 (``tl.distributed.fully_shard(fp8_all_gather=...)``), on 2
 gloo ranks (CPU): the bytes FSDP2 all-gathers against its fp32 / bf16 all-gather, that what is gathered is
-FP8 and what the forward reads is the gathered FP8 weight, which copies each gather carries (MXFP8: the
-rowwise one in forward and the columnwise one in backward under reshard_after_forward, both otherwise),
-bitwise parity of losses, gradients and weights with the same recipe gathered in high precision (an MLP,
-and the built-in GPT for MXFP8), the saved state, and the errors.
+FP8 (NVFP4: uint8 FP4 data and E4M3 block scales) and what the forward reads is the gathered FP8 weight,
+which copies each gather carries (MXFP8: the rowwise one in forward and the columnwise one in backward
+under reshard_after_forward, both otherwise), bitwise parity of losses, gradients and weights with the
+same recipe gathered in high precision (an MLP, and the built-in GPT for MXFP8 and NVFP4), the saved
+state, and the errors.
 
-The weights have 256 rows, so each rank holds 128: whole 128x128 blocks (Float8BlockScaling) and 1x32
-blocks in either direction (MXFP8); the uneven model (255 rows) checks FSDP2's padding of per-tensor
-scaled shards.
+The weights have 256 rows, so each rank holds 128: whole 128x128 blocks (Float8BlockScaling), 1x32
+blocks in either direction (MXFP8) and 16x16 tiles (NVFP4); the uneven model (255 rows) checks FSDP2's
+padding of per-tensor scaled shards.
 """
 
 import dataclasses
@@ -104,7 +105,7 @@ def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=
 
 def _batches(rank, world, steps=STEPS, name=None):
     # NVFP4 quantizes the input's columnwise copy in 16-row blocks: 16 rows a rank.
-    rows = 32 if name == "nvfp4" else 8
+    rows = 16 * world if name == "nvfp4" else 8
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(rows, IN, generator=g) * 3).chunk(world)[rank] for _ in range(steps)]
 
@@ -275,7 +276,8 @@ def _checkpointed_rank(rank, world, name, compile_backend=None):
         return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
 
     _assert_same_training(
-        rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}"
+        rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}",
+        batches=_batches(rank, world, name=name),
     )
     if compile_backend is not None:
         # Both layers share Linear.forward's code, whose graphs torch.compile specializes on the weight's shape
@@ -370,7 +372,8 @@ def _quantized_init_rank(rank, world, name):
         assert m.quantized_init is not None and is_fp8_all_gathered(m.weight)
         assert tl.get_high_precision_init_val(m) is None  # it became the master
     off = _sharded(None, False)
-    _assert_same_training(rank, world, on, off, f"quantized_model_init, {name}", autocast_recipe=r)
+    _assert_same_training(rank, world, on, off, f"quantized_model_init, {name}", autocast_recipe=r,
+                          batches=_batches(rank, world, name=name))
 
 
 def _hsdp_rank(rank, world, name, quantized_init):
@@ -392,12 +395,14 @@ def _hsdp_rank(rank, world, name, quantized_init):
     on, off = build(True, quantized_init), build(False, False)
     assert on[0].weight.placements == (Replicate(), Shard(0))
     assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
-    (x,) = _batches(rank, world, steps=1)
+    batches = _batches(rank, world, name=name)
     with _GatherCounter() as counter:
-        on(x).square().sum().backward()
-    assert counter.fp8_gathers > 0 and all(d in FP8_DTYPES for d in counter.data_dtypes), counter.data_dtypes
+        on(batches[0]).square().sum().backward()
+    data_dtypes = (torch.uint8,) if name == "nvfp4" else FP8_DTYPES
+    assert counter.fp8_gathers > 0 and all(d in data_dtypes for d in counter.data_dtypes), counter.data_dtypes
     on.zero_grad(set_to_none=True)
-    _assert_same_training(rank, world, on, off, f"HSDP {name}, quantized_model_init={quantized_init}")
+    _assert_same_training(rank, world, on, off, f"HSDP {name}, quantized_model_init={quantized_init}",
+                          batches=batches)
 
 
 def _checkpoint_rank(rank, world, path):
@@ -493,8 +498,9 @@ class TestFP8AllGather:
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize(
-        "name, compile_backend", [("current", None), ("delayed", None), ("mxfp8", None), ("mxfp8", "aot_eager")],
-        ids=["current", "delayed", "mxfp8", "mxfp8-compiled"],
+        "name, compile_backend",
+        [("current", None), ("delayed", None), ("mxfp8", None), ("mxfp8", "aot_eager"), ("nvfp4", None)],
+        ids=["current", "delayed", "mxfp8", "mxfp8-compiled", "nvfp4"],
     )
     def test_activation_checkpointing(self, name, compile_backend):
         run_ranks(_checkpointed_rank, name, compile_backend, world_size=WORLD, timeout=TIMEOUT)
@@ -503,14 +509,14 @@ class TestFP8AllGather:
     def test_deferred_init_on_meta_device(self):
         run_ranks(_deferred_init_rank, world_size=WORLD, timeout=TIMEOUT)
 
-    @pytest.mark.parametrize("name", ["current", "mxfp8"])
+    @pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
     def test_composes_with_quantized_model_init(self, name):
         run_ranks(_quantized_init_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.slow
     @pytest.mark.parametrize(
-        "name, quantized_init", [("current", False), ("mxfp8", False), ("current", True)],
-        ids=["current", "mxfp8", "current-quantized_model_init"],
+        "name, quantized_init", [("current", False), ("mxfp8", False), ("nvfp4", False), ("current", True)],
+        ids=["current", "mxfp8", "nvfp4", "current-quantized_model_init"],
     )
     def test_hsdp_2d_mesh(self, name, quantized_init):
         run_ranks(_hsdp_rank, name, quantized_init, world_size=4, timeout=TIMEOUT)

@@ -130,10 +130,11 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
 
     With ``fp8_all_gather``, each ``tl.Linear`` weight this call shards (not those an inner
     ``fully_shard`` call sharded already) is all-gathered quantized by its recipe's weight quantizer
-    (modules/fp8_all_gather.py): FP8 data (1 byte per element) and its scales instead of the fp32 / bf16
-    weight, and the forward's GEMMs read the gathered FP8 weight without casting again. One scale per
-    tensor is the whole weight's (amax all-reduced over the shard group), so the gathered weight is
-    bitwise the whole weight quantized, and training is bitwise what ``fp8_all_gather=False`` gives.
+    (modules/fp8_all_gather.py): FP8 data (1 byte per element; NVFP4: FP4, half a byte) and its scales
+    instead of the fp32 / bf16 weight, and the forward's GEMMs read the gathered FP8 weight without
+    casting again. One scale per tensor, and NVFP4's global scale, is the whole weight's (amax
+    all-reduced over the shard group), so the gathered weight is bitwise the whole weight quantized, and
+    training is bitwise what ``fp8_all_gather=False`` gives.
     The optimizer, the gradient reduce-scatter and ``state_dict`` still see the high-precision weight.
     On a 1-rank mesh nothing is gathered and the weights stay as they are (the forward quantizes the
     whole weight, as the gather would have). Every ``tl.Linear`` sharded here is marked
@@ -157,8 +158,9 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     Raises:
         ValueError: a layer to gather in FP8 has no recipe, or its block-scaled weight cannot be sharded
             without a block straddling two ranks (each rank's rows must be a whole number of the blocks'
-            rows: a 128x128 block needs rows a multiple of 128 x world size); shard that layer with
-            ``fp8_all_gather=False`` first.
+            rows: a 128x128 block needs rows a multiple of 128 x world size, NVFP4's 16x16 tiles 16 x
+            world size), or it is NVFP4 with 1x16 weight blocks or stochastic rounding of the weight
+            (modules/fsdp_gather_nvfp4.py); shard that layer with ``fp8_all_gather=False`` first.
         NotImplementedError: a ``GroupedLinear`` built under ``tl.quantized_model_init``.
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
