@@ -42,7 +42,7 @@ __all__ = [
     "refill_nvfp4_cached_weight",
 ]
 
-SQUARE_BLOCK = [BLOCK, BLOCK]
+_SQUARE_BLOCK = [BLOCK, BLOCK]
 
 
 def check_nvfp4_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, where: str) -> None:
@@ -53,7 +53,7 @@ def check_nvfp4_shardable(quantizer: TensorQuantizer, rows: int, world_size: int
     """
     what = f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with NVFP4"
     fallback = "use fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
-    if list(quantizer.block_shape) != SQUARE_BLOCK:
+    if list(quantizer.block_shape) != _SQUARE_BLOCK:
         raise ValueError(
             f"{what} {list(quantizer.block_shape)} blocks: only 16x16 weight blocks are gathered in FP4 (their "
             "columnwise copy is the rowwise one transposed); a 1x16 block's columnwise copy has blocks of its own "
