@@ -3,10 +3,11 @@ autograd features: retain_graph, weight caching, delayed and fused wgrad."""
 
 import pytest
 import torch
+from tolerances import assert_bitwise_equal, assert_close_to_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_linear as tl
 from transformer_linear import recipe, reference
-from tolerances import assert_bitwise_equal, assert_close_to_reference
 
 RECIPES = {
     "current_hybrid": recipe.from_name("current"),
@@ -303,3 +304,43 @@ def test_backward_keeps_fp8_copies_not_high_precision(name):
     big = sorted((tuple(t.shape), t.dtype) for t in saved if t.numel() > 1)
     assert big == sorted([((6, 24), torch.float8_e4m3fn), ((10, 24), torch.float8_e4m3fn)])
     assert all(t.dtype == torch.float32 for t in saved if t.numel() == 1)
+
+
+class _Fills(TorchDispatchMode):
+    """Records every tensor an op fills with a constant (zeros, fill_, zero_)."""
+
+    FILLS = {
+        torch.ops.aten.fill_.Scalar,
+        torch.ops.aten.zero_.default,
+        torch.ops.aten.zeros.default,
+        torch.ops.aten.zeros_like.default,
+        torch.ops.aten.new_zeros.default,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.filled = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.FILLS:
+            self.filled.append((str(func), tuple(out.shape)))
+        return out
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8", "rowwise", "nvfp4"])
+@pytest.mark.parametrize("module", ["Linear", "GroupedLinear"])
+def test_backward_fills_nothing(name, module):
+    """The forward op's outputs besides ``out`` (the FP8 copies backward reads) take no gradient: autograd
+    materialized a zero tensor of each one's shape every backward (an input- and a weight-sized fill)."""
+    r = recipe.from_name(name)
+    if module == "Linear":
+        layer, args = tl.Linear(64, 32, bias=False, recipe=r), (torch.randn(48, 64, requires_grad=True),)
+    else:
+        layer = tl.GroupedLinear(4, 64, 32, bias=False, recipe=r)
+        args = (torch.randn(64, 64, requires_grad=True), torch.tensor([16, 0, 32, 16]))
+    y = layer(*args)
+    with _Fills() as fills:
+        y.sum().backward()
+    assert fills.filled == []
+    assert args[0].grad is not None and layer.weight.grad is not None

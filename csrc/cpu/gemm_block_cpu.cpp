@@ -17,6 +17,7 @@
 #include "cpu_features.h"
 #include "gemm_block_cpu.h"
 #include "gemm_cpu.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/block_math.h"
 #include "transformer_linear/check.h"
@@ -72,17 +73,6 @@ void panel_exponents(const std::vector<int32_t>& exps, int64_t rows_padded, int6
   for (int64_t b = 0; b < blocks; ++b) {
     for (int i = 0; i < r; ++i) out[b * r + i] = exps[(first + b) * rows_padded + row0 + i];
   }
-}
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
-
-Buffer aligned_buffer(size_t bytes) {
-  Buffer b(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
-  TL_CHECK(b != nullptr, "fp8_gemm: out of memory allocating ", bytes, " bytes");
-  return b;
 }
 
 // Scales of every K-block of width g, laid out [k-block][row] and zero past `rows`
@@ -154,8 +144,8 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
     nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
   }
   const int64_t kc_max = std::min(kc, k);
-  Buffer b_buffer = aligned_buffer(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr));
-  Buffer totals_buffer = multi_pass ? aligned_buffer(m_pad * nc * sizeof(float)) : nullptr;
+  Buffer b_buffer = aligned_buffer(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr), "fp8_gemm");
+  Buffer totals_buffer = multi_pass ? aligned_buffer(m_pad * nc * sizeof(float), "fp8_gemm") : nullptr;
   uint8_t* b_packed = b_buffer.get();
   float* totals = reinterpret_cast<float*>(totals_buffer.get());
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
@@ -193,7 +183,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
         thread_local size_t a_capacity = 0;
         const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
         if (a_bytes > a_capacity) {
-          a_buffer = aligned_buffer(a_bytes);
+          a_buffer = aligned_buffer(a_bytes, "fp8_gemm");
           a_capacity = a_bytes;
         }
         alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
@@ -284,6 +274,7 @@ void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, con
 
 void fp8_gemm_blockwise(const GemmBlockParams& p) {
   if (p.m == 0 || p.n == 0) return;
+  advise_huge_pages(p.d.data, static_cast<size_t>(p.d.numel() * element_size(p.d.dtype)));
   const Isa isa = current_isa();
   gemm::KernelSet ks = gemm::kernels_for(isa);
   const int64_t g = std::min(p.a_block.cols, p.b_block.cols);

@@ -31,6 +31,7 @@
 
 #include "../common/backend.h"
 #include "cpu_features.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/check.h"
 #include "transformer_linear/dispatch.h"
@@ -345,6 +346,7 @@ KernelSet generic_kernels() {
 
 void fp8_gemm(const GemmParams& p) {
   if (p.m == 0 || p.n == 0) return;
+  advise_huge_pages(p.d.data, static_cast<size_t>(p.d.numel() * element_size(p.d.dtype)));
   const gemm::KernelSet ks = gemm::kernels_for(current_isa());
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
   dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",

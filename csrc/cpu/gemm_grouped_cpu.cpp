@@ -28,6 +28,7 @@
 #include "gemm_block_cpu.h"
 #include "gemm_cpu.h"
 #include "gemm_grouped_cpu.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/block_math.h"
 #include "transformer_linear/check.h"
@@ -160,17 +161,6 @@ std::vector<Problem> problems(const GroupedGemmParams& p, const std::vector<int6
     out.push_back(q);
   }
   return out;
-}
-
-struct FreeDeleter {
-  void operator()(void* ptr) const { std::free(ptr); }
-};
-using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
-
-Buffer aligned_buffer(size_t bytes) {
-  Buffer buffer(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
-  TL_CHECK(buffer != nullptr, "fp8_grouped_gemm: out of memory allocating ", bytes, " bytes");
-  return buffer;
 }
 
 // The K-block width promoted at once: the smaller block width, or the whole K (tensorwise, rowwise).
@@ -306,10 +296,11 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
   const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, item_count)));
   parallel_for(workers, workers, 1, [&](int64_t, int64_t) {
     const int64_t kc_max = ks.kc;
-    Buffer a_buffer = aligned_buffer(ceil_div(mt, mr) * ks.panel_bytes(kc_max, mr));
-    Buffer b_buffer = aligned_buffer(ceil_div(nt, nr) * ks.panel_bytes(kc_max, nr));
+    Buffer a_buffer = aligned_buffer(ceil_div(mt, mr) * ks.panel_bytes(kc_max, mr), "fp8_grouped_gemm");
+    Buffer b_buffer = aligned_buffer(ceil_div(nt, nr) * ks.panel_bytes(kc_max, nr), "fp8_grouped_gemm");
     // Not initialized: each K chunk but the first adds to what the one before wrote.
-    Buffer totals_buffer = aligned_buffer(static_cast<size_t>(round_up(rows_max, mr) * nt) * sizeof(float));
+    Buffer totals_buffer =
+        aligned_buffer(static_cast<size_t>(round_up(rows_max, mr) * nt) * sizeof(float), "fp8_grouped_gemm");
     float* totals = reinterpret_cast<float*>(totals_buffer.get());
     alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
     // The scales of one KC chunk, looked up once per chunk rather than per micro-tile: the
@@ -416,6 +407,7 @@ void fp8_grouped_gemm(const GroupedGemmParams& p) {
   const char* op = p.wgrad ? "fp8_grouped_gemm_wgrad" : "fp8_grouped_gemm";
   const std::vector<int64_t> starts = group_starts(p, op);
   const size_t elem = static_cast<size_t>(element_size(p.d.dtype));
+  advise_huge_pages(p.d.data, static_cast<size_t>(p.d.numel()) * elem);
   if (p.wgrad) {
     // Groups without rows (and every group when K or N is 0) are zeros: written here, the rest below.
     for (int64_t g = 0; g < p.groups; ++g) {

@@ -18,6 +18,7 @@
 
 #include "../common/backend_nvfp4.h"
 #include "gemm_nvfp4_cpu.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/tensor.h"
 
@@ -28,6 +29,7 @@ void nvfp4_grouped_gemm(const GroupedGemmNvfp4Params& p) {
   const gemm_nvfp4::KernelSet ks = gemm_nvfp4::current_kernels();
   const int64_t out_bytes = element_size(p.out_dtype);
   const int64_t k_bytes = p.k / 2, k_scales = p.k / gemm_nvfp4::kBlockK;
+  advise_huge_pages(p.d, static_cast<size_t>(p.wgrad ? p.groups * p.n * p.k : p.total * p.n) * out_bytes);
   std::vector<gemm_nvfp4::GemmView> views;
   views.reserve(p.groups);
   for (int64_t g = 0; g < p.groups; ++g) {

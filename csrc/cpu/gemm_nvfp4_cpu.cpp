@@ -19,6 +19,7 @@
 #include "cpu_features.h"
 #include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
 #include "transformer_linear/check.h"
@@ -32,17 +33,6 @@ namespace {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint8_t, FreeDeleter>;
-
-Buffer aligned_buffer(size_t bytes) {
-  Buffer b(static_cast<uint8_t*>(std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64))));
-  TL_CHECK(b != nullptr, "nvfp4_gemm: out of memory allocating ", bytes, " bytes");
-  return b;
-}
-
 // Scratch reused across calls up to kMaxBytes (grown as needed); a larger request gets a buffer
 // of its own, freed after the call (its page faults are small next to a GEMM that large).
 class ScratchCache {
@@ -50,12 +40,12 @@ class ScratchCache {
   static constexpr size_t kMaxBytes = size_t{16} << 20;
   uint8_t* get(size_t bytes, Buffer& owned) {
     if (bytes > kMaxBytes) {
-      owned = aligned_buffer(bytes);
+      owned = aligned_buffer(bytes, "nvfp4_gemm");
       return owned.get();
     }
     if (bytes > capacity_) {
       buffer_.reset();
-      buffer_ = aligned_buffer(bytes);
+      buffer_ = aligned_buffer(bytes, "nvfp4_gemm");
       capacity_ = bytes;
     }
     return buffer_.get();
@@ -201,7 +191,7 @@ void run(const GemmView& p, const KernelSet& ks) {
         thread_local size_t a_capacity = 0;
         const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
         if (a_bytes > a_capacity) {
-          a_buffer = aligned_buffer(a_bytes);
+          a_buffer = aligned_buffer(a_bytes, "nvfp4_gemm");
           a_capacity = a_bytes;
         }
         alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
@@ -258,6 +248,7 @@ void nvfp4_gemm(const GemmNvfp4Params& p) {
   const gemm_nvfp4::GemmView v{p.a.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.a_scale.data), p.k,
                                p.b.ptr<const uint8_t>(), static_cast<const uint8_t*>(p.b_scale.data), p.k,
                                p.bias.defined() ? p.bias.data : nullptr, p.d.data, p.alpha, p.m, p.n, p.k};
+  advise_huge_pages(p.d.data, static_cast<size_t>(p.d.numel() * element_size(p.d.dtype)));
   gemm_nvfp4::gemm(v, p.d.dtype, gemm_nvfp4::current_kernels());
 }
 

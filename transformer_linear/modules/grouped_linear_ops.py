@@ -514,6 +514,9 @@ def _setup_context(ctx, inputs, output) -> None:
     a = grouped_linear_fwd.unflatten(inputs)
     o = GroupedLinearFwdOutputs(*output)
     ctx.mark_non_differentiable(*o[1:])
+    # Their gradients are never read: not materialized (autograd would fill zeros of each one's shape, a
+    # weight-sized FP8 copy among them, every backward).
+    ctx.set_materialize_grads(False)
     # What backward reads (QuantizationSpec.backward_operands): each expert's columnwise weight (quantized),
     # its rowwise weight the forward GEMM read (dequantized), or the original input and weight (high
     # precision). Outputs may not alias inputs, so a cached FP8 weight is saved from the inputs.

@@ -327,6 +327,9 @@ def _setup_context(ctx, inputs, output) -> None:
     o = LinearFwdOutputs(*output)
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
     ctx.mark_non_differentiable(*o[1:])
+    # Their gradients are never read: not materialized (autograd would fill zeros of each one's shape, a
+    # weight-sized FP8 copy among them, every backward).
+    ctx.set_materialize_grads(False)
     x_saved, x_scale_inv = o.inp_saved, o.inp_scale_inv
     if not a.fp8 or a.quantization.backward_operands == "high_precision":
         x_saved, x_scale_inv, w_saved, w_scale_inv = a.inp, None, a.weight, None

@@ -1,0 +1,69 @@
+"""Large CPU GEMM outputs are backed by transparent huge pages (csrc/cpu/memory_cpu.cpp: advise_huge_pages).
+
+A fresh output of 32 MiB or more is a mapping of its own, which the kernels advise MADV_HUGEPAGE before
+writing it, so that its first write faults 2 MiB at a time, not 4 KiB (a grouped GEMM's weight gradient
+took 16384 page faults a step). Checked through the mapping's VmFlags in /proc/self/smaps ("hg"); the
+values are what the other tests check (the advice never changes them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from blockwise_cases import E4M3, E5M2
+from grouped_cases import offsets
+
+from transformer_linear import ops, reference
+from transformer_linear.ops import grouped as ops_grouped
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+    reason="transparent huge pages are a Linux kernel feature (this kernel has none)",
+)
+
+OWN_MAPPING = 32 << 20  # glibc's largest mmap threshold: outputs this large are mappings of their own
+
+
+def _vm_flags(t: torch.Tensor) -> list[str]:
+    """The VmFlags of the mapping holding ``t``'s middle byte (its first page also holds the allocator's header,
+    which is not advised)."""
+    address = t.data_ptr() + t.nbytes // 2
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dense_gemm_output(out_dtype):
+    n = 2048
+    m = OWN_MAPPING // (n * out_dtype.itemsize)
+    a, a_scale_inv = reference.quantize_current(torch.randn(m, 16), E4M3)[:2]
+    b, b_scale_inv = reference.quantize_current(torch.randn(n, 16), E4M3)[:2]
+    out = ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)
+    assert out.nbytes >= OWN_MAPPING
+    assert "hg" in _vm_flags(out), "a 32 MiB GEMM output is not advised to huge pages"
+
+
+def test_grouped_wgrad_output():
+    n = k = 2048
+    grad, s_grad = reference.quantize_current(torch.randn(16, n), E5M2)[:2]
+    x, s_x = reference.quantize_current(torch.randn(16, k), E4M3)[:2]
+    dw = ops_grouped.fp8_grouped_gemm_wgrad(grad, s_grad, x, s_x, offsets([6, 10]), torch.float32)
+    assert dw.nbytes >= OWN_MAPPING
+    assert "hg" in _vm_flags(dw), "a 32 MiB grouped weight gradient is not advised to huge pages"
+
+
+def test_small_output_left_alone():
+    """Below 32 MiB an output may share a heap mapping with other allocations: no advice splits it."""
+    a, a_scale_inv = reference.quantize_current(torch.randn(512, 16), E4M3)[:2]
+    out = ops.fp8_gemm(a, a_scale_inv, a, a_scale_inv, torch.float32)
+    assert "hg" not in _vm_flags(out)
