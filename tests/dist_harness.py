@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from transformer_linear import _C
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -25,10 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, port: int, cpu_isa: str, results, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     # Two ranks share two cores: one thread each keeps them from oversubscribing.
     torch.set_num_threads(1)
+    # Every rank on the test's CPU path: a rank left to measure its own could pick another one where two
+    # paths time alike (the paths' FP8 GEMMs sum in different orders), and ranks would differ in their bits.
+    _C.set_cpu_isa(cpu_isa)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
@@ -48,7 +53,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    cpu_isa = _C.cpu_isa()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, cpu_isa, results, args)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, Any] = {}
