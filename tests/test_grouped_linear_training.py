@@ -149,9 +149,10 @@ def test_saved_activations_are_fp8(name, dtype):
                       and t.numel() >= T * K // 8]
     assert high_precision == [], high_precision
     if name == "nvfp4":
-        # Packed FP4 (half a byte an element): each expert's copy of the tokens masked to its group
-        # (ops.grouped_nvfp4), and every expert's Wᵀ.
-        data_bytes, data_dtypes = (G * T * K + G * N * K) // 2, (torch.uint8,)
+        # Packed FP4 (half a byte an element): the experts' compact copies of the tokens masked to their
+        # groups, each group's 16-token bands only, T + 16 (G - 1) tokens (ops.grouped_nvfp4), and every
+        # expert's Wᵀ.
+        data_bytes, data_dtypes = (K * (T + 16 * (G - 1)) + G * N * K) // 2, (torch.uint8,)
     else:
         data_bytes, data_dtypes = T * K + G * N * K, reference.FP8_DTYPES  # x and every expert's Wᵀ in FP8
     assert sum(t.nbytes for t in saved if t.dtype in data_dtypes) == data_bytes

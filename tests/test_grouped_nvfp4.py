@@ -159,6 +159,8 @@ def test_bad_grouped_nvfp4_arguments_name_the_argument():
     with pytest.raises(ValueError, match="one entry per group"):
         nvfp4_grouped_gemm(a, scales[0], torch.zeros(2, 16, 8, dtype=torch.uint8), scales,
                            torch.tensor([16], dtype=torch.int32), torch.float32)
-    with pytest.raises(ValueError, match="group counts"):
-        nvfp4_grouped_gemm_wgrad(torch.zeros(2, 16, 8, dtype=torch.uint8), scales,
-                                 torch.zeros(3, 16, 8, dtype=torch.uint8), scales, torch.float32)
+    # Compact wgrad copies of 16 tokens cannot be those of 3 groups (16 + 16 * 2 tokens at least).
+    with pytest.raises(ValueError, match="compact copies"):
+        nvfp4_grouped_gemm_wgrad(torch.zeros(16, 8, dtype=torch.uint8), scales.reshape(-1),
+                                 torch.zeros(16, 8, dtype=torch.uint8), scales.reshape(-1), torch.float32,
+                                 torch.tensor([8, 16, 16], dtype=torch.int32))

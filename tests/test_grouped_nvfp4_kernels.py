@@ -3,7 +3,9 @@ quantize_grouped_nvfp4_cpu.cpp) against the paths they replace (every expert's N
 row taken from its own expert's; each expert's wgrad over all the tokens; each group's masked copy of all the
 tokens quantized) and the reference (reference.nvfp4), bit for bit: over routings (empty groups, one group, groups
 not aligned to 16, rows past offs[-1]), dtypes, the CPU paths and thread counts; bad ``offs``; opcheck; no host
-read of ``offs`` from Python; tl.GroupedLinear's NVFP4 training step bitwise the old path."""
+read of ``offs`` from Python; tl.GroupedLinear's NVFP4 training step bitwise the old path. The wgrad operands are
+compact (each group's 16-token bands only): compared with the masked copies by expanding them back
+(ops.grouped_nvfp4.expand_columnwise), and the bytes a training step saves for backward measured."""
 
 from __future__ import annotations
 
@@ -116,8 +118,9 @@ def test_forward_threads_and_large_groups(threads, routing):
     assert_bitwise_equal(got, masked, f"{routing}, {threads} threads: grouped kernel vs the torch.where path")
 
 
-def _wgrad_operands(sizes, n, k, rht=False, sr=False, seed=0):
-    """Each group's columnwise copies of the tokens masked to it, stacked (as the GroupedLinear's backward)."""
+def _masked_wgrad_operands(sizes, n, k, rht=False, sr=False, seed=0):
+    """Each group's columnwise copies of the tokens masked to it, stacked (as the GroupedLinear's backward made
+    them before the compact form): (G, R, T/2) data, (G, 8 + R * T/16) packed scales, for grad and x."""
     torch.manual_seed(seed)
     grad = torch.randn(T, n) * torch.logspace(1, -1, T).unsqueeze(1)
     x = torch.randn(T, k)
@@ -137,6 +140,36 @@ def _wgrad_operands(sizes, n, k, rht=False, sr=False, seed=0):
     return (*stacked(copies["grad_t"], n), *stacked(copies["x_t"], k))
 
 
+def _wgrad_operands(sizes, n, k, rht=False, sr=False, seed=0):
+    """The compact form (ops.grouped_nvfp4.compact_columnwise) of :func:`_masked_wgrad_operands`."""
+    grad_t, grad_scale, x_t, x_scale = _masked_wgrad_operands(sizes, n, k, rht, sr, seed)
+    offs = _offs(sizes)
+    return (*grouped_nvfp4.compact_columnwise(grad_t, grad_scale, offs),
+            *grouped_nvfp4.compact_columnwise(x_t, x_scale, offs))
+
+
+def _assert_expands_to(data, scales, masked_data, masked_scales, offs, what):
+    expanded_data, expanded_scales = grouped_nvfp4.expand_columnwise(data, scales, offs)
+    assert_bitwise_equal(expanded_data, masked_data, f"{what}: data expanded vs the masked copies")
+    assert_bitwise_equal(expanded_scales.view(torch.uint8), masked_scales.view(torch.uint8),
+                         f"{what}: scales expanded vs the masked copies")
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_compact_form_round_trips_and_is_input_sized(routing):
+    """compact_columnwise keeps each group's bands (the rest of a masked copy is zeros), expand_columnwise gives
+    the masked copies back bit for bit, and the compact copy holds T + 16 (G - 1) tokens."""
+    sizes = ROUTINGS[routing]
+    offs = _offs(sizes)
+    masked = _masked_wgrad_operands(sizes, 24, 40, rht=True, sr=True)
+    for rows, (data_t, scale_t) in ((24, masked[:2]), (40, masked[2:])):
+        data, scales = grouped_nvfp4.compact_columnwise(data_t, scale_t, offs)
+        capacity = grouped_nvfp4.compact_tokens(T, len(sizes))
+        assert capacity == T + 16 * (len(sizes) - 1)
+        assert data.shape == (rows, capacity // 2) and scales.shape == (8 * len(sizes) + rows * capacity // 16,)
+        _assert_expands_to(data, scales, data_t, scale_t, offs, routing)
+
+
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 @pytest.mark.parametrize("quantizer", ["rne", "rht_sr"])
@@ -144,11 +177,15 @@ def test_wgrad_bitwise_the_full_loop_and_the_reference(gemm_isa, routing, out_dt
     sizes = ROUTINGS[routing]
     n, k = 40, 48
     rht = sr = quantizer == "rht_sr"
-    grad_t, grad_scale, x_t, x_scale = _wgrad_operands(sizes, n, k, rht=rht, sr=sr)
+    masked = _masked_wgrad_operands(sizes, n, k, rht=rht, sr=sr)
+    grad_t, grad_scale, x_t, x_scale = masked
+    compact = _wgrad_operands(sizes, n, k, rht=rht, sr=sr)
     offs = _offs(sizes)
-    got = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t, x_scale, out_dtype, offs=offs)
-    full = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t, x_scale, out_dtype)
-    assert_bitwise_equal(got, full, f"{routing}: the group's token blocks vs every token")
+    got = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(*compact, out_dtype, offs=offs)
+    full = grouped_nvfp4._looped_wgrad(*masked, out_dtype)
+    assert_bitwise_equal(got, full, f"{routing}: the group's bands vs every token of the masked copies")
+    expanded = grouped_nvfp4._expanded_wgrad(*compact, offs, out_dtype)
+    assert_bitwise_equal(expanded, full, f"{routing}: the torch path (expanded copies) vs every token")
     for g in range(len(sizes)):
         gs, gg = nvfp4.unpack_scales(grad_scale[g], n, T)
         xs, xg = nvfp4.unpack_scales(x_scale[g], k, T)
@@ -163,10 +200,9 @@ def test_wgrad_bitwise_the_full_loop_and_the_reference(gemm_isa, routing, out_dt
 def test_wgrad_threads_and_large_groups(threads, routing):
     sizes = ROUTINGS[routing]
     n, k = 256, 272
-    grad_t, grad_scale, x_t, x_scale = _wgrad_operands(sizes, n, k, seed=3)
     offs = _offs(sizes)
-    got = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t, x_scale, torch.float32, offs=offs)
-    full = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t, x_scale, torch.float32)
+    got = grouped_nvfp4.nvfp4_grouped_gemm_wgrad(*_wgrad_operands(sizes, n, k, seed=3), torch.float32, offs=offs)
+    full = grouped_nvfp4._looped_wgrad(*_masked_wgrad_operands(sizes, n, k, seed=3), torch.float32)
     assert_bitwise_equal(got, full, f"{routing}, {threads} threads")
 
 
@@ -217,7 +253,11 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="'a_scale_inv'"):
         grouped_nvfp4.nvfp4_grouped_gemm(a, a_scale_inv[:-1], b, b_scale_inv, offs, torch.float32)
     with pytest.raises(ValueError, match="'x_t'"):
-        grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t[:, :, :-8], x_scale, torch.float32, offs=offs)
+        grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t[:, :-8], x_scale, torch.float32, offs=offs)
+    with pytest.raises(ValueError, match="'x_t_scale_inv'"):
+        grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t, grad_scale, x_t, x_scale[:-1], torch.float32, offs=offs)
+    with pytest.raises(TypeError, match="'grad_t'"):
+        grouped_nvfp4.nvfp4_grouped_gemm_wgrad(grad_t.unsqueeze(0), grad_scale, x_t, x_scale, torch.float32, offs=offs)
     with pytest.raises(TypeError, match="'bias'"):
         grouped_nvfp4.nvfp4_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.float32,
                                          torch.zeros(4, 16, dtype=torch.bfloat16))
@@ -258,11 +298,15 @@ def _check_grouped_copies(x, sizes, option, what):
     seeds = torch.tensor([(-1) ** g * (12345 + 2**40 * g) for g in range(len(sizes))], dtype=torch.int64)
     if not kwargs.get("stochastic_rounding"):
         seeds = None
-    data_t, scale_t = grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs, seeds=seeds, **kwargs)
-    masked_data, masked_scale = grouped_nvfp4._masked_grouped_quantize(
-        x, offs, kwargs.get("rht", False), kwargs.get("stochastic_rounding", False), seeds)
-    assert_bitwise_equal(data_t, masked_data, f"{what}: data_t vs the masked copies")
-    assert_bitwise_equal(scale_t.view(torch.uint8), masked_scale.view(torch.uint8), f"{what}: scales vs the masked")
+    data, scales = grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs, seeds=seeds, **kwargs)
+    rht, sr = kwargs.get("rht", False), kwargs.get("stochastic_rounding", False)
+    masked_data, masked_scale = grouped_nvfp4._masked_grouped_quantize(x, offs, rht, sr, seeds)
+    _assert_expands_to(data, scales, masked_data, masked_scale, offs, what)
+    torch_data, torch_scales = grouped_nvfp4._compact_grouped_quantize(x, offs, rht, sr, seeds)
+    assert_bitwise_equal(data, torch_data, f"{what}: compact data vs the torch path's")
+    assert_bitwise_equal(scales.view(torch.uint8), torch_scales.view(torch.uint8),
+                         f"{what}: compact scales vs the torch path's")
+    data_t, scale_t = grouped_nvfp4.expand_columnwise(data, scales, offs)
     for g, (start, end) in enumerate(reference_grouped.group_bounds(offs, x.shape[0])):
         masked = torch.zeros_like(x)
         masked[start:end] = x[start:end]
@@ -357,6 +401,37 @@ def test_grouped_linear_bitwise_the_old_path(monkeypatch, routing, dtype):
         old = run()
     for name, a, b in zip(("out", "dgrad", "wgrad", "dbias"), new, old):
         assert_bitwise_equal(a, b, f"{routing}: {name} vs the old path")
+
+
+@pytest.mark.parametrize("sizes", [[128] * 8, [300, 0, 17, 400, 1, 90, 0, 200]], ids=["uniform", "skewed"])
+def test_grouped_linear_saves_the_input_fp4_size_not_groups_times_it(sizes):
+    """What autograd keeps of a GroupedLinear NVFP4 step (saved_tensors_hooks) is the weight's columnwise copies
+    and the input's compact wgrad copy, T + 16 (G - 1) tokens of FP4 with its scales: about the input's FP4
+    size, where each group's masked copy of all the tokens kept G times it."""
+    groups, tokens, k, n = len(sizes), 1024, 256, 32
+    torch.manual_seed(0)
+    module = tl.GroupedLinear(groups, k, n, recipe=tl.recipe.NVFP4BlockScaling(), dtype=torch.bfloat16)
+    x = torch.randn(tokens, k, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, tuple[int, tuple, torch.dtype]] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), tuple(t.shape), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x, torch.tensor(sizes))
+    capacity = grouped_nvfp4.compact_tokens(tokens, groups)
+    inp_fp4 = k * capacity // 2 + 8 * groups + k * capacity // 16
+    weight_fp4 = groups * (n * k // 2 + nvfp4.packed_scale_numel(n, k))
+    assert (k * capacity // 2, (k, capacity // 2), torch.uint8) in saved.values(), "the input's compact copy"
+    total = sum(nbytes for nbytes, _, _ in saved.values())
+    masked_fp4 = groups * (k * tokens // 2 + nvfp4.packed_scale_numel(k, tokens))
+    assert inp_fp4 + weight_fp4 <= total <= inp_fp4 + weight_fp4 + 1024, (
+        f"saved {total} bytes: want the input's compact copy {inp_fp4} + the weight's {weight_fp4} "
+        f"(the masked copies were {masked_fp4})")
+    assert inp_fp4 < 1.15 * (k * tokens // 2 + k * tokens // 16), "about the input's FP4 size"
+    y.backward(torch.ones_like(y))  # the saved copies are what backward reads
+    assert module.weight.grad is not None and x.grad is not None
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

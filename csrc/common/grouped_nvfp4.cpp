@@ -1,5 +1,5 @@
-// Grouped NVFP4 entry points (the GEMM's forward / dgrad and wgrad forms, the columnwise copies of
-// the tokens masked to each group): validate, read `offs` and the packed global scales on the host
+// Grouped NVFP4 entry points (the GEMM's forward / dgrad and wgrad forms, the compact columnwise
+// copies of the tokens masked to each group: each group's 16-token bands only, group_bands): validate, read `offs` and the packed global scales on the host
 // (CPU tensors: no device sync), then run the CPU kernels.
 #include <cmath>
 #include <cstdint>
@@ -71,6 +71,42 @@ std::vector<float> check_packed_scales(const char* op, const char* name, const T
              " must be finite, got ", globals[g]);
   }
   return globals;
+}
+
+// Scales of a compact grouped copy of (rows, capacity) (group_bands): each group's packed global
+// decode scale (8 elements) then the (rows, capacity / 16) block scales, 1-D; returns the global
+// scales, checked finite.
+std::vector<float> check_compact_scales(const char* op, const char* name, const TensorDesc& t, int64_t groups,
+                                        int64_t rows, int64_t capacity, const TensorDesc& like) {
+  check_defined(op, name, t);
+  check_device(op, name, t, like.device, like.device_index);
+  check_dtype(op, name, t, {DType::kFloat8E4M3});
+  check_contiguous(op, name, t);
+  check_shape(op, name, t, {kGlobalElements * groups + rows * (capacity / kBlock)});
+  const auto* raw = static_cast<const uint8_t*>(t.data);
+  std::vector<float> globals(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    globals[g] = packed_global_scale(raw + g * kGlobalElements);
+    TL_CHECK(std::isfinite(globals[g]), op, ": the global decode scale packed in argument '", name,
+             "' for group ", g, " must be finite, got ", globals[g]);
+  }
+  return globals;
+}
+
+// The groups of a compact copy, from `offs` (checked 1-D), and the tokens its capacity stands for.
+struct CompactSizes {
+  int64_t groups, total;
+};
+
+CompactSizes compact_sizes(const char* op, const TensorDesc& offs, int64_t capacity) {
+  check_defined(op, "offs", offs);
+  check_rank(op, "offs", offs, 1);
+  const int64_t groups = offs.shape[0];
+  const int64_t total = groups == 0 ? 0 : capacity - kBlock * (groups - 1);
+  TL_CHECK(total >= 0 && compact_tokens(total, groups) == capacity, op,
+           ": the compact copies must hold total + 16 * (G - 1) tokens for G = ", groups,
+           " groups (argument 'offs'), got ", capacity);
+  return {groups, total};
 }
 
 // int32, one entry per group, nondecreasing cumulative row ends in [0, total].
@@ -153,16 +189,16 @@ void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t
                               const TensorDesc& d, Stream stream) {
   constexpr const char* op = "nvfp4_grouped_gemm_wgrad";
   check_cpu(op, "grad_t", grad_t);
-  check_data(op, "grad_t", grad_t, 3, grad_t);
-  check_data(op, "x_t", x_t, 3, grad_t);
-  const int64_t groups = grad_t.shape[0], n = grad_t.shape[1], total = grad_t.shape[2] * 2, k = x_t.shape[1];
-  TL_CHECK(x_t.shape[0] == groups, op, ": 'grad_t' and 'x_t' must have the same groups, got ", shape_str(grad_t),
-           " and ", shape_str(x_t));
-  TL_CHECK(x_t.shape[2] * 2 == total, op, ": 'grad_t' and 'x_t' must have the same tokens, got ",
+  check_data(op, "grad_t", grad_t, 2, grad_t);
+  check_data(op, "x_t", x_t, 2, grad_t);
+  const int64_t n = grad_t.shape[0], capacity = grad_t.shape[1] * 2, k = x_t.shape[0];
+  TL_CHECK(x_t.shape[1] * 2 == capacity, op, ": 'grad_t' and 'x_t' must have the same tokens, got ",
            shape_str(grad_t), " and ", shape_str(x_t));
-  const std::vector<float> gg = check_packed_scales(op, "grad_t_scale_inv", grad_t_scale_inv, groups, n, total,
-                                                    grad_t);
-  const std::vector<float> gx = check_packed_scales(op, "x_t_scale_inv", x_t_scale_inv, groups, k, total, grad_t);
+  const CompactSizes sizes = compact_sizes(op, offs, capacity);
+  const int64_t groups = sizes.groups, total = sizes.total;
+  const std::vector<float> gg = check_compact_scales(op, "grad_t_scale_inv", grad_t_scale_inv, groups, n, capacity,
+                                                     grad_t);
+  const std::vector<float> gx = check_compact_scales(op, "x_t_scale_inv", x_t_scale_inv, groups, k, capacity, grad_t);
   check_offs(op, offs, groups, total, grad_t);
   check_out(op, d, {groups, n, k}, grad_t);
   check_disjoint(op, {{"d", &d}},
@@ -170,16 +206,13 @@ void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t
                   {"x_t_scale_inv", &x_t_scale_inv}, {"offs", &offs}});
   GroupedGemmNvfp4Params p{};
   p.a = grad_t.ptr<const uint8_t>();
-  p.a_scale = static_cast<const uint8_t*>(grad_t_scale_inv.data) + kGlobalElements;
-  p.a_group_stride = n * (total / 2);
-  p.a_scale_stride = kGlobalElements + n * (total / kBlock);
+  p.a_scale = static_cast<const uint8_t*>(grad_t_scale_inv.data) + kGlobalElements * groups;
   p.b = x_t.ptr<const uint8_t>();
-  p.b_scale = static_cast<const uint8_t*>(x_t_scale_inv.data) + kGlobalElements;
-  p.b_group_stride = k * (total / 2);
-  p.b_scale_stride = kGlobalElements + k * (total / kBlock);
+  p.b_scale = static_cast<const uint8_t*>(x_t_scale_inv.data) + kGlobalElements * groups;
   p.a_global = gg.data();
   p.b_global = gx.data();
   p.bias = nullptr;
+  p.capacity = capacity;
   run(op, p, offs, d, {groups, total, n, k}, /*wgrad=*/true, stream);
 }
 
@@ -202,19 +235,20 @@ void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc
     check_contiguous(op, "seeds", seeds);
     check_shape(op, "seeds", seeds, {groups});
   }
+  const int64_t capacity = compact_tokens(total, groups);
   check_defined(op, "output_t", output_t);
   check_device(op, "output_t", output_t, input.device, input.device_index);
   check_dtype(op, "output_t", output_t, {DType::kUInt8});
   check_contiguous(op, "output_t", output_t);
-  check_shape(op, "output_t", output_t, {groups, k, total / 2});
+  check_shape(op, "output_t", output_t, {k, capacity / 2});
   check_defined(op, "scale_t", scale_t);
   check_device(op, "scale_t", scale_t, input.device, input.device_index);
   check_dtype(op, "scale_t", scale_t, {DType::kFloat8E4M3});
   check_contiguous(op, "scale_t", scale_t);
-  check_shape(op, "scale_t", scale_t, {groups, kGlobalElements + k * (total / kBlock)});
+  check_shape(op, "scale_t", scale_t, {kGlobalElements * groups + k * (capacity / kBlock)});
   check_disjoint(op, {{"output_t", &output_t}, {"scale_t", &scale_t}},
                  {{"x", &input}, {"offs", &offs}, {"seeds", &seeds}});
-  // Every block outside a group's bands is zero codes with zero scales.
+  // The columns past the groups' bands (the capacity is an upper bound) are zero codes with zero scales.
   std::memset(output_t.data, 0, static_cast<size_t>(output_t.numel()));
   std::memset(scale_t.data, 0, static_cast<size_t>(scale_t.numel()));
   QuantizeGroupedNvfp4Params p{};
@@ -222,10 +256,12 @@ void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc
   p.offs = static_cast<const int32_t*>(offs.data);
   p.seeds = stochastic_rounding ? static_cast<const int64_t*>(seeds.data) : nullptr;
   p.output_t = static_cast<uint8_t*>(output_t.data);
-  p.scale_t = static_cast<uint8_t*>(scale_t.data);
+  p.global_t = static_cast<uint8_t*>(scale_t.data);
+  p.scale_t = p.global_t + kGlobalElements * groups;
   p.groups = groups;
   p.total = total;
   p.k = k;
+  p.capacity = capacity;
   p.rht = rht;
   p.stochastic_rounding = stochastic_rounding;
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));

@@ -32,39 +32,37 @@ void nvfp4_grouped_gemm(const GroupedGemmNvfp4Params& p) {
   advise_huge_pages(p.d, static_cast<size_t>(p.wgrad ? p.groups * p.n * p.k : p.total * p.n) * out_bytes);
   std::vector<gemm_nvfp4::GemmView> views;
   views.reserve(p.groups);
+  const std::vector<GroupBands> bands = group_bands(p.offs, p.groups);
   for (int64_t g = 0; g < p.groups; ++g) {
-    const int64_t start = g == 0 ? 0 : p.offs[g - 1], end = p.offs[g];
+    const GroupBands& gb = bands[g];
     gemm_nvfp4::GemmView v{};
     v.alpha = p.a_global[g] * p.b_global[g];
     if (!p.wgrad) {
-      if (start == end) continue;
-      v.a = p.a + start * k_bytes;
-      v.a_scale = p.a_scale + start * k_scales;
+      if (gb.start == gb.end) continue;
+      v.a = p.a + gb.start * k_bytes;
+      v.a_scale = p.a_scale + gb.start * k_scales;
       v.a_ld = p.k;
       v.b = p.b + g * p.b_group_stride;
       v.b_scale = p.b_scale + g * p.b_scale_stride;
       v.b_ld = p.k;
       v.bias = p.bias ? static_cast<const uint8_t*>(p.bias) + g * p.n * out_bytes : nullptr;
-      v.d = static_cast<uint8_t*>(p.d) + start * p.n * out_bytes;
-      v.m = end - start;
+      v.d = static_cast<uint8_t*>(p.d) + gb.start * p.n * out_bytes;
+      v.m = gb.end - gb.start;
       v.n = p.n;
       v.k = p.k;
     } else {
-      // The token blocks holding [start, end); none for an empty group (d[g] = 0 * alpha).
-      const int64_t c0 = start / gemm_nvfp4::kBlockK * gemm_nvfp4::kBlockK;
-      const int64_t c1 = start == end ? c0 : (end + gemm_nvfp4::kBlockK - 1) / gemm_nvfp4::kBlockK *
-                                                 gemm_nvfp4::kBlockK;
-      v.a = p.a + g * p.a_group_stride + c0 / 2;
-      v.a_scale = p.a_scale + g * p.a_scale_stride + c0 / gemm_nvfp4::kBlockK;
-      v.a_ld = p.total;
-      v.b = p.b + g * p.b_group_stride + c0 / 2;
-      v.b_scale = p.b_scale + g * p.b_scale_stride + c0 / gemm_nvfp4::kBlockK;
-      v.b_ld = p.total;
+      // The group's bands in the compact copies; none for an empty group (d[g] = 0 * alpha).
+      v.a = p.a + gb.column / 2;
+      v.a_scale = p.a_scale + gb.column / gemm_nvfp4::kBlockK;
+      v.a_ld = p.capacity;
+      v.b = p.b + gb.column / 2;
+      v.b_scale = p.b_scale + gb.column / gemm_nvfp4::kBlockK;
+      v.b_ld = p.capacity;
       v.bias = nullptr;
       v.d = static_cast<uint8_t*>(p.d) + g * p.n * p.k * out_bytes;
       v.m = p.n;
       v.n = p.k;
-      v.k = c1 - c0;
+      v.k = gb.band_end - gb.band_begin;
     }
     views.push_back(v);
   }

@@ -97,9 +97,9 @@ class Nvfp4Quantizer {
       float amax = 0.0f;
       for (int i = 0; i < kBlock; ++i) amax = fp8::amax_update(amax, v[i]);
       const uint8_t sb = block_scale_bits(amax, p_.s_enc_t);
-      scale[c * (p_.m / kBlock) + r0 / kBlock] = sb;
+      scale[p_.t_pos(c, r0) / kBlock] = sb;
       round_block(v, block_encode_factor(sb, p_.s_enc_t), 1, static_cast<uint64_t>(c * p_.m + r0), codes, s);
-      pack(codes, out + (c * p_.m + r0) / 2);
+      pack(codes, out + p_.t_pos(c, r0) / 2);
     }
   }
 
@@ -129,9 +129,9 @@ class Nvfp4Quantizer {
         uint8_t* scale = static_cast<uint8_t*>(p_.scale_t.data);
         uint8_t column[kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
-          scale[(c + j) * (p_.m / kBlock) + r0 / kBlock] = sb;
+          scale[p_.t_pos(c + j, r0) / kBlock] = sb;
           for (int i = 0; i < kBlock; ++i) column[i] = codes[i * w + (c - c0) + j];
-          pack(column, p_.output_t.ptr<uint8_t>() + ((c + j) * p_.m + r0) / 2);
+          pack(column, p_.output_t.ptr<uint8_t>() + p_.t_pos(c + j, r0) / 2);
         }
       }
     }

@@ -419,8 +419,8 @@ struct Vec {
       uint64_t packed[W];
       quantize_blocks(v, p.s_enc_t, p, 1, g, sb, packed);
       for (int l = 0; l < lanes; ++l) {
-        scale[(c + l) * (p.m / kBlock) + r0 / kBlock] = sb[l];
-        std::memcpy(out + ((c + l) * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+        scale[p.t_pos(c + l, r0) / kBlock] = sb[l];
+        std::memcpy(out + p.t_pos(c + l, r0) / 2, &packed[l], sizeof(uint64_t));
       }
     }
   }
@@ -469,8 +469,8 @@ struct Vec {
           pack_rows(col, packed);
           for (int l = 0; l < W; ++l) {
             const int64_t cc = c + j * W + l;
-            scale[cc * (p.m / kBlock) + r0 / kBlock] = sb;
-            std::memcpy(p.output_t.ptr<uint8_t>() + (cc * p.m + r0) / 2, &packed[l], sizeof(uint64_t));
+            scale[p.t_pos(cc, r0) / kBlock] = sb;
+            std::memcpy(p.output_t.ptr<uint8_t>() + p.t_pos(cc, r0) / 2, &packed[l], sizeof(uint64_t));
           }
         }
       }

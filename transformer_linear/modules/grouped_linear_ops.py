@@ -53,6 +53,7 @@ from transformer_linear.ops.grouped import (
 )
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
 from transformer_linear.ops.grouped_nvfp4 import (
+    compact_columnwise,
     group_of_rows,
     nvfp4_grouped_gemm,
     nvfp4_grouped_gemm_wgrad,
@@ -296,7 +297,7 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
 
 def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
     """The NVFP4 forward (ops.grouped_nvfp4): the tokens quantized rowwise once, each expert's weight rowwise
-    (and columnwise, for dgrad); for wgrad, each expert's columnwise copy of the tokens masked to its group."""
+    (and columnwise, for dgrad); for wgrad, the experts' compact columnwise copies of their masked tokens."""
     spec = a.quantization
     empty_f32 = x.new_empty(0, dtype=torch.float32)
     qx = spec.input.quantize(x, rowwise=True)
@@ -340,13 +341,13 @@ def masked_to_groups(t: Tensor, offs: Tensor) -> list[Tensor]:
 
 def masked_columnwise_nvfp4(q: TensorQuantizer, t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """Each group's columnwise copy of ``t`` masked to its group (its other rows zero) by the NVFP4 quantizer
-    ``q``, stacked: (data_t (G, K, M/2), packed scales (G, S)). 1x16 blocks: one grouped quantize
-    (ops.grouped_nvfp4: on the CPU only the bands holding each group's tokens are quantized), with one
-    stochastic-rounding seed per group drawn as quantizing each masked copy would; 16x16 tiles: each masked
-    copy quantized by ``q``."""
+    ``q``, compact (ops.grouped_nvfp4: each group's 16-token bands only, about ``t``'s FP4 size, not G times
+    it): (data_t (K, C/2), scales (8 G + K * C/16)). 1x16 blocks: one grouped quantize (on the CPU only the
+    bands holding each group's tokens are quantized), with one stochastic-rounding seed per group drawn as
+    quantizing each masked copy would; 16x16 tiles: each masked copy quantized by ``q``, its bands kept."""
     if q.block_shape != [1, NVFP4_BLOCK]:
         qt = _stacked_nvfp4(q, masked_to_groups(t, offs), rowwise=False, columnwise=True)
-        return qt.data_t, qt.scale_inv_t
+        return compact_columnwise(qt.data_t, qt.scale_inv_t, offs)
     seeds = None
     if q.stochastic_rounding:
         # One draw per group, in group order; each draw depends on its own tensor so that none is merged.
@@ -480,8 +481,8 @@ class GroupedWgradArgs:
     token_block: Optional[int]
     """The block scales' token block (grouped_scaling.TOKEN_BLOCKS); None for one scale per tensor."""
     nvfp4: bool = False
-    """NVFP4: ``grad_output`` / ``inp`` are each expert's columnwise copies of its masked tokens, (G, N, M/2) /
-    (G, K, M/2), with (G, S) packed scales (ops.grouped_nvfp4)."""
+    """NVFP4: ``grad_output`` / ``inp`` are the experts' compact columnwise copies of their masked tokens,
+    (N, C/2) / (K, C/2), with their 1-D scales (ops.grouped_nvfp4)."""
 
 
 def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> Optional[Tensor]:

@@ -12,12 +12,17 @@ every expert's GEMM runs on all the tokens and each output row is taken from its
 The weight gradient contracts over tokens: each expert's operands are the tokens masked to its group
 (zeros elsewhere), quantized into their columnwise NVFP4 copies (blocks of 16 tokens on the tensor's grid,
 so groups need not be aligned to 16; a block shared with another group holds zeros for that group's
-rows), which :func:`nvfp4_grouped_gemm_wgrad` multiplies expert by expert. On the CPU the extension makes
-those copies (:func:`quantize_nvfp4_grouped_columnwise`: each group's global amax over its own rows, its
-own stochastic-rounding seed, and only the 16-token bands holding its tokens quantized; the other bands
-are zero codes with zero scales, as quantizing the masked tensor gives them), and contracts each expert's
-copies over those bands only: the others add exactly nothing, so the result has the same bits as the
-masked path at 1/G of its bytes and FLOPs.
+rows), which :func:`nvfp4_grouped_gemm_wgrad` multiplies expert by expert. Those copies are *compact*:
+every block of a masked copy outside the 16-token bands holding its group's tokens is zero codes with zero
+scales and adds nothing to the product, so group g's copy stores only its bands, tokens
+[floor(start / 16) * 16, ceil(end / 16) * 16), at columns placed one group after another
+(:func:`group_bands`, computed on the device here and from ``offs`` in C++ the same way) in a buffer of
+:func:`compact_tokens` tokens, a size fixed by the shapes (no host read of ``offs``): about the input's FP4
+size, not G times it. On the CPU the extension makes them (:func:`quantize_nvfp4_grouped_columnwise`: each
+group's global amax over its own rows, its own stochastic-rounding seed, the random bits of each element's
+index in the whole masked copy) and contracts each expert's bands: the bits of the masked path at 1/G of
+its bytes and FLOPs. Elsewhere each masked copy is quantized whole and its bands gathered
+(:func:`compact_columnwise`), and the wgrad expands them back (:func:`expand_columnwise`).
 
 Operands are in the packed form of ops.nvfp4 (uint8 data, two E2M1 codes a byte; 1-D packed scales with
 the float32 global scale), one stacked tensor per operand.
@@ -25,7 +30,7 @@ the float32 global scale), one stacked tensor per operand.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -36,13 +41,116 @@ from transformer_linear.formats.nvfp4 import BLOCK
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
 
-__all__ = ["group_of_rows", "nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"]
+__all__ = [
+    "GroupBands",
+    "compact_columnwise",
+    "compact_tokens",
+    "expand_columnwise",
+    "group_bands",
+    "group_of_rows",
+    "nvfp4_grouped_gemm",
+    "nvfp4_grouped_gemm_wgrad",
+    "quantize_nvfp4_grouped_columnwise",
+]
+
+# A packed scale tensor starts with the float32 global decode scale as 8 elements (ops.nvfp4 pack_scales).
+_GLOBAL_ELEMENTS = 8
 
 
 def group_of_rows(rows: int, offs: Tensor) -> Tensor:
     """(rows,) the group of each row (``offs.shape[0]`` for rows past offs[-1]), on the device."""
     index = torch.arange(rows, device=offs.device, dtype=offs.dtype)
     return torch.searchsorted(offs, index, right=True)
+
+
+def compact_tokens(total: int, groups: int) -> int:
+    """Tokens a compact grouped copy of ``total`` tokens in ``groups`` groups holds: ``total + 16 (groups - 1)``
+    (0 without groups), an upper bound of the groups' 16-token bands together (each boundary between two
+    groups adds at most one band they share), fixed by the shapes."""
+    return 0 if groups == 0 else total + BLOCK * (groups - 1)
+
+
+class GroupBands(NamedTuple):
+    """Each group's 16-token bands (int64 (G,) tensors on ``offs``' device)."""
+
+    band_begin: Tensor
+    """The group's first band token, ``floor(start / 16) * 16``."""
+    width: Tensor
+    """Its bands' tokens, ``ceil(end / 16) * 16 - band_begin`` (0 for an empty group)."""
+    column: Tensor
+    """Where its bands start in the compact copy: the widths of the groups before it, summed."""
+
+
+def group_bands(offs: Tensor) -> GroupBands:
+    """Each group's bands and compact column from the cumulative ends ``offs``, on the device (no host read)."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    band_begin = starts // BLOCK * BLOCK
+    band_end = torch.where(ends > starts, (ends + BLOCK - 1) // BLOCK * BLOCK, band_begin)
+    width = band_end - band_begin
+    return GroupBands(band_begin, width, torch.cumsum(width, 0) - width)
+
+
+def compact_columnwise(data_t: Tensor, scale_t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """The compact form of stacked masked columnwise copies: each group's bands, one group after another.
+
+    Args:
+        data_t: (G, R, M/2) uint8, each group's columnwise copy of the tokens masked to it.
+        scale_t: (G, 8 + R * M/16) their packed scales.
+        offs: (G,) int32 cumulative token ends (read on the device only).
+
+    Returns:
+        (data (R, C/2) uint8, scales (8 G + R * C/16) float8_e4m3fn: each group's packed global decode scale,
+        then the (R, C/16) block scales), C = compact_tokens(M, G); zeros past the groups' bands.
+    """
+    groups, rows, total = data_t.shape[0], data_t.shape[1], 2 * data_t.shape[2]
+    capacity = compact_tokens(total, groups)
+    if groups == 0:
+        return data_t.new_zeros((rows, 0)), scale_t.new_empty(0)
+    bands = group_bands(offs)
+    scale_bytes = scale_t.view(torch.uint8)
+
+    def gather(blocks: Tensor, step: int) -> Tensor:
+        # Compact column j (token j * step) is group g's band token band_begin[g] + (j * step - column[g]).
+        token = torch.arange(0, capacity, step, device=offs.device)
+        group = torch.searchsorted(bands.column + bands.width, token, right=True)
+        valid = group < groups
+        group = group.clamp(max=groups - 1)
+        src = torch.where(valid, (bands.band_begin[group] + token - bands.column[group]) // step, 0)
+        picked = blocks[group, :, src]  # (C / step, R)
+        return torch.where(valid.unsqueeze(1), picked, torch.zeros((), dtype=picked.dtype, device=picked.device)).t()
+
+    data = gather(data_t, 2).contiguous()
+    block_scales = gather(scale_bytes[:, _GLOBAL_ELEMENTS:].reshape(groups, rows, total // BLOCK), BLOCK)
+    scales = torch.cat([scale_bytes[:, :_GLOBAL_ELEMENTS].reshape(-1), block_scales.reshape(-1)])
+    return data, scales.view(torch.float8_e4m3fn)
+
+
+def expand_columnwise(data: Tensor, scales: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """The stacked masked copies (G, R, M/2), (G, 8 + R * M/16) of compact ones (:func:`compact_columnwise`'s
+    inverse, zeros outside each group's bands; M from the capacity); on the device, no host read of offs."""
+    groups, rows, capacity = offs.shape[0], data.shape[0], 2 * data.shape[1]
+    total = capacity - BLOCK * (groups - 1) if groups else 0
+    scale_bytes = scales.view(torch.uint8)
+    if groups == 0:
+        return (data.new_zeros((0, rows, 0)),
+                scales.new_empty((0, nvfp4.packed_scale_numel(rows, 0))))
+    bands = group_bands(offs)
+
+    def scatter(compact: Tensor, step: int) -> Tensor:
+        token = torch.arange(0, total, step, device=offs.device)
+        offset = token - bands.band_begin.unsqueeze(1)  # (G, M / step)
+        inside = (offset >= 0) & (offset < bands.width.unsqueeze(1))
+        src = torch.where(inside, (bands.column.unsqueeze(1) + offset) // step, 0)
+        picked = compact[:, src].permute(1, 0, 2)  # (G, R, M / step)
+        zero = torch.zeros((), dtype=picked.dtype, device=picked.device)
+        return torch.where(inside.unsqueeze(1), picked, zero)
+
+    data_t = scatter(data, 2).contiguous()
+    block_scales = scatter(scale_bytes[_GLOBAL_ELEMENTS * groups:].reshape(rows, capacity // BLOCK), BLOCK)
+    scale_t = torch.cat([scale_bytes[:_GLOBAL_ELEMENTS * groups].reshape(groups, _GLOBAL_ELEMENTS),
+                         block_scales.reshape(groups, -1)], dim=1)
+    return data_t, scale_t.view(torch.float8_e4m3fn)
 
 
 def _check(op: str, name: str, t: object, dtype: torch.dtype, dim: int) -> None:
@@ -155,67 +263,74 @@ def nvfp4_grouped_gemm_wgrad(
     x_t: Tensor,
     x_t_scale_inv: Tensor,
     out_dtype: torch.dtype,
-    offs: Optional[Tensor] = None,
+    offs: Tensor,
 ) -> Tensor:
-    """(G, N, K): ``grad_t[g] x_t[g]ᵀ`` per group, each contracting over the M tokens.
+    """(G, N, K): per group, its compact copies ``grad_t`` x ``x_t``ᵀ contracted over its bands' tokens.
 
-    With ``offs`` (CPU tensors), only the 16-token blocks holding group g's tokens are contracted for g
-    (the operands must then be zero outside them, as the masked copies are): the same bits, 1/G the work.
+    The operands are compact grouped columnwise copies (:func:`quantize_nvfp4_grouped_columnwise`): the bits
+    of each masked copy's NVFP4 GEMM over all the tokens, from the group's bands only.
 
     Args:
-        grad_t: (G, N, M/2) uint8: each group's columnwise copy of grad_output, its other groups' rows zero.
-        grad_t_scale_inv: (G, S) their packed scales.
-        x_t: (G, K, M/2) uint8: the same of the input.
-        x_t_scale_inv: (G, S') their packed scales.
+        grad_t: (N, C/2) uint8: the compact copies of grad_output, C = compact_tokens(M, G).
+        grad_t_scale_inv: (8 G + N * C/16) their scales (each group's packed global scale, the block scales).
+        x_t: (K, C/2) uint8: the same of the input.
+        x_t_scale_inv: (8 G + K * C/16) their scales.
         out_dtype: float32, bfloat16 or float16.
-        offs: (G,) int32 cumulative token ends, or None (every block of every group is contracted);
-            read by the extension only (CPU), never on the host from Python.
+        offs: (G,) int32 cumulative token ends; read by the extension only (CPU), on the device elsewhere,
+            never on the host from Python.
 
     Raises:
         TypeError: a wrong dtype or rank.
-        ValueError: operands of different group counts, or (on the CPU) ``offs`` not nondecreasing
-            within [0, M] (the NVFP4 GEMM checks the rest).
+        ValueError: operands of different token capacities or not the capacity of G groups, or (on the CPU)
+            ``offs`` not nondecreasing within [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm_wgrad"
-    for name, t in (("grad_t", grad_t), ("x_t", x_t)):
-        _check(op, name, t, torch.uint8, 3)
-    for name, t in (("grad_t_scale_inv", grad_t_scale_inv), ("x_t_scale_inv", x_t_scale_inv)):
-        _check(op, name, t, torch.float8_e4m3fn, 2)
-    groups = grad_t.shape[0]
-    if not groups == x_t.shape[0] == grad_t_scale_inv.shape[0] == x_t_scale_inv.shape[0]:
-        raise ValueError(f"{op}: the operands have different group counts: {grad_t.shape[0]}, {x_t.shape[0]}, "
-                         f"{grad_t_scale_inv.shape[0]}, {x_t_scale_inv.shape[0]}")
-    if offs is not None:
-        _check(op, "offs", offs, torch.int32, 1)
-        if offs.shape[0] != groups:
-            raise ValueError(f"{op}: argument 'offs' must have one entry per group ({groups}), got {offs.shape[0]}")
-    if groups == 0:
-        return grad_t.new_zeros((0, grad_t.shape[1], x_t.shape[1]), dtype=out_dtype)
-    if offs is not None and grad_t.device.type == "cpu":
+    _check_wgrad_shapes(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs)
+    if offs.shape[0] == 0:
+        return grad_t.new_zeros((0, grad_t.shape[0], x_t.shape[0]), dtype=out_dtype)
+    if grad_t.device.type == "cpu":
         return _grouped_wgrad_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
-    return _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype)
+    return _expanded_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
+
+
+def _expanded_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype) -> Tensor:
+    """The compact copies expanded back to the masked ones (on the device), each expert's GEMM over all tokens."""
+    return _looped_wgrad(*expand_columnwise(grad_t, grad_t_scale_inv, offs),
+                         *expand_columnwise(x_t, x_t_scale_inv, offs), out_dtype)
 
 
 def _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype) -> Tensor:
-    """Each expert's NVFP4 GEMM over all the tokens."""
+    """Each expert's NVFP4 GEMM of its masked copies (G, R, M/2) over all the tokens."""
     return torch.stack([
         nvfp4.nvfp4_gemm_packed(grad_t[g], grad_t_scale_inv[g], x_t[g], x_t_scale_inv[g], out_dtype)
         for g in range(grad_t.shape[0])
     ])
 
 
-def _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype) -> None:
+def _check_wgrad_shapes(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs) -> None:
     for name, t in (("grad_t", grad_t), ("x_t", x_t)):
-        _check(op, name, t, torch.uint8, 3)
+        _check(op, name, t, torch.uint8, 2)
     for name, t in (("grad_t_scale_inv", grad_t_scale_inv), ("x_t_scale_inv", x_t_scale_inv)):
-        _check(op, name, t, torch.float8_e4m3fn, 2)
+        _check(op, name, t, torch.float8_e4m3fn, 1)
     _check(op, "offs", offs, torch.int32, 1)
-    check_hp_dtype(op, "out_dtype", out_dtype)
-    if not grad_t.shape[0] == x_t.shape[0] == offs.shape[0]:
-        raise ValueError(f"{op}: 'grad_t', 'x_t' and 'offs' must have one entry per group, got "
-                         f"{grad_t.shape[0]}, {x_t.shape[0]} and {offs.shape[0]}")
-    if grad_t.shape[2] != x_t.shape[2]:
+    groups, capacity = offs.shape[0], 2 * grad_t.shape[1]
+    if x_t.shape[1] != grad_t.shape[1]:
         raise ValueError(f"{op}: 'grad_t' {list(grad_t.shape)} and 'x_t' {list(x_t.shape)} must have the same tokens")
+    total = capacity - BLOCK * (groups - 1) if groups else 0
+    if capacity % BLOCK or total < 0 or compact_tokens(total, groups) != capacity:
+        raise ValueError(f"{op}: the compact copies must hold M + 16 * (G - 1) tokens (M % 16 == 0) for the "
+                         f"G = {groups} groups of argument 'offs', got {capacity}")
+    for name, t, rows in (("grad_t_scale_inv", grad_t_scale_inv, grad_t.shape[0]),
+                          ("x_t_scale_inv", x_t_scale_inv, x_t.shape[0])):
+        want = _GLOBAL_ELEMENTS * groups + rows * (capacity // BLOCK)
+        if t.shape[0] != want:
+            raise ValueError(f"{op}: argument '{name}' must have 8 * G + rows * C / 16 = {want} elements for "
+                             f"the G = {groups} groups of argument 'offs', got {t.shape[0]}")
+
+
+def _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype) -> None:
+    _check_wgrad_shapes(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs)
+    check_hp_dtype(op, "out_dtype", out_dtype)
 
 
 @torch.library.custom_op("transformer_linear::nvfp4_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
@@ -224,7 +339,7 @@ def _grouped_wgrad_op(
 ) -> Tensor:
     op = "nvfp4_grouped_gemm_wgrad"
     _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
-    out = torch.empty((grad_t.shape[0], grad_t.shape[1], x_t.shape[1]), dtype=out_dtype, device=grad_t.device)
+    out = torch.empty((offs.shape[0], grad_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=grad_t.device)
     grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs = (
         t.contiguous() for t in (grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs))
     _C.nvfp4_grouped_gemm_wgrad(
@@ -237,18 +352,20 @@ def _grouped_wgrad_op(
 @_grouped_wgrad_op.register_fake
 def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype):
     _check_wgrad_op("nvfp4_grouped_gemm_wgrad", grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype)
-    return grad_t.new_empty((grad_t.shape[0], grad_t.shape[1], x_t.shape[1]), dtype=out_dtype)
+    return grad_t.new_empty((offs.shape[0], grad_t.shape[0], x_t.shape[0]), dtype=out_dtype)
 
 
 def quantize_nvfp4_grouped_columnwise(
     x: Tensor, offs: Tensor, rht: bool = False, stochastic_rounding: bool = False, seeds: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor]:
-    """Each group's columnwise NVFP4 copy (1x16 blocks along the tokens) of ``x`` masked to its group, stacked.
+    """Each group's columnwise NVFP4 copy (1x16 blocks along the tokens) of ``x`` masked to its group, compact.
 
-    Group g's copy is bitwise ``ops.nvfp4.quantize_nvfp4_packed(x masked to g, rowwise=False, columnwise=True,
-    rht=rht, stochastic_rounding=stochastic_rounding, seed=seeds[g])``: its global amax is the masked
-    tensor's, its blocks sit on the tensor's 16-token grid (a block shared with another group holds zeros
-    for that group's rows), and its stochastic-rounding bits are those of each element's index in the copy.
+    Group g's masked copy is bitwise ``ops.nvfp4.quantize_nvfp4_packed(x masked to g, rowwise=False,
+    columnwise=True, rht=rht, stochastic_rounding=stochastic_rounding, seed=seeds[g])``: its global amax is the
+    masked tensor's, its blocks sit on the tensor's 16-token grid (a block shared with another group holds
+    zeros for that group's rows), and its stochastic-rounding bits are those of each element's index in the
+    copy. Only its bands (:func:`group_bands`) are kept, one group after another (:func:`compact_columnwise`
+    of the stacked masked copies; :func:`expand_columnwise` gives them back).
 
     Args:
         x: (M, K) float32, bfloat16 or float16, M % 16 == 0.
@@ -259,7 +376,8 @@ def quantize_nvfp4_grouped_columnwise(
         seeds: (G,) int64 with ``stochastic_rounding`` (see ops.nvfp4.sr_seed), else None.
 
     Returns:
-        (data_t (G, K, M/2) uint8, packed scales (G, 8 + K * M/16) float8_e4m3fn).
+        (data_t (K, C/2) uint8, scales (8 G + K * C/16) float8_e4m3fn: each group's packed global decode scale,
+        then the (K, C/16) block scales), C = compact_tokens(M, G) tokens.
 
     Raises:
         TypeError: a wrong dtype or rank.
@@ -272,11 +390,12 @@ def quantize_nvfp4_grouped_columnwise(
     _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
     if x.device.type == "cpu":
         return tuple(_grouped_quantize_op(x, offs, rht, stochastic_rounding, seeds))
-    return _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds)
+    return _compact_grouped_quantize(x, offs, rht, stochastic_rounding, seeds)
 
 
 def _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[Tensor, Tensor]:
-    """Each group's masked copy of all the tokens quantized (no host read of offs)."""
+    """Each group's masked copy of all the tokens quantized, stacked (no host read of offs):
+    (G, K, M/2), (G, 8 + K * M/16)."""
     group = group_of_rows(x.shape[0], offs).unsqueeze(1)
     copies = [
         nvfp4.quantize_nvfp4_packed(torch.where(group == g, x, torch.zeros((), dtype=x.dtype, device=x.device)),
@@ -284,11 +403,18 @@ def _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[
                                     seed=seeds[g] if stochastic_rounding else None)
         for g in range(offs.shape[0])
     ]
-    data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    m, k = x.shape
+    data_t = x.new_empty((offs.shape[0], k, m // 2), dtype=torch.uint8)
+    scale_t = x.new_empty((offs.shape[0], nvfp4.packed_scale_numel(k, m)), dtype=torch.float8_e4m3fn)
     for g, copy in enumerate(copies):  # copied rather than stacked: torch.autocast's stack rejects FP8 scales
         data_t[g].copy_(copy[2])
         scale_t[g].copy_(copy[3])
     return data_t, scale_t
+
+
+def _compact_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[Tensor, Tensor]:
+    """The masked copies quantized whole, their bands gathered (no host read of offs)."""
+    return compact_columnwise(*_masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds), offs)
 
 
 def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
@@ -303,8 +429,9 @@ def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
 
 def _grouped_quantize_outputs(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
     m, k = x.shape
-    return (x.new_empty((groups, k, m // 2), dtype=torch.uint8),
-            x.new_empty((groups, nvfp4.packed_scale_numel(k, m)), dtype=torch.float8_e4m3fn))
+    capacity = compact_tokens(m, groups)
+    return (x.new_empty((k, capacity // 2), dtype=torch.uint8),
+            x.new_empty((_GLOBAL_ELEMENTS * groups + k * (capacity // BLOCK),), dtype=torch.float8_e4m3fn))
 
 
 @torch.library.custom_op("transformer_linear::quantize_nvfp4_grouped_columnwise", mutates_args=(), device_types="cpu")

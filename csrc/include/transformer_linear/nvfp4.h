@@ -102,16 +102,19 @@ void nvfp4_grouped_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, cons
 
 /*!
  * \brief Grouped NVFP4 weight-gradient GEMM: d[g] = grad_t[g] @ x_t[g]^T * (their global scales),
- *        contracting over the tokens, where grad_t[g] and x_t[g] are columnwise NVFP4 copies of
- *        the tokens masked to group g (zero outside [offs[g-1], offs[g])). Only the 16-token blocks
- *        holding the group's tokens are read: the others are zero and add nothing, so d[g] has the
- *        bits of nvfp4_gemm(grad_t[g], x_t[g]).
+ *        contracting over the tokens, from compact grouped columnwise copies (as
+ *        quantize_nvfp4_grouped_columnwise makes them): group g's copy of the tokens masked to it
+ *        holds only its 16-token bands [floor(offs[g-1] / 16) * 16, ceil(offs[g] / 16) * 16),
+ *        stored after the bands of the groups before it. The other blocks of a masked copy are zero
+ *        and add nothing, so d[g] has the bits of nvfp4_gemm of the masked copies.
  *
- * \param grad_t            uint8 packed (G, N, total / 2), contiguous, on the CPU.
- * \param grad_t_scale_inv  float8_e4m3fn (G, 8 + N * total / 16), packed scales.
- * \param x_t               uint8 packed (G, K, total / 2).
- * \param x_t_scale_inv     float8_e4m3fn (G, 8 + K * total / 16).
- * \param offs              int32 (G) cumulative token ends, nondecreasing, in [0, total].
+ * \param grad_t            uint8 packed (N, C / 2), contiguous, on the CPU; C = total + 16 (G - 1)
+ *                          (0 for G = 0), the compact copies' token capacity.
+ * \param grad_t_scale_inv  float8_e4m3fn (8 G + N * C / 16): each group's packed global decode scale
+ *                          (8 elements, as pack_scales), then the (N, C / 16) block scales.
+ * \param x_t               uint8 packed (K, C / 2).
+ * \param x_t_scale_inv     float8_e4m3fn (8 G + K * C / 16).
+ * \param offs              int32 (G) cumulative token ends, nondecreasing, in [0, total]; read on the host.
  * \param d                 contiguous (G, N, K) float32, bfloat16 or float16.
  * \param stream            thread count of the call.
  */
@@ -120,16 +123,20 @@ void nvfp4_grouped_gemm_wgrad(const TensorDesc& grad_t, const TensorDesc& grad_t
                               const TensorDesc& d, Stream stream);
 
 /*!
- * \brief Columnwise NVFP4 copies (1x16 blocks along the tokens) of the tokens masked to each group,
- *        each with the bits quantize_nvfp4(x masked to group g, its amax, columnwise) gives (with
- *        `rht`, its transformed amax; with `stochastic_rounding`, seeds[g] and offset 0), computed
- *        on the 16-token bands holding the group's tokens only.
+ * \brief Compact columnwise NVFP4 copies (1x16 blocks along the tokens) of the tokens masked to each
+ *        group: group g's copy is the 16-token bands holding its tokens (columns [floor(start / 16) * 16,
+ *        ceil(end / 16) * 16) of quantize_nvfp4(x masked to group g, its amax, columnwise), with `rht`
+ *        its transformed amax, with `stochastic_rounding` seeds[g] and offset 0, the random bits of
+ *        each element's index in the whole masked copy), stored after the groups before it; the rest
+ *        of a masked copy is zero codes with zero scales and is not stored. Layout:
+ *        nvfp4_grouped_gemm_wgrad's operands.
  *
  * \param input     contiguous (total, K) float32, bfloat16 or float16 on the CPU; total % 16 == 0.
  * \param offs      int32 (G) cumulative row ends, nondecreasing, in [0, total]; read on the host.
  * \param seeds     int64 (G) with `stochastic_rounding`, else undefined.
- * \param output_t  uint8 (G, K, total / 2) out.
- * \param scale_t   float8_e4m3fn (G, 8 + K * total / 16) out: packed scales (pack_scales).
+ * \param output_t  uint8 (K, C / 2) out, C = total + 16 (G - 1) (0 for G = 0); past the groups' bands, 0.
+ * \param scale_t   float8_e4m3fn (8 G + K * C / 16) out: each group's packed global decode scale, then
+ *                  the (K, C / 16) block scales.
  * \param stream    thread count of the call.
  */
 void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs, const TensorDesc& seeds,
