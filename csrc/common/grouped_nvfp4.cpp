@@ -48,29 +48,41 @@ void check_data(const char* op, const char* name, const TensorDesc& t, int rank,
            shape_str(t));
 }
 
-// Packed scales of `groups` copies of (rows, cols) (1-D for one copy, groups < 0); returns each
-// copy's global decode scale, checked finite.
-std::vector<float> check_packed_scales(const char* op, const char* name, const TensorDesc& t, int64_t groups,
-                                       int64_t rows, int64_t cols, const TensorDesc& like) {
+// An E4M3 scale tensor on `like`'s device, contiguous.
+void check_scale_tensor(const char* op, const char* name, const TensorDesc& t, const TensorDesc& like) {
   check_defined(op, name, t);
   check_device(op, name, t, like.device, like.device_index);
   check_dtype(op, name, t, {DType::kFloat8E4M3});
   check_contiguous(op, name, t);
+}
+
+// The global decode scales packed in `t` at `count` places `stride` elements apart (one per group, or
+// one for a single copy), checked finite.
+std::vector<float> packed_globals(const char* op, const char* name, const TensorDesc& t, int64_t count,
+                                  int64_t stride, bool per_group) {
+  const auto* raw = static_cast<const uint8_t*>(t.data);
+  std::vector<float> globals(count);
+  for (int64_t g = 0; g < count; ++g) {
+    globals[g] = packed_global_scale(raw + g * stride);
+    TL_CHECK(std::isfinite(globals[g]), op, ": the global decode scale packed in argument '", name, "'",
+             per_group ? " for group " : "", per_group ? std::to_string(g) : std::string(), " must be finite, got ",
+             globals[g]);
+  }
+  return globals;
+}
+
+// Packed scales of `groups` copies of (rows, cols) (1-D for one copy, groups < 0); returns each
+// copy's global decode scale, checked finite.
+std::vector<float> check_packed_scales(const char* op, const char* name, const TensorDesc& t, int64_t groups,
+                                       int64_t rows, int64_t cols, const TensorDesc& like) {
+  check_scale_tensor(op, name, t, like);
   const int64_t numel = kGlobalElements + rows * (cols / kBlock);
   if (groups < 0) {
     check_shape(op, name, t, {numel});
   } else {
     check_shape(op, name, t, {groups, numel});
   }
-  const auto* raw = static_cast<const uint8_t*>(t.data);
-  std::vector<float> globals(groups < 0 ? 1 : groups);
-  for (size_t g = 0; g < globals.size(); ++g) {
-    globals[g] = packed_global_scale(raw + g * numel);
-    TL_CHECK(std::isfinite(globals[g]), op, ": the global decode scale packed in argument '", name, "'",
-             groups < 0 ? "" : " for group ", groups < 0 ? std::string() : std::to_string(g),
-             " must be finite, got ", globals[g]);
-  }
-  return globals;
+  return packed_globals(op, name, t, groups < 0 ? 1 : groups, numel, groups >= 0);
 }
 
 // Scales of a compact grouped copy of (rows, capacity) (group_bands): each group's packed global
@@ -78,19 +90,9 @@ std::vector<float> check_packed_scales(const char* op, const char* name, const T
 // scales, checked finite.
 std::vector<float> check_compact_scales(const char* op, const char* name, const TensorDesc& t, int64_t groups,
                                         int64_t rows, int64_t capacity, const TensorDesc& like) {
-  check_defined(op, name, t);
-  check_device(op, name, t, like.device, like.device_index);
-  check_dtype(op, name, t, {DType::kFloat8E4M3});
-  check_contiguous(op, name, t);
+  check_scale_tensor(op, name, t, like);
   check_shape(op, name, t, {kGlobalElements * groups + rows * (capacity / kBlock)});
-  const auto* raw = static_cast<const uint8_t*>(t.data);
-  std::vector<float> globals(groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    globals[g] = packed_global_scale(raw + g * kGlobalElements);
-    TL_CHECK(std::isfinite(globals[g]), op, ": the global decode scale packed in argument '", name,
-             "' for group ", g, " must be finite, got ", globals[g]);
-  }
-  return globals;
+  return packed_globals(op, name, t, groups, kGlobalElements, true);
 }
 
 // The groups of a compact copy, from `offs` (checked 1-D), and the tokens its capacity stands for.
