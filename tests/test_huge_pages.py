@@ -18,9 +18,21 @@ from grouped_cases import offsets
 from transformer_linear import ops, reference
 from transformer_linear.ops import grouped as ops_grouped
 
+
+def _smaps_has_vm_flags() -> bool:
+    try:
+        with open("/proc/self/smaps") as smaps:
+            return any(line.startswith("VmFlags:") for line in smaps)
+    except OSError:
+        return False
+
+
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
-    reason="transparent huge pages are a Linux kernel feature (this kernel has none)",
+    not sys.platform.startswith("linux")
+    or not os.path.exists("/sys/kernel/mm/transparent_hugepage")
+    or not _smaps_has_vm_flags(),
+    reason="transparent huge pages are a Linux kernel feature (this kernel has none, or does not show a "
+    "mapping's flags in /proc/self/smaps)",
 )
 
 OWN_MAPPING = 32 << 20  # glibc's largest mmap threshold: outputs this large are mappings of their own
