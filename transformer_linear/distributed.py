@@ -137,9 +137,9 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     training is bitwise what ``fp8_all_gather=False`` gives.
     The optimizer, the gradient reduce-scatter and ``state_dict`` still see the high-precision weight.
     On a 1-rank mesh nothing is gathered and the weights stay as they are (the forward quantizes the
-    whole weight, as the gather would have). Every ``tl.Linear`` sharded here is marked
-    ``fsdp_sharded``. A ``tl.quantized_model_init`` layer's FP8 Parameter becomes a high-precision one
-    first (its preserved initial weight, else the dequantized one), which FSDP2 shards: the shards are the
+    whole weight, as the gather would have). Every ``tl.Linear`` and ``tl.GroupedLinear`` sharded here is
+    marked ``fsdp_sharded``. A ``tl.quantized_model_init`` layer's FP8 Parameter (a GroupedLinear's: every
+    expert's) becomes a high-precision one first (its preserved initial weight, else the dequantized one), which FSDP2 shards: the shards are the
     masters the optimizer steps (no ``tl.optim.MasterWeights`` needed), and with ``fp8_all_gather`` the
     weight exists unsharded only in FP8.
 
@@ -161,7 +161,6 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             rows: a 128x128 block needs rows a multiple of 128 x world size, NVFP4's 16x16 tiles 16 x
             world size), or it is NVFP4 with 1x16 weight blocks or stochastic rounding of the weight
             (modules/fsdp_gather_nvfp4.py); shard that layer with ``fp8_all_gather=False`` first.
-        NotImplementedError: a ``GroupedLinear`` built under ``tl.quantized_model_init``.
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -172,7 +171,7 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
         _wrap_for_fp8_all_gather(module, fp8_all_gather, kwargs.get("mesh"))
     sharded = torch_fully_shard(module, **kwargs)
     for layer in sharded.modules():
-        if isinstance(layer, Linear):
+        if isinstance(layer, (Linear, GroupedLinear)):
             layer.fsdp_sharded = True
             quantized_init.requantize(layer)  # a quantized_model_init layer's whole-weight copy goes
     return sharded
@@ -181,13 +180,8 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
 def _master_weight_for_sharding(layer: nn.Module) -> None:
     """A ``tl.quantized_model_init`` layer's FP8 Parameter becomes the high-precision master the sharding
     (FSDP2, tensor parallelism) splits: its preserved initial weight, else the dequantized one."""
-    if isinstance(layer, GroupedLinear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
-        raise NotImplementedError(
-            "fully_shard / tensor parallelism: a GroupedLinear built under tl.quantized_model_init cannot be "
-            "sharded yet (its experts' FP8 weights have no high-precision master to shard); build it without "
-            "quantized_model_init, or keep it out of the sharded module"
-        )
-    if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+    if isinstance(layer, (Linear, GroupedLinear)) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+        # A GroupedLinear's (num_gemms, out, in) weight: each expert dequantized with its own scales.
         weight = layer.weight
         layer.weight = nn.Parameter(quantized_init.high_precision_weight(layer), requires_grad=weight.requires_grad)
 
