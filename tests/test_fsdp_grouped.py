@@ -248,13 +248,24 @@ def _assert_same_training(rank, world, on, off, what, opt_cls=torch.optim.AdamW)
         assert_bitwise_equal(a.full_tensor(), b.full_tensor(), f"{what}: {pname} after {STEPS} steps")
 
 
-def _gather_parity_rank(rank, world, name, quantized):
-    r = RECIPES[name]
+def _gather_parity_rank(rank, world, name, variant):
+    """``variant``: None, "quantized_model_init", "bf16" (a bf16 MixedPrecisionPolicy: the shards cast before
+    they are quantized), "dequantized" (backward_override: dgrad reads the forward's gathered rowwise copy) or
+    "no_reshard" (one gather serves forward and backward)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else RECIPES[name]
+    kwargs = {}
+    if variant == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if variant == "no_reshard":
+        kwargs["reshard_after_forward"] = False
+    quantized = variant == "quantized_model_init"
     with tl.quantized_model_init(enabled=quantized, recipe=r, preserve_high_precision_init_val=True):
-        on = _shard(_GatherExperts(r), fp8_all_gather=True)
+        on = _shard(_GatherExperts(r), fp8_all_gather=True, **kwargs)
     assert isinstance(on.up.weight.to_local(), GroupedFP8AllGatherWeight)
-    off = _shard(_GatherExperts(r))
-    _assert_same_training(rank, world, on, off, f"fp8_all_gather {name}, quantized_model_init={quantized}")
+    off = _shard(_GatherExperts(r), **kwargs)
+    _assert_same_training(rank, world, on, off, f"fp8_all_gather {name}, {variant}")
     # The saved state: plain tensors (the masters' shards).
     assert type(on.state_dict()["up.weight"].to_local()) is torch.Tensor
 
@@ -286,11 +297,12 @@ class TestFP8AllGather:
         run_ranks(_gather_bytes_rank, name, timeout=TIMEOUT)
 
     @pytest.mark.parametrize(
-        "name, quantized", [(name, False) for name in GATHER_RECIPES] + [("current", True)],
-        ids=[*GATHER_RECIPES, "current-quantized_model_init"],
+        "name, variant",
+        [(name, None) for name in GATHER_RECIPES]
+        + [("current", "quantized_model_init"), ("current", "bf16"), ("block", "dequantized"), ("mxfp8", "no_reshard")],
     )
-    def test_training_bitwise_matches_high_precision_gather(self, name, quantized):
-        run_ranks(_gather_parity_rank, name, quantized, timeout=TIMEOUT)
+    def test_training_bitwise_matches_high_precision_gather(self, name, variant):
+        run_ranks(_gather_parity_rank, name, variant, timeout=TIMEOUT)
 
     def test_errors(self):
         run_ranks(_gather_errors_rank, timeout=TIMEOUT)
