@@ -29,6 +29,7 @@ import transformer_linear as tl
 from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight
 from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight
+from transformer_linear.modules.fsdp_gather_usages import BOTH, COLUMNWISE, ROWWISE
 from transformer_linear.modules.quantized_init import QuantizedWeight
 
 QUANTIZED_INIT_RECIPES = ["current", "delayed", "block", "mxfp8"]
@@ -153,9 +154,10 @@ def _dequantized_master_rank(rank, world):
 
 GATHER_EXPERTS, GATHER_HIDDEN, GATHER_FFN, GATHER_ROWS = 4, 64, 128, 32
 GATHER_RECIPES = ["current", "block", "mxfp8", "rowwise"]
-SEPARATE_COLUMNWISE = {"mxfp8", "rowwise"}  # the experts' columnwise copy has blocks of its own: both gathered
+SEPARATE_COLUMNWISE = {"rowwise"}  # both copies gathered: the columnwise copy has blocks of its own, of other numels
 # FP8 data is 1 byte an element against fp32's 4; the per-expert scales and the fp32 biases take the rest
-# (measured: 0.26 for current and block). Both copies: 2 bytes an element (measured: 0.51 for MXFP8).
+# (measured: 0.26 for current and block, MXFP8's forward gathering the rowwise copy and backward the
+# columnwise one). Both copies: 2 bytes an element (measured: 0.53 for Float8RowwiseScaling).
 MAX_RATIO_VS_FP32 = 0.3
 MAX_RATIO_BOTH_COPIES_VS_FP32 = 0.55
 
@@ -163,14 +165,26 @@ MAX_RATIO_BOTH_COPIES_VS_FP32 = 0.55
 class _GatherExperts(nn.Module):
     """The experts MLP, wider (the biases' share of the bytes small) and with whole 128x128 blocks per expert."""
 
-    def __init__(self, fp8_recipe, experts=GATHER_EXPERTS, **kwargs):
+    def __init__(self, fp8_recipe, experts=GATHER_EXPERTS, checkpointed=False, **kwargs):
         super().__init__()
         torch.manual_seed(0)
         self.up = tl.GroupedLinear(experts, GATHER_HIDDEN, GATHER_FFN, recipe=fp8_recipe, **kwargs)
         self.down = tl.GroupedLinear(experts, GATHER_FFN, GATHER_HIDDEN, recipe=fp8_recipe, **kwargs)
+        self.checkpointed = checkpointed
+
+    def _up(self, x, m_splits):
+        # A GELU saves the recomputed output for its backward: a recompute reading another weight than the
+        # forward's changes the gradients.
+        return nn.functional.gelu(self.up(x, m_splits))
 
     def forward(self, x, m_splits):
-        return self.down(torch.relu(self.up(x, m_splits)), m_splits)
+        if not self.checkpointed:
+            return self.down(torch.relu(self.up(x, m_splits)), m_splits)
+        # Activation checkpointing (non-reentrant): each layer recomputed in backward, after FSDP2's backward
+        # gather (MXFP8: the columnwise copy only, so the recompute gathers the rowwise copy itself).
+        checkpoint = torch.utils.checkpoint.checkpoint
+        h = checkpoint(self._up, x, m_splits, use_reentrant=False)
+        return checkpoint(self.down, h, m_splits, use_reentrant=False)
 
 
 def _gather_batches(steps):
@@ -187,7 +201,7 @@ class _GatherCounter:
     """Counts the bytes FSDP2 all-gathers and records the dtypes of what each grouped FP8 gather returns."""
 
     def __enter__(self):
-        self.bytes, self.gathered = 0, []
+        self.bytes, self.gathered, self.usages = 0, [], []
         self._all_gather, self._pre = dist.all_gather_single, GroupedFP8AllGatherWeight.fsdp_pre_all_gather
 
         def all_gather(output_tensor, input_tensor, *args, **kwargs):
@@ -198,6 +212,7 @@ class _GatherCounter:
         def pre_all_gather(weight, *args, **kwargs):
             gathered, metadata = self._pre(weight, *args, **kwargs)
             self.gathered.append([t.dtype for t in gathered])
+            self.usages.append(metadata.usages)
             return gathered, metadata
 
         dist.all_gather_single, GroupedFP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
@@ -228,6 +243,10 @@ def _gather_bytes_rank(rank, world, name):
         assert dtypes[0] in FP8_DTYPES, f"{name}: the experts' data gathered as {dtypes[0]}, expected FP8"
         if name in SEPARATE_COLUMNWISE:
             assert len(dtypes) == 4 and dtypes[2] in FP8_DTYPES, f"{name}: gathered {dtypes}, expected both copies"
+    # MXFP8's columnwise copy (1x32 blocks down the rows) is gathered by backward's gather alone.
+    backward = COLUMNWISE if name == "mxfp8" else ROWWISE
+    expected = [BOTH] * 4 if name in SEPARATE_COLUMNWISE else [ROWWISE] * 2 + [backward] * 2
+    assert fp8.usages == expected, f"{name}: the gathers carried {fp8.usages}, expected {expected}"
     assert seen == [GatheredFP8Weight] * 2, f"the forward read {seen}, expected the gathered FP8 weight"
     assert GatheredFP8Weight not in seen_off
     ratio = fp8.bytes / fp32.bytes
@@ -250,8 +269,9 @@ def _assert_same_training(rank, world, on, off, what, opt_cls=torch.optim.AdamW)
 
 def _gather_parity_rank(rank, world, name, variant):
     """``variant``: None, "quantized_model_init", "bf16" (a bf16 MixedPrecisionPolicy: the shards cast before
-    they are quantized), "dequantized" (backward_override: dgrad reads the forward's gathered rowwise copy) or
-    "no_reshard" (one gather serves forward and backward)."""
+    they are quantized), "dequantized" (backward_override: dgrad reads the forward's gathered rowwise copy, so
+    backward's gather carries it too), "no_reshard" (one gather serves forward and backward) or "checkpointed"
+    (activation checkpointing: the forward recomputed after backward's gather)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else RECIPES[name]
@@ -261,10 +281,11 @@ def _gather_parity_rank(rank, world, name, variant):
     if variant == "no_reshard":
         kwargs["reshard_after_forward"] = False
     quantized = variant == "quantized_model_init"
+    checkpointed = variant == "checkpointed"
     with tl.quantized_model_init(enabled=quantized, recipe=r, preserve_high_precision_init_val=True):
-        on = _shard(_GatherExperts(r), fp8_all_gather=True, **kwargs)
+        on = _shard(_GatherExperts(r, checkpointed=checkpointed), fp8_all_gather=True, **kwargs)
     assert isinstance(on.up.weight.to_local(), GroupedFP8AllGatherWeight)
-    off = _shard(_GatherExperts(r), **kwargs)
+    off = _shard(_GatherExperts(r, checkpointed=checkpointed), **kwargs)
     _assert_same_training(rank, world, on, off, f"fp8_all_gather {name}, {variant}")
     # The saved state: plain tensors (the masters' shards).
     assert type(on.state_dict()["up.weight"].to_local()) is torch.Tensor
@@ -299,7 +320,8 @@ class TestFP8AllGather:
     @pytest.mark.parametrize(
         "name, variant",
         [(name, None) for name in GATHER_RECIPES]
-        + [("current", "quantized_model_init"), ("current", "bf16"), ("block", "dequantized"), ("mxfp8", "no_reshard")],
+        + [("current", "quantized_model_init"), ("current", "bf16"), ("block", "dequantized")]
+        + [("mxfp8", variant) for variant in ("no_reshard", "dequantized", "checkpointed")],
     )
     def test_training_bitwise_matches_high_precision_gather(self, name, variant):
         run_ranks(_gather_parity_rank, name, variant, timeout=TIMEOUT)

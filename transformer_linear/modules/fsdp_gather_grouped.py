@@ -13,9 +13,13 @@ is a :class:`GatheredFP8Weight` that the GroupedLinear's forward reads as it rea
 * One scale per expert (current scaling) or square blocks (``Float8BlockScaling``'s 128x128): the rowwise
   copy is gathered; the columnwise copy dgrad reads is the rowwise one transposed (exact), made after the
   gather.
-* Blocks of their own in the columnwise copy (MXFP8's 1x32, ``Float8RowwiseScaling``'s whole columns): both
-  copies are gathered in every pass (about 2 bytes an element: bf16's bytes, half of fp32's); the per-pass
-  choice the tl.Linear gather makes (modules/fsdp_gather_usages.py) is not made here.
+* Blocks of their own in the columnwise copy (MXFP8's 1x32): as tl.Linear's (modules/fsdp_gather_usages.py),
+  where the layer's FSDP2 group reshards after forward and backward reads the columnwise copy (a quantized
+  dgrad), the forward's gather carries the rowwise copy and backward's the columnwise one (either fits
+  FSDP2's buffers: the same numels); backward's is written into the tensors the forward saved for dgrad,
+  and a forward recomputed after it (activation checkpointing) gathers the rowwise copy itself. Otherwise
+  (no reshard after forward, a dequantized backward, or copies of other numels: ``Float8RowwiseScaling``'s
+  whole-column scales) both copies are gathered in every pass, about 2 bytes an element.
 * Not gathered in FP8 (``ValueError`` at wrap time, :func:`check_grouped_gatherable`): experts not a
   multiple of the ranks (a rank would hold FSDP2's padding), delayed scaling (all experts share the
   history's scale and the forward records the amax over all of them: it would take the layer's state and
@@ -25,19 +29,30 @@ is a :class:`GatheredFP8Weight` that the GroupedLinear's forward reads as it rea
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight
+from transformer_linear.modules.fsdp_gather_usages import (
+    BOTH,
+    ROWWISE,
+    GatheredUsages,
+    RowwiseSource,
+    rowwise_source_handle,
+    usages_to_gather,
+)
 from transformer_linear.modules.grouped_linear_ops import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.quantized_init import columnwise_is_transpose
-from transformer_linear.recipe.quantization import QuantizationSpec
+from transformer_linear.recipe.quantization import QuantizationSpec, Quantized
 
-__all__ = ["GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
+__all__ = ["READS_COLUMNWISE_ATTR", "GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
 
 
 def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size: int, where: str) -> None:
@@ -69,8 +84,53 @@ def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size:
 class _GroupedGatherMetadata(NamedTuple):
     """What ``fsdp_pre_all_gather`` passes to ``fsdp_post_all_gather`` besides the gathered tensors."""
 
+    usages: GatheredUsages
+    """The copies gathered (a columnwise copy made from the rowwise one counts as gathered with it)."""
     separate_columnwise: bool
-    """The columnwise copy has blocks of its own: gathered too (else made from the rowwise one)."""
+    """The columnwise copy has blocks of its own: gathered (else made from the rowwise one)."""
+    per_pass: bool
+    """The forward's gather carries the rowwise copy and backward's the columnwise one (else both, each time)."""
+    group: Any
+    """The shard group (a forward recomputed after a columnwise-only gather gathers the rowwise copy over it)."""
+
+
+READS_COLUMNWISE_ATTR = "_fp8_all_gather_backward_reads_columnwise"
+"""The GroupedLinear attribute (set at wrap time) saying whether its backward reads the columnwise copy (a
+quantized dgrad; a dequantized one reads the rowwise copy, which backward's gather must then carry)."""
+
+
+def _per_pass_fits(quantizer: Any, module: nn.Module, outer_size: torch.Size) -> bool:
+    """Whether a separate columnwise copy can be gathered by backward's pass alone: the backward reads it,
+    and either copy fits FSDP2's all-gather buffers (fixed at the first gather: the same numels)."""
+    if not getattr(module, READS_COLUMNWISE_ATTR, False):
+        return False
+    rows, cols = int(outer_size[1]), int(outer_size[2])
+    return math.prod(quantizer.scale_grid(rows, cols)) == math.prod(quantizer.scale_grid(cols, rows))
+
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """The experts' tensors in one (experts, ...) tensor (copied: torch.autocast's stack rejects FP8)."""
+    out = tensors[0].new_empty((len(tensors), *tensors[0].shape))
+    for e, t in enumerate(tensors):
+        out[e].copy_(t)
+    return out
+
+
+def _quantize_experts(quantizer: Any, shard: Tensor, usages: GatheredUsages) -> list[Tensor]:
+    """The shard's experts quantized one by one (as ``quantize_expert_weights``), the copies ``usages`` names:
+    [data, scale_inv] of the rowwise copy and / or [data_t, scale_inv_t] of the columnwise one."""
+    qs = [quantizer.quantize(shard[e], rowwise=usages.rowwise, columnwise=usages.columnwise)
+          for e in range(shard.shape[0])]
+    fields = ["data", "scale_inv"] if usages.rowwise else []
+    fields += ["data_t", "scale_inv_t"] if usages.columnwise else []
+    return [_stacked([getattr(q, f) for q in qs]) for f in fields]
+
+
+def _quantize_rowwise(quantizer: Any, shard: Tensor) -> Quantized:
+    """The rowwise copy of a shard's experts (what a recomputed forward gathers: RowwiseSource)."""
+    data, scale_inv = _quantize_experts(quantizer, shard, ROWWISE)
+    empty = data.new_empty(0)
+    return Quantized(data, scale_inv, empty, empty, None)
 
 
 def _transposed(t: Tensor) -> Tensor:
@@ -134,11 +194,20 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
         param_dtype = getattr(mp_policy, "param_dtype", None)
         if param_dtype is not None:
             shard = shard.to(param_dtype)  # what the forward would quantize without FP8 all-gather
+        shard = shard.contiguous()
         separate = not columnwise_is_transpose(quantizer)
+        group = mesh.get_group(mesh.ndim - 1)
+        per_pass = separate and _per_pass_fits(quantizer, module, outer_size)
         with torch.no_grad():
-            q = quantize_expert_weights(quantizer, shard.contiguous(), columnwise=separate)
-        gathered = (q.data, q.scale_inv, q.data_t, q.scale_inv_t) if separate else (q.data, q.scale_inv)
-        return gathered, _GroupedGatherMetadata(separate)
+            if not separate:
+                usages = ROWWISE
+                q = quantize_expert_weights(quantizer, shard, columnwise=False)
+                gathered = (q.data, q.scale_inv)
+            else:
+                usages = usages_to_gather(quantizer, module) if per_pass else BOTH
+                per_pass = per_pass and usages != BOTH  # no reshard after forward: one gather serves both
+                gathered = tuple(_quantize_experts(quantizer, shard, usages))
+        return gathered, _GroupedGatherMetadata(usages, separate, per_pass, group)
 
     def fsdp_post_all_gather(
         self,
@@ -150,13 +219,11 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
     ) -> Optional[tuple[GatheredFP8Weight, tuple[Tensor, ...]]]:
         """The unsharded weight: the gathered copies as views of FSDP2's buffers, a columnwise copy made from
         the rowwise one in tensors of its own (freed by FSDP2 on reshard; ``out`` given: refilled in place)."""
+        if metadata.per_pass:
+            return self._post_all_gather_per_pass(all_gather_outputs, metadata, param_dtype, out)
         data, scale_inv = all_gather_outputs[0], all_gather_outputs[1]
         if out is not None:
-            local = out.to_local() if hasattr(out, "to_local") else out
-            if not isinstance(local, GatheredFP8Weight):
-                raise TypeError(
-                    f"fsdp_post_all_gather: 'out' must be the GatheredFP8Weight built before, got {type(out).__name__}"
-                )
+            local = _gathered_of(out)
             if not metadata.separate_columnwise:  # the gathered copies are views of the refilled buffers
                 _refill(local.weight_fp8_t, data.transpose(-2, -1))
                 blockwise = self.quantizer.blockwise
@@ -173,3 +240,60 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
             weight_amax=None,
         )
         return GatheredFP8Weight(cached, self.quantizer, param_dtype), owned
+
+    def _post_all_gather_per_pass(
+        self,
+        all_gather_outputs: tuple[Tensor, ...],
+        metadata: _GroupedGatherMetadata,
+        param_dtype: torch.dtype,
+        out: Optional[Tensor],
+    ) -> Optional[tuple[GatheredFP8Weight, tuple[Tensor, ...]]]:
+        """A separate columnwise copy gathered by backward's pass alone (as tl.Linear's, fp8_all_gather.py): the
+        rowwise copy as views of FSDP2's buffers (their shape fixed by the forward's first gather), the
+        columnwise copy in tensors of the gathered weight, refilled by backward's gather (what the forward's
+        autograd node saved) and otherwise freed; a forward recomputed after backward's gather gathers the
+        rowwise copy itself (``missing_rowwise``)."""
+        usages = metadata.usages
+        if out is not None:
+            gathered = _gathered_of(out)
+            for dst, src in zip((gathered.weight_fp8_t, gathered.weight_scale_inv_t), all_gather_outputs):
+                if usages.columnwise:
+                    _refill(dst, src)  # FSDP2 views this pass's buffers in the columnwise copy's shapes
+                else:
+                    _free(dst)
+        else:
+            if not usages.rowwise:
+                raise RuntimeError("fsdp_post_all_gather: a GroupedLinear's first FP8 all-gather must be a forward's")
+            data, scale_inv = all_gather_outputs[0], all_gather_outputs[1]
+            experts, rows, cols = data.shape
+            data_t = data.new_empty((experts, cols, rows))
+            scale_inv_t = scale_inv.new_empty((experts, *self.quantizer.scale_grid(cols, rows)))
+            _free(data_t)
+            _free(scale_inv_t)
+            cached = CachedWeight(data, data_t, scale_inv, scale_inv_t, None)
+            source = RowwiseSource(self, self.quantizer, param_dtype, metadata.group, experts,
+                                   functools.partial(_quantize_rowwise, self.quantizer))
+            gathered = GatheredFP8Weight(cached, self.quantizer, param_dtype,
+                                         torch.full((), NO_HANDLE, dtype=torch.int64))
+            gathered.rowwise_source = source  # kept alive with the weight: the handle refers to it weakly
+            gathered.rowwise_source_handle = rowwise_source_handle(source)
+        # Data, not metadata: a compiled forward runs the same graph whichever copy this gather carried.
+        gathered.missing_rowwise.fill_(NO_HANDLE if usages.rowwise else gathered.rowwise_source_handle)
+        if out is not None:
+            return None
+        return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
+
+
+def _gathered_of(out: Tensor) -> GatheredFP8Weight:
+    local = out.to_local() if hasattr(out, "to_local") else out
+    if not isinstance(local, GatheredFP8Weight):
+        raise TypeError(
+            f"fsdp_post_all_gather: 'out' must be the GatheredFP8Weight built before, got {type(out).__name__}"
+        )
+    return local
+
+
+def _free(t: Tensor) -> None:
+    """Free ``t``'s storage (FSDP2's ``free_storage``; it reallocates it before the next gather)."""
+    if t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,7 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
         return BOTH
     if not reshards:
         raise RuntimeError(
-            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
+            "fsdp_pre_all_gather: this layer's weight is all-gathered one copy per pass (its FSDP2 group "
             "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
             "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
             "before the first forward"
@@ -126,6 +126,9 @@ class RowwiseSource:
     """The gathered weight's dtype (FSDP2's ``param_dtype``), which the shard is cast to before quantizing."""
     group: Any
     rows: int
+    quantize_rowwise: Optional[Callable[[Tensor], Any]] = None
+    """How the shard's rowwise copy is made (its ``data`` and ``scale_inv``), where not by
+    ``quantizer.quantize``: a GroupedLinear's experts, each on its own (fsdp_gather_grouped.py)."""
 
 
 _ROWWISE_SOURCES: HandleTable[RowwiseSource] = HandleTable()
@@ -170,7 +173,10 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
         shard = shard.to(source.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
     world_size = dist.get_world_size(source.group)
     with torch.no_grad():
-        q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
+        if source.quantize_rowwise is not None:
+            q = source.quantize_rowwise(shard)
+        else:
+            q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
         data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
         weight_fp8.copy_(data[: source.rows])
         weight_scale_inv.copy_(scale_inv)
