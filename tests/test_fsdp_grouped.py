@@ -271,7 +271,8 @@ def _gather_parity_rank(rank, world, name, variant):
     """``variant``: None, "quantized_model_init", "bf16" (a bf16 MixedPrecisionPolicy: the shards cast before
     they are quantized), "dequantized" (backward_override: dgrad reads the forward's gathered rowwise copy, so
     backward's gather carries it too), "no_reshard" (one gather serves forward and backward) or "checkpointed"
-    (activation checkpointing: the forward recomputed after backward's gather)."""
+    (activation checkpointing: the forward recomputed after backward's gather) or "compiled" (each layer under
+    torch.compile(fullgraph=True), aot_eager)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else RECIPES[name]
@@ -286,7 +287,17 @@ def _gather_parity_rank(rank, world, name, variant):
         on = _shard(_GatherExperts(r, checkpointed=checkpointed), fp8_all_gather=True, **kwargs)
     assert isinstance(on.up.weight.to_local(), GroupedFP8AllGatherWeight)
     off = _shard(_GatherExperts(r, checkpointed=checkpointed), **kwargs)
+    if variant == "compiled":
+        # Per layer, as FSDP2 models are compiled (its hooks and all-gathers outside the graphs).
+        torch._dynamo.utils.counters.clear()
+        for layer in (on.up, on.down, off.up, off.down):
+            layer.compile(backend="aot_eager", fullgraph=True)
     _assert_same_training(rank, world, on, off, f"fp8_all_gather {name}, {variant}")
+    if variant == "compiled":
+        # One graph per layer and model (the layers' shapes differ); MXFP8's forward and backward gathers,
+        # which carry different copies, run the same graph.
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs == 4, f"torch.compile built {graphs} graphs of the two GroupedLinears of two models, expected 4"
     # The saved state: plain tensors (the masters' shards).
     assert type(on.state_dict()["up.weight"].to_local()) is torch.Tensor
 
@@ -321,7 +332,8 @@ class TestFP8AllGather:
         "name, variant",
         [(name, None) for name in GATHER_RECIPES]
         + [("current", "quantized_model_init"), ("current", "bf16"), ("block", "dequantized")]
-        + [("mxfp8", variant) for variant in ("no_reshard", "dequantized", "checkpointed")],
+        + [("current", "compiled")]
+        + [("mxfp8", variant) for variant in ("no_reshard", "dequantized", "checkpointed", "compiled")],
     )
     def test_training_bitwise_matches_high_precision_gather(self, name, variant):
         run_ranks(_gather_parity_rank, name, variant, timeout=TIMEOUT)
