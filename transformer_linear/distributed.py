@@ -40,11 +40,8 @@ from torch import nn
 
 from transformer_linear.modules import quantized_init
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
-from transformer_linear.modules.fsdp_gather_grouped import (
-    READS_COLUMNWISE_ATTR,
-    GroupedFP8AllGatherWeight,
-    check_grouped_gatherable,
-)
+from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
+from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.grouped_linear import GroupedLinear
 from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
 from transformer_linear.modules.linear import Linear
@@ -229,12 +226,12 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
             where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})"
             check_grouped_gatherable(spec, layer.num_gemms, world_size, where)
             wrapper: type[FP8AllGatherWeight] = GroupedFP8AllGatherWeight
-            # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
-            setattr(layer, READS_COLUMNWISE_ATTR, spec.backward_operands == "quantized")
         else:
             spec = quantization_spec(recipe)
             check_shardable(spec.weight, layer.out_features, world_size)
             wrapper = FP8AllGatherWeight
+        # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
+        setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
         if skip:
             continue
         weight = layer.weight

@@ -52,7 +52,7 @@ from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.quantized_init import columnwise_is_transpose
 from transformer_linear.recipe.quantization import QuantizationSpec, Quantized
 
-__all__ = ["READS_COLUMNWISE_ATTR", "GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
+__all__ = ["GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
 
 
 def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size: int, where: str) -> None:
@@ -94,16 +94,9 @@ class _GroupedGatherMetadata(NamedTuple):
     """The shard group (a forward recomputed after a columnwise-only gather gathers the rowwise copy over it)."""
 
 
-READS_COLUMNWISE_ATTR = "_fp8_all_gather_backward_reads_columnwise"
-"""The GroupedLinear attribute (set at wrap time) saying whether its backward reads the columnwise copy (a
-quantized dgrad; a dequantized one reads the rowwise copy, which backward's gather must then carry)."""
-
-
-def _per_pass_fits(quantizer: Any, module: nn.Module, outer_size: torch.Size) -> bool:
-    """Whether a separate columnwise copy can be gathered by backward's pass alone: the backward reads it,
-    and either copy fits FSDP2's all-gather buffers (fixed at the first gather: the same numels)."""
-    if not getattr(module, READS_COLUMNWISE_ATTR, False):
-        return False
+def _per_pass_fits(quantizer: Any, outer_size: torch.Size) -> bool:
+    """Whether either copy of a separate columnwise copy fits FSDP2's all-gather buffers (fixed at the first
+    gather: the same numels), so that each pass may gather its own (usages_to_gather decides)."""
     rows, cols = int(outer_size[1]), int(outer_size[2])
     return math.prod(quantizer.scale_grid(rows, cols)) == math.prod(quantizer.scale_grid(cols, rows))
 
@@ -197,7 +190,7 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
         shard = shard.contiguous()
         separate = not columnwise_is_transpose(quantizer)
         group = mesh.get_group(mesh.ndim - 1)
-        per_pass = separate and _per_pass_fits(quantizer, module, outer_size)
+        per_pass = separate and _per_pass_fits(quantizer, outer_size)
         with torch.no_grad():
             if not separate:
                 usages = ROWWISE

@@ -27,6 +27,7 @@ from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.recipe.quantization import TensorQuantizer
 
 __all__ = [
+    "BACKWARD_READS_COLUMNWISE",
     "BOTH",
     "COLUMNWISE",
     "ROWWISE",
@@ -58,6 +59,12 @@ COLUMNWISE = GatheredUsages(False, True)
 BOTH = GatheredUsages(True, True)
 
 
+BACKWARD_READS_COLUMNWISE = "_fp8_all_gather_backward_reads_columnwise"
+"""The layer attribute (set by ``fully_shard`` at wrap time, from the recipe's ``backward_override``) saying
+whether backward reads the weight's columnwise copy (a quantized dgrad). A dequantized dgrad reads the
+rowwise copy, which backward's gather must then carry too: both copies are gathered in every pass."""
+
+
 # The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
 # fixed at its first one (FSDP2's all-gather buffers are fixed then).
 _PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
@@ -85,8 +92,9 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
     """The copies of a block-scaled weight this all-gather carries.
 
     A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
-    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
-    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
+    backward (the parameter group's ``reshard_after_forward``, read at the first gather) and backward reads
+    only that copy (:data:`BACKWARD_READS_COLUMNWISE`); the forward's gather then carries the rowwise copy
+    only. Otherwise both copies, in every gather.
 
     Raises:
         RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
@@ -96,7 +104,7 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
         return ROWWISE
     group = _param_group(module)
     reshards = group is not None and group._reshard_after_forward
-    per_pass = _PER_PASS.setdefault(module, reshards)
+    per_pass = _PER_PASS.setdefault(module, reshards and getattr(module, BACKWARD_READS_COLUMNWISE, True))
     if not per_pass:
         return BOTH
     if not reshards:
