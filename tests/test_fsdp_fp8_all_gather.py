@@ -405,6 +405,18 @@ def _hsdp_rank(rank, world, name, quantized_init):
                           batches=batches)
 
 
+def _dequantized_backward_rank(rank, world):
+    """MXFP8 with backward_override="dequantized": dgrad reads the forward's rowwise copy, so backward's gather
+    carries it too (both copies in every gather, not the columnwise copy alone); bitwise the high-precision
+    gather's training."""
+    r = recipe.from_name("mxfp8", backward_override="dequantized")
+    on = _sharded(r, True)
+    with _GatherCounter() as counter:
+        on(_batches(rank, world, steps=1)[0]).square().sum().backward()
+    assert counter.usages == [BOTH] * 4, counter.usages
+    _assert_same_training(rank, world, _sharded(r, True), _sharded(r, False), "MXFP8, dequantized backward")
+
+
 def _checkpoint_rank(rank, world, path):
     import torch.distributed.checkpoint as dcp
 
@@ -520,6 +532,9 @@ class TestFP8AllGather:
     )
     def test_hsdp_2d_mesh(self, name, quantized_init):
         run_ranks(_hsdp_rank, name, quantized_init, world_size=4, timeout=TIMEOUT)
+
+    def test_dequantized_backward_gathers_the_rowwise_copy_in_backward(self):
+        run_ranks(_dequantized_backward_rank, timeout=TIMEOUT)
 
     def test_checkpoint_resume(self, tmp_path):
         run_ranks(_checkpoint_rank, str(tmp_path / "ckpt"), world_size=WORLD, timeout=TIMEOUT)

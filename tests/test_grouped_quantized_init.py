@@ -218,12 +218,3 @@ def test_recipe_mismatch_raises():
         quantized = tl.GroupedLinear(G, K, N, recipe=tl.recipe.Float8BlockScaling())
     with pytest.raises(ValueError, match="quantizes it as"):
         quantized(torch.randn(T, K), SIZES)
-
-
-def test_sharding_raises_clearly():
-    """Sharding needs a high-precision master to split, which a quantized GroupedLinear does not have yet:
-    tl.distributed.fully_shard refuses it before anything is sharded."""
-    _, quantized = _pair("current")
-    with pytest.raises(NotImplementedError, match="GroupedLinear.*quantized_model_init"):
-        tl.distributed.fully_shard(nn.Sequential(quantized))
-    assert isinstance(quantized.weight, QuantizedWeight)

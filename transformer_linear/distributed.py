@@ -40,7 +40,10 @@ from torch import nn
 
 from transformer_linear.modules import quantized_init
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
+from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.grouped_linear import GroupedLinear
+from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
 from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
 from transformer_linear.recipe import Recipe
@@ -126,7 +129,7 @@ def _check_wgrad_options(model: nn.Module, where: str, engine: str, why: str) ->
 
 def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = False, **kwargs: Any) -> nn.Module:
     """``torch.distributed.fsdp.fully_shard`` after :func:`check_fsdp_compatible`, optionally gathering
-    ``tl.Linear`` weights in FP8.
+    ``tl.Linear`` and ``tl.GroupedLinear`` weights in FP8.
 
     With ``fp8_all_gather``, each ``tl.Linear`` weight this call shards (not those an inner
     ``fully_shard`` call sharded already) is all-gathered quantized by its recipe's weight quantizer
@@ -134,14 +137,16 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
     instead of the fp32 / bf16 weight, and the forward's GEMMs read the gathered FP8 weight without
     casting again. One scale per tensor, and NVFP4's global scale, is the whole weight's (amax
     all-reduced over the shard group), so the gathered weight is bitwise the whole weight quantized, and
-    training is bitwise what ``fp8_all_gather=False`` gives.
+    training is bitwise what ``fp8_all_gather=False`` gives. A ``tl.GroupedLinear``'s experts are gathered
+    the same way, each rank quantizing its whole experts with their own scales
+    (modules/fsdp_gather_grouped.py).
     The optimizer, the gradient reduce-scatter and ``state_dict`` still see the high-precision weight.
     On a 1-rank mesh nothing is gathered and the weights stay as they are (the forward quantizes the
-    whole weight, as the gather would have). Every ``tl.Linear`` sharded here is marked
-    ``fsdp_sharded``. A ``tl.quantized_model_init`` layer's FP8 Parameter becomes a high-precision one
-    first (its preserved initial weight, else the dequantized one), which FSDP2 shards: the shards are the
-    masters the optimizer steps (no ``tl.optim.MasterWeights`` needed), and with ``fp8_all_gather`` the
-    weight exists unsharded only in FP8.
+    whole weight, as the gather would have). Every ``tl.Linear`` and ``tl.GroupedLinear`` sharded here is
+    marked ``fsdp_sharded``. A ``tl.quantized_model_init`` layer's FP8 Parameter (a GroupedLinear's: every
+    expert's) becomes a high-precision one first (its preserved initial weight, else the dequantized
+    one), which FSDP2 shards: the shards are the masters the optimizer steps (no
+    ``tl.optim.MasterWeights`` needed), and with ``fp8_all_gather`` the weight exists unsharded only in FP8.
 
     Off by default: with it, a layer's weight exists unsharded only in its recipe's form, so the layer
     must run under that recipe in every forward (a high-precision forward, or one under another recipe,
@@ -160,8 +165,10 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             without a block straddling two ranks (each rank's rows must be a whole number of the blocks'
             rows: a 128x128 block needs rows a multiple of 128 x world size, NVFP4's 16x16 tiles 16 x
             world size), or it is NVFP4 with 1x16 weight blocks or stochastic rounding of the weight
-            (modules/fsdp_gather_nvfp4.py); shard that layer with ``fp8_all_gather=False`` first.
-        NotImplementedError: a ``GroupedLinear`` built under ``tl.quantized_model_init``.
+            (modules/fsdp_gather_nvfp4.py); or a GroupedLinear's experts cannot be gathered in FP8
+            (num_gemms not a multiple of the ranks, delayed scaling, NVFP4, ``backward_override=
+            "high_precision"``: :func:`check_grouped_gatherable`); shard that layer with
+            ``fp8_all_gather=False`` first.
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -172,7 +179,7 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
         _wrap_for_fp8_all_gather(module, fp8_all_gather, kwargs.get("mesh"))
     sharded = torch_fully_shard(module, **kwargs)
     for layer in sharded.modules():
-        if isinstance(layer, Linear):
+        if isinstance(layer, (Linear, GroupedLinear)):
             layer.fsdp_sharded = True
             quantized_init.requantize(layer)  # a quantized_model_init layer's whole-weight copy goes
     return sharded
@@ -181,19 +188,15 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
 def _master_weight_for_sharding(layer: nn.Module) -> None:
     """A ``tl.quantized_model_init`` layer's FP8 Parameter becomes the high-precision master the sharding
     (FSDP2, tensor parallelism) splits: its preserved initial weight, else the dequantized one."""
-    if isinstance(layer, GroupedLinear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
-        raise NotImplementedError(
-            "fully_shard / tensor parallelism: a GroupedLinear built under tl.quantized_model_init cannot be "
-            "sharded yet (its experts' FP8 weights have no high-precision master to shard); build it without "
-            "quantized_model_init, or keep it out of the sharded module"
-        )
-    if isinstance(layer, Linear) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+    if isinstance(layer, (Linear, GroupedLinear)) and isinstance(layer.weight, quantized_init.QuantizedWeight):
+        # A GroupedLinear's (num_gemms, out, in) weight: each expert dequantized with its own scales.
         weight = layer.weight
         layer.weight = nn.Parameter(quantized_init.high_precision_weight(layer), requires_grad=weight.requires_grad)
 
 
 def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Recipe], mesh: Any) -> None:
-    """Make the weight of every ``tl.Linear`` in ``module`` not sharded yet an :class:`FP8AllGatherWeight`."""
+    """Make the weight of every ``tl.Linear`` in ``module`` not sharded yet an :class:`FP8AllGatherWeight`, a
+    ``tl.GroupedLinear``'s a :class:`GroupedFP8AllGatherWeight`."""
     if fp8_all_gather is not True:
         check_recipe("fully_shard", fp8_all_gather)
     default_recipe = None if fp8_all_gather is True else fp8_all_gather
@@ -206,7 +209,7 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
     # Linear's own forward quantizes the whole weight bitwise as the gather would.
     skip = world_size == 1
     for fqn, layer in module.named_modules():
-        if not isinstance(layer, Linear) or isinstance(layer.weight, FP8AllGatherWeight):
+        if not isinstance(layer, (Linear, GroupedLinear)) or isinstance(layer.weight, FP8AllGatherWeight):
             continue
         if is_tensor_parallel(layer.weight) or hasattr(layer.weight, "_local_tensor"):
             continue  # sharded already (an inner fully_shard call, or tensor parallelism)
@@ -215,16 +218,25 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
             recipe = layer.quantized_init.recipe
         if recipe is None:
             raise ValueError(
-                f"fully_shard: fp8_all_gather=True needs tl.Linear {fqn or '<root>'!r} to have a recipe (it has "
-                "none); pass the recipe it runs under as fp8_all_gather=recipe"
+                f"fully_shard: fp8_all_gather=True needs tl.{type(layer).__name__} {fqn or '<root>'!r} to have a "
+                "recipe (it has none); pass the recipe it runs under as fp8_all_gather=recipe"
             )
-        spec = quantization_spec(recipe)
-        check_shardable(spec.weight, layer.out_features, world_size)
+        if isinstance(layer, GroupedLinear):
+            spec = check_grouped_quantization("fully_shard", recipe)
+            where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})"
+            check_grouped_gatherable(spec, layer.num_gemms, world_size, where)
+            wrapper: type[FP8AllGatherWeight] = GroupedFP8AllGatherWeight
+        else:
+            spec = quantization_spec(recipe)
+            check_shardable(spec.weight, layer.out_features, world_size)
+            wrapper = FP8AllGatherWeight
+        # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
+        setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
         if skip:
             continue
         weight = layer.weight
         layer.weight = nn.Parameter(
-            FP8AllGatherWeight(weight.detach(), spec.weight, spec.history), requires_grad=weight.requires_grad
+            wrapper(weight.detach(), spec.weight, spec.history), requires_grad=weight.requires_grad
         )
         layer._register_state_dict_hook(_plain_weight_in_state_dict)
         quantized_init.requantize(layer)  # a quantized_model_init layer drops its stored copy

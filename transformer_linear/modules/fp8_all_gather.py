@@ -238,7 +238,8 @@ class FP8AllGatherWeight(torch.Tensor):
         out = func(*args, **kwargs)
         if func not in _OPS_KEEPING_SHARD:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: FP8AllGatherWeight(t, *configs[0]), out)
+        # cls: a subclass (a GroupedLinear's weight, fsdp_gather_grouped.py) stays that subclass.
+        return pytree.tree_map_only(Tensor, lambda t: cls(t, *configs[0]), out)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return ["_tensor"], (self.quantizer, self.history)

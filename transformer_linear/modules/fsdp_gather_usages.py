@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.recipe.quantization import TensorQuantizer
 
 __all__ = [
+    "BACKWARD_READS_COLUMNWISE",
     "BOTH",
     "COLUMNWISE",
     "ROWWISE",
@@ -58,6 +59,12 @@ COLUMNWISE = GatheredUsages(False, True)
 BOTH = GatheredUsages(True, True)
 
 
+BACKWARD_READS_COLUMNWISE = "_fp8_all_gather_backward_reads_columnwise"
+"""The layer attribute (set by ``fully_shard`` at wrap time, from the recipe's ``backward_override``) saying
+whether backward reads the weight's columnwise copy (a quantized dgrad). A dequantized dgrad reads the
+rowwise copy, which backward's gather must then carry too: both copies are gathered in every pass."""
+
+
 # The FSDP parameter group of each tl.Linear whose weight FSDP2 gathers, and the usages of its gathers
 # fixed at its first one (FSDP2's all-gather buffers are fixed then).
 _PARAM_GROUPS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
@@ -85,8 +92,9 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
     """The copies of a block-scaled weight this all-gather carries.
 
     A separate columnwise copy is gathered by backward's gather only where FSDP2 gathers again before
-    backward (the parameter group's ``reshard_after_forward``, read at the first gather); the forward's
-    gather then carries the rowwise copy only. Otherwise one gather serves both passes: both copies.
+    backward (the parameter group's ``reshard_after_forward``, read at the first gather) and backward reads
+    only that copy (:data:`BACKWARD_READS_COLUMNWISE`); the forward's gather then carries the rowwise copy
+    only. Otherwise both copies, in every gather.
 
     Raises:
         RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
@@ -96,12 +104,12 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
         return ROWWISE
     group = _param_group(module)
     reshards = group is not None and group._reshard_after_forward
-    per_pass = _PER_PASS.setdefault(module, reshards)
+    per_pass = _PER_PASS.setdefault(module, reshards and getattr(module, BACKWARD_READS_COLUMNWISE, True))
     if not per_pass:
         return BOTH
     if not reshards:
         raise RuntimeError(
-            "fsdp_pre_all_gather: this tl.Linear's weight is all-gathered one copy per pass (its FSDP2 group "
+            "fsdp_pre_all_gather: this layer's weight is all-gathered one copy per pass (its FSDP2 group "
             "resharded after forward at its first all-gather), but reshard_after_forward is now off, so backward "
             "would not gather the columnwise copy; keep reshard_after_forward on (also for evaluation), or set it "
             "before the first forward"
@@ -126,6 +134,9 @@ class RowwiseSource:
     """The gathered weight's dtype (FSDP2's ``param_dtype``), which the shard is cast to before quantizing."""
     group: Any
     rows: int
+    quantize_rowwise: Optional[Callable[[Tensor], Any]] = None
+    """How the shard's rowwise copy is made (its ``data`` and ``scale_inv``), where not by
+    ``quantizer.quantize``: a GroupedLinear's experts, each on its own (fsdp_gather_grouped.py)."""
 
 
 _ROWWISE_SOURCES: HandleTable[RowwiseSource] = HandleTable()
@@ -170,7 +181,10 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
         shard = shard.to(source.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
     world_size = dist.get_world_size(source.group)
     with torch.no_grad():
-        q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
+        if source.quantize_rowwise is not None:
+            q = source.quantize_rowwise(shard)
+        else:
+            q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
         data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
         weight_fp8.copy_(data[: source.rows])
         weight_scale_inv.copy_(scale_inv)
