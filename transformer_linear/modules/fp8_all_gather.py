@@ -501,8 +501,8 @@ class GatheredFP8Weight(torch.Tensor):
             again.rowwise_source, again.rowwise_source_handle = this.rowwise_source, this.rowwise_source_handle
             return again
         raise RuntimeError(  # not a TypeError: Tensor's operators would turn that into NotImplemented
-            f"a tl.Linear weight all-gathered in FP8 by fully_shard(fp8_all_gather=True) holds only its quantized "
-            f"form ({this.quantizer}); {func} cannot read it. Run the layer under its recipe, or shard with "
+            f"a weight {this.source} (a tl.Linear's or a tl.GroupedLinear's) holds only its quantized form "
+            f"({this.quantizer}); {func} cannot read it. Run the layer under its recipe, or shard with "
             "fp8_all_gather=False"
         )
 
