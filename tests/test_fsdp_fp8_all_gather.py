@@ -132,12 +132,19 @@ def _train(model, batches, autocast_recipe=None, loss_fn=_square_sum):
 
 class _GatherCounter:
     """Counts the bytes FSDP2 all-gathers (every call of its all-gather collective) and records the dtypes
-    of what ``FP8AllGatherWeight.fsdp_pre_all_gather`` returns and the copies each of its gathers carries."""
+    of what ``weight_class.fsdp_pre_all_gather`` returns and the copies each of its gathers carries.
+
+    Args:
+        weight_class: the sharded weight's class (FP8AllGatherWeight, or a subclass with its own gather).
+    """
+
+    def __init__(self, weight_class: type = FP8AllGatherWeight):
+        self.weight_class = weight_class
 
     def __enter__(self):
         self.bytes, self.fp8_gathers, self.data_dtypes, self.usages = 0, 0, [], []
         self.gathered = []  # per gather: (dtype, numel) of each gathered tensor, and the shard's numel
-        self._all_gather, self._pre = dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather
+        self._all_gather, self._pre = dist.all_gather_single, self.weight_class.fsdp_pre_all_gather
 
         def all_gather(output_tensor, input_tensor, *args, **kwargs):
             self.bytes += input_tensor.numel() * input_tensor.element_size()
@@ -152,11 +159,11 @@ class _GatherCounter:
             self.gathered.append(([(t.dtype, t.numel()) for t in gathered], weight._tensor.numel()))
             return gathered, metadata
 
-        dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
+        dist.all_gather_single, self.weight_class.fsdp_pre_all_gather = all_gather, pre_all_gather
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_single, FP8AllGatherWeight.fsdp_pre_all_gather = self._all_gather, self._pre
+        dist.all_gather_single, self.weight_class.fsdp_pre_all_gather = self._all_gather, self._pre
 
 
 def _gathered_bytes(name, fp8_all_gather, param_dtype=None, reshard_after_forward=True):

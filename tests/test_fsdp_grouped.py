@@ -14,7 +14,6 @@ gathered weight is bitwise the whole weight quantized and training is bitwise th
 gather.
 """
 
-import functools
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from test_distributed import CURRENT_SCALING_TOL, FP32_ORDER_TOL, STEPS, TIMEOUT, _full, _sgd
 from test_distributed_grouped import EXPERTS, RECIPES, TOLERANCES, _batches, _Experts, _sorted_by_expert
+from test_fsdp_fp8_all_gather import _GatherCounter
 from tolerances import assert_bitwise_equal, relative_error
 from torch import nn
 
@@ -197,38 +197,13 @@ def _gather_batches(steps):
     ]
 
 
-class _GatherCounter:
-    """Counts the bytes FSDP2 all-gathers and records the dtypes of what each grouped FP8 gather returns."""
-
-    def __enter__(self):
-        self.bytes, self.gathered, self.usages = 0, [], []
-        self._all_gather, self._pre = dist.all_gather_single, GroupedFP8AllGatherWeight.fsdp_pre_all_gather
-
-        def all_gather(output_tensor, input_tensor, *args, **kwargs):
-            self.bytes += input_tensor.numel() * input_tensor.element_size()
-            return self._all_gather(output_tensor, input_tensor, *args, **kwargs)
-
-        @functools.wraps(self._pre)  # FSDP2 reads its signature
-        def pre_all_gather(weight, *args, **kwargs):
-            gathered, metadata = self._pre(weight, *args, **kwargs)
-            self.gathered.append([t.dtype for t in gathered])
-            self.usages.append(metadata.usages)
-            return gathered, metadata
-
-        dist.all_gather_single, GroupedFP8AllGatherWeight.fsdp_pre_all_gather = all_gather, pre_all_gather
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather_single, GroupedFP8AllGatherWeight.fsdp_pre_all_gather = self._all_gather, self._pre
-
-
 def _gather_step_bytes(model, rank, world):
     x, experts, target = (t.chunk(world)[rank] for t in _gather_batches(1)[0])
     x, m_splits, target = _sorted_by_expert(x, experts, target)
     seen = []
     for layer in (model.up, model.down):
         layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
-    with _GatherCounter() as counter:
+    with _GatherCounter(GroupedFP8AllGatherWeight) as counter:
         ((model(x, m_splits) - target) ** 2).sum().backward()
     return counter, seen
 
@@ -239,7 +214,8 @@ def _gather_bytes_rank(rank, world, name):
     fp32, seen_off = _gather_step_bytes(_shard(_GatherExperts(r)), rank, world)
     # Each layer's weight gathered in forward and again in backward (reshard_after_forward), in FP8.
     assert len(fp8.gathered) == 4 and not fp32.gathered, (fp8.gathered, fp32.gathered)
-    for dtypes in fp8.gathered:
+    for tensors, _ in fp8.gathered:
+        dtypes = [dtype for dtype, _ in tensors]
         assert dtypes[0] in FP8_DTYPES, f"{name}: the experts' data gathered as {dtypes[0]}, expected FP8"
         if name in SEPARATE_COLUMNWISE:
             assert len(dtypes) == 4 and dtypes[2] in FP8_DTYPES, f"{name}: gathered {dtypes}, expected both copies"

@@ -252,6 +252,13 @@ class FP8AllGatherWeight(torch.Tensor):
     # FSDP2 extension points
     # ------------------------------------------------------------------
 
+    def _shard_to_quantize(self, mp_policy: Any) -> Tensor:
+        """This shard as the forward would quantize it without FP8 all-gather: in the mixed-precision
+        policy's parameter dtype, contiguous."""
+        param_dtype = getattr(mp_policy, "param_dtype", None)
+        shard = self._tensor if param_dtype is None else self._tensor.to(param_dtype)
+        return shard.contiguous()
+
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: Any
     ) -> tuple[tuple[Tensor, ...], _GatherMetadata]:
@@ -261,11 +268,7 @@ class FP8AllGatherWeight(torch.Tensor):
         world_size = dist.get_world_size(group)
         rows, cols = int(outer_size[0]), int(outer_size[1])
         check_shardable(quantizer, rows, world_size, "fsdp_pre_all_gather")
-        shard = self._tensor
-        param_dtype = getattr(mp_policy, "param_dtype", None)
-        if param_dtype is not None:
-            shard = shard.to(param_dtype)  # what the forward would quantize without FP8 all-gather
-        shard = shard.contiguous()
+        shard = self._shard_to_quantize(mp_policy)
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
             if quantizer.is_nvfp4:

@@ -183,11 +183,7 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
                 f"fsdp_pre_all_gather: {int(outer_size[0])} experts over {world_size} ranks: each rank must hold "
                 "whole experts to gather them in FP8"
             )
-        shard = self._tensor
-        param_dtype = getattr(mp_policy, "param_dtype", None)
-        if param_dtype is not None:
-            shard = shard.to(param_dtype)  # what the forward would quantize without FP8 all-gather
-        shard = shard.contiguous()
+        shard = self._shard_to_quantize(mp_policy)
         separate = not columnwise_is_transpose(quantizer)
         group = mesh.get_group(mesh.ndim - 1)
         per_pass = separate and _per_pass_fits(quantizer, outer_size)
