@@ -1,4 +1,4 @@
-"""Large CPU GEMM outputs are backed by transparent huge pages (csrc/cpu/memory_cpu.cpp: advise_huge_pages).
+"""Large CPU kernel outputs are backed by transparent huge pages (csrc/cpu/memory_cpu.cpp: advise_huge_pages).
 
 A fresh output of 32 MiB or more is a mapping of its own, which the kernels advise MADV_HUGEPAGE before
 writing it, so that its first write faults 2 MiB at a time, not 4 KiB (a grouped GEMM's weight gradient
@@ -16,7 +16,9 @@ from blockwise_cases import E4M3, E5M2
 from grouped_cases import offsets
 
 from transformer_linear import ops, reference
+from transformer_linear.ops import block as ops_block
 from transformer_linear.ops import grouped as ops_grouped
+from transformer_linear.ops import nvfp4 as ops_nvfp4
 
 
 def _smaps_has_vm_flags() -> bool:
@@ -72,6 +74,49 @@ def test_grouped_wgrad_output():
     dw = ops_grouped.fp8_grouped_gemm_wgrad(grad, s_grad, x, s_x, offsets([6, 10]), torch.float32)
     assert dw.nbytes >= OWN_MAPPING
     assert "hg" in _vm_flags(dw), "a 32 MiB grouped weight gradient is not advised to huge pages"
+
+
+def _rows(cols: int, dtype: torch.dtype) -> int:
+    """Rows of an (rows, cols) ``dtype`` tensor of OWN_MAPPING bytes."""
+    return OWN_MAPPING // (cols * dtype.itemsize)
+
+
+def _input(rows_of: torch.dtype) -> torch.Tensor:
+    """A bfloat16 input whose ``rows_of`` copy (4096 columns) is OWN_MAPPING bytes."""
+    return torch.ones(_rows(4096, rows_of), 4096, dtype=torch.bfloat16)
+
+
+def _cast_transpose() -> list[torch.Tensor]:
+    out = ops.quantize_fused(_input(E4M3), E4M3, columnwise=True)
+    return [out.data, out.data_t]
+
+
+def _block_quantize() -> list[torch.Tensor]:
+    out = ops_block.quantize_blockwise_fused(_input(E4M3), E4M3, (1, 128), columnwise=True)
+    return [out.data, out.data_t]
+
+
+def _nvfp4_quantize() -> list[torch.Tensor]:
+    x = torch.ones(2 * _rows(4096, E4M3), 4096, dtype=torch.bfloat16)  # two E2M1 values a byte
+    return [ops_nvfp4.quantize_nvfp4(x, torch.ones(())).data]
+
+
+# The quantize family's large outputs: each case returns the outputs that must be advised.
+QUANTIZE_CASES = {
+    "quantize": lambda: [ops.quantize_current(_input(E4M3), E4M3)[0]],
+    "cast + transpose": _cast_transpose,
+    "dequantize": lambda: [ops.dequantize(_input(torch.float32).to(E4M3), torch.ones(1), torch.float32)],
+    "block quantize 1x128": _block_quantize,
+    "nvfp4 quantize": _nvfp4_quantize,
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZE_CASES)
+def test_quantize_outputs(case):
+    outputs = QUANTIZE_CASES[case]()
+    for out in outputs:
+        assert out.nbytes >= OWN_MAPPING
+        assert "hg" in _vm_flags(out), f"{case}: a {out.nbytes >> 20} MiB output is not advised to huge pages"
 
 
 def test_small_output_left_alone():

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/memory_cpu.h"
 #include "../cpu/parallel.h"
 #include "../cpu/quantize_nvfp4_cpu.h"
 #include "backend_nvfp4.h"
@@ -267,6 +268,7 @@ void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc
   p.rht = rht;
   p.stochastic_rounding = stochastic_rounding;
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::advise_huge_pages({output_t});
   cpu::quantize_grouped_nvfp4(p);
 }
 

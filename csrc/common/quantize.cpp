@@ -1,6 +1,7 @@
 // Quantize-family entry points: validate, then run the kernel of the input's device.
 #include "transformer_linear/quantize.h"
 
+#include "../cpu/memory_cpu.h"
 #include "../cpu/parallel.h"
 #include "backend.h"
 #include "validate.h"
@@ -110,6 +111,7 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
 #endif
   }
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::advise_huge_pages({output, output_t});
   cpu::quantize(p);
 }
 
@@ -132,6 +134,7 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
 #endif
   }
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::advise_huge_pages({output});
   cpu::dequantize(input, scale_inv, output);
 }
 

@@ -1,6 +1,7 @@
 // Blockwise quantize entry point: validate, then run the CPU kernel.
 #include <algorithm>
 
+#include "../cpu/memory_cpu.h"
 #include "../cpu/parallel.h"
 #include "backend_block.h"
 #include "transformer_linear/block.h"
@@ -78,6 +79,7 @@ void quantize_blockwise(const TensorDesc& input, const TensorDesc& output,
                   {"scale_inv_t", &scale_inv_t}},
                  {{"x", &input}});
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::advise_huge_pages({output, output_t});
   cpu::quantize_blockwise(p);
 }
 

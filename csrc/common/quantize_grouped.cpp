@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../cpu/memory_cpu.h"
 #include "../cpu/parallel.h"
 #include "../cpu/quantize_grouped_cpu.h"
 #include "transformer_linear/grouped.h"
@@ -53,6 +54,7 @@ void quantize_grouped_columnwise(const TensorDesc& input, const TensorDesc& offs
   p.power_2_scale = power_2_scale;
   p.e8m0_floor = e8m0_floor;
   const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::advise_huge_pages({output_t});
   cpu::quantize_grouped_columnwise(p);
 }
 

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <utility>
 
+#include "../cpu/memory_cpu.h"
 #include "../cpu/parallel.h"
 #include "../cpu/quantize_nvfp4_cpu.h"
 #include "../cpu/quantize_nvfp4_cpu_amax.h"
@@ -97,6 +98,7 @@ void quantize_nvfp4(const TensorDesc& input, const TensorDesc& amax, const Tenso
   if (output.defined()) *global_scale.ptr<float>() = 1.0f / p.s_enc;
   if (output_t.defined()) *global_scale_t.ptr<float>() = 1.0f / p.s_enc_t;
   const cpu::ThreadCountScope threads(cpu::call_threads(kOp, stream));
+  cpu::advise_huge_pages({output, output_t});
   cpu::quantize_nvfp4(p);
 }
 

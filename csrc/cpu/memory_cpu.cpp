@@ -36,5 +36,11 @@ void advise_huge_pages(void* data, size_t bytes) {
 #endif
 }
 
+void advise_huge_pages(std::initializer_list<TensorDesc> outputs) {
+  for (const TensorDesc& out : outputs) {
+    if (out.defined()) advise_huge_pages(out.data, static_cast<size_t>(out.numel()) * element_size(out.dtype));
+  }
+}
+
 }  // namespace cpu
 }  // namespace tl

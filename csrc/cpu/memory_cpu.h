@@ -4,7 +4,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
+
+#include "transformer_linear/tensor.h"
 
 namespace tl {
 namespace cpu {
@@ -36,6 +39,12 @@ Buffer aligned_buffer(size_t bytes, const char* op);
  * it does nothing); the advice changes how pages are backed, never their contents.
  */
 void advise_huge_pages(void* data, size_t bytes);
+
+/*!
+ * \brief advise_huge_pages for each defined descriptor among `outputs` (all its numel() elements):
+ *        the outputs a CPU kernel is about to write.
+ */
+void advise_huge_pages(std::initializer_list<TensorDesc> outputs);
 
 }  // namespace cpu
 }  // namespace tl
