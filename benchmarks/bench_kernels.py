@@ -46,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import socket
 import statistics
@@ -90,7 +91,8 @@ CLOCK = "wall"
 
 
 def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, budget_s: float = 20.0) -> dict:
-    """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls.
+    """(median, min) seconds of each function over ``repeats`` calls after ``warmup`` calls, and its median
+    count of minor page faults a call (the process's; a fresh output faults in each page it writes).
 
     Calls are interleaved round-robin, so on a shared machine every candidate
     sees the same background load and their ratios stay meaningful. The first
@@ -105,12 +107,15 @@ def measure(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, bud
             fn()
     repeats = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = CLOCKS[CLOCK]()
             fn()
             times[name].append(CLOCKS[CLOCK]() - start)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    return {name: (statistics.median(t), min(t), statistics.median(faults[name])) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +184,7 @@ def bench_quantize(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
                     "vs_eager": t["eager"][0] / t["ours"][0],
                     "vs_compiled": t["compiled"][0] / t["ours"][0],
                     "of_memcpy": gbs["ours"] / gbs["memcpy"],
+                    "ours_faults": t["ours"][2],
                     "best_of": {f"{k}_gbs": v for k, v in best_gbs.items()},
                 })
                 print_quantize_row(rows[-1])
@@ -187,7 +193,7 @@ def bench_quantize(sizes: list[int], repeats: int, warmup: int) -> list[dict]:
 
 QUANTIZE_HEADER = (
     f"{'op':<17}{'dtype':<10}{'numel':>10}{'ours GB/s':>11}{'eager':>8}{'compiled':>10}{'memcpy':>8}"
-    f"{'x eager':>9}{'x compiled':>12}{'of memcpy':>11}"
+    f"{'x eager':>9}{'x compiled':>12}{'of memcpy':>11}{'faults':>8}"
 )
 
 
@@ -195,7 +201,7 @@ def print_quantize_row(r: dict) -> None:
     print(
         f"{r['op']:<17}{r['dtype']:<10}{r['numel']:>10}{r['ours_gbs']:>11.1f}{r['eager_gbs']:>8.1f}"
         f"{r['compiled_gbs']:>10.1f}{r['memcpy_gbs']:>8.1f}{r['vs_eager']:>9.2f}{r['vs_compiled']:>12.2f}"
-        f"{r['of_memcpy']:>10.0%}",
+        f"{r['of_memcpy']:>10.0%}{r.get('ours_faults', float('nan')):>8.0f}",
         flush=True,
     )
 
