@@ -213,6 +213,18 @@ def test_opcheck_high_precision_grouped_gemms(dtype):
     assert empty.shape == (G, N, K) and not empty.any()
 
 
+@pytest.mark.parametrize("ends", [[T // 2, T // 4, T, T], [-1, T, T, T], [0, 0, 0, T + 1]],
+                         ids=["decreasing", "negative", "past the tokens"])
+def test_high_precision_grouped_gemms_bad_offs(ends):
+    """offs read on the host are checked as the FP8 grouped GEMMs check them, not sliced into garbage."""
+    g, w, x = torch.randn(T, N), torch.randn(G, N, K), torch.randn(T, K)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    with pytest.raises(ValueError, match="grouped_mm_dgrad: argument 'offs'"):
+        grouped_mm_dgrad(g, w, offs, torch.float32)
+    with pytest.raises(ValueError, match="grouped_mm_wgrad: argument 'offs'"):
+        grouped_mm_wgrad(g, x, offs, torch.float32)
+
+
 @pytest.mark.usefixtures("allclose_on_fp8")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["tensorwise", "block"])

@@ -432,6 +432,11 @@ def _bad_calls():
         "m_splits tensor length": (lambda m: m(x, torch.tensor(sizes[:-1])), ValueError, "m_splits"),
         "m_splits sum": (lambda m: m(x, [*sizes[:-1], sizes[-1] + 1]), ValueError, "m_splits"),
         "m_splits negative": (lambda m: m(x, [-1, *sizes[1:-1], sizes[-1] + 1]), ValueError, "m_splits"),
+        # A tensor's values are not read on the host; the kernels check the offsets made from them.
+        "m_splits tensor sum over": (lambda m: m(x, torch.tensor([*sizes[:-1], sizes[-1] + 1])), ValueError,
+                                     "'offs' must not pass"),
+        "m_splits tensor negative": (lambda m: m(x, torch.tensor([-1, *sizes[1:-1], sizes[-1] + 1])), ValueError,
+                                     "'offs' must be non-decreasing and non-negative"),
         "m_splits float tensor": (lambda m: m(x, torch.tensor(sizes, dtype=torch.float32)), TypeError, "m_splits"),
         "m_splits floats": (lambda m: m(x, [float(s) for s in sizes]), TypeError, "m_splits"),
         "m_splits meta": (lambda m: m(x, torch.tensor(sizes, device="meta")), TypeError, "m_splits"),
@@ -443,11 +448,25 @@ def _bad_calls():
     }
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["current", "high_precision"])
 @pytest.mark.parametrize("case", list(_bad_calls()))
-def test_bad_input_names_the_argument(case):
+def test_bad_input_names_the_argument(case, fp8):
     call, error, match = _bad_calls()[case]
+    module = _module("current")
+    if not fp8:
+        module.recipe = None
     with pytest.raises(error, match=match):
-        call(_module("current"))
+        call(module)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["current", "high_precision"])
+@pytest.mark.parametrize("ends", [[T // 2, T // 4, T, T], [-1, T, T, T], [0, 0, 0, T + 1]],
+                         ids=["decreasing", "negative", "past the tokens"])
+def test_functional_bad_offs_values(ends, fp8):
+    """offs values that would slice past the tokens (or backwards) raise, with or without FP8."""
+    recipe = RECIPES["current"]() if fp8 else None
+    with pytest.raises(ValueError, match="'offs'"):
+        tl.grouped_linear(torch.randn(T, K), torch.randn(G, N, K), torch.tensor(ends, dtype=torch.int32), recipe=recipe)
 
 
 def test_bad_constructor_and_functional_arguments():

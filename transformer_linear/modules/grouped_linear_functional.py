@@ -23,6 +23,7 @@ from transformer_linear.modules.grouped_linear_ops import (
     grouped_linear_fwd,
 )
 from transformer_linear.modules.linear_args import CachedWeight
+from transformer_linear.ops.grouped_high_precision import group_ends
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.quantization import QuantizationSpec
 
@@ -42,7 +43,7 @@ def high_precision_grouped_linear(inp: Tensor, weight: Tensor, offs: Tensor, bia
 
     Reads ``offs`` on the host (a device sync on a GPU): the group sizes become Python ints.
     """
-    ends = [0, *(int(e) for e in offs.tolist())]
+    ends = group_ends("grouped_linear", offs, inp.shape[0])
     outs = []
     for g in range(weight.shape[0]):
         outs.append(F.linear(inp[ends[g] : ends[g + 1]], weight[g], None if bias is None else bias[g]))

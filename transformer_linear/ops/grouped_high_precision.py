@@ -12,11 +12,26 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm_dgrad", "grouped_mm_wgrad"]
+__all__ = ["group_ends", "grouped_mm_dgrad", "grouped_mm_wgrad"]
 
 
-def _group_ends(offs: torch.Tensor) -> list[int]:
-    return [0, *(int(e) for e in offs.tolist())]
+def group_ends(op: str, offs: torch.Tensor, total_tokens: int) -> list[int]:
+    """``[0, *offs]`` as Python ints, read on the host and checked as the FP8 grouped GEMMs check them.
+
+    Raises:
+        ValueError: ``offs`` decreasing, negative, or past ``total_tokens`` (slices of the operands would
+            otherwise run past them, or silently take a negative length).
+    """
+    ends = [0, *(int(e) for e in offs.tolist())]
+    for g in range(1, len(ends)):
+        if ends[g] < ends[g - 1]:
+            after = f", after offs[{g - 2}] = {ends[g - 1]}" if g > 1 else ""
+            raise ValueError(f"{op}: argument 'offs' must be non-decreasing and non-negative, got offs[{g - 1}] = "
+                             f"{ends[g]}{after}")
+    if ends[-1] > total_tokens:
+        raise ValueError(f"{op}: argument 'offs' must not pass the {total_tokens} rows of the tokens, got "
+                         f"offs[{len(ends) - 2}] = {ends[-1]}")
+    return ends
 
 
 @torch.library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
@@ -31,7 +46,7 @@ def grouped_mm_dgrad(
         offs: (num_gemms,) int32 cumulative row ends.
         out_dtype: the result's dtype.
     """
-    ends = _group_ends(offs)
+    ends = group_ends("grouped_mm_dgrad", offs, grad.shape[0])
     out = grad.new_zeros((grad.shape[0], weight.shape[2]), dtype=out_dtype)
     for g in range(weight.shape[0]):
         out[ends[g] : ends[g + 1]] = torch.mm(grad[ends[g] : ends[g + 1]], weight[g].to(grad.dtype)).to(out_dtype)
@@ -55,7 +70,7 @@ def grouped_mm_wgrad(
         offs: (num_gemms,) int32 cumulative row ends.
         out_dtype: the result's dtype.
     """
-    ends = _group_ends(offs)
+    ends = group_ends("grouped_mm_wgrad", offs, grad.shape[0])
     out = grad.new_empty((offs.shape[0], grad.shape[1], inp.shape[1]), dtype=out_dtype)
     for g in range(offs.shape[0]):
         rows = slice(ends[g], ends[g + 1])
