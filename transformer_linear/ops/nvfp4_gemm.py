@@ -130,6 +130,11 @@ def nvfp4_gemm(
     )
 
 
+# ---------------------------------------------------------------------------
+# The Linear's form: global scales packed with the block scales (ops.nvfp4_packed_scales)
+# ---------------------------------------------------------------------------
+
+
 def _check_packed_gemm(op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     check_same_device(op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
                       optional=("bias",))
