@@ -21,7 +21,8 @@ from test_backward_override import hand_dequantize
 from tolerances import assert_bitwise_equal
 
 import transformer_linear as tl
-from transformer_linear.modules.grouped_linear_ops import GroupedLinearFwdArgs, grouped_linear_fwd
+from transformer_linear.modules.grouped_linear_args import GroupedLinearFwdArgs
+from transformer_linear.modules.grouped_linear_ops import grouped_linear_fwd
 from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
 from transformer_linear.recipe.quantization import quantization_spec

@@ -20,7 +20,8 @@ from tolerances import assert_close_to_reference, assert_grouped_close_to_refere
 
 import transformer_linear as tl
 from transformer_linear import reference
-from transformer_linear.modules.grouped_linear_ops import GroupedLinearFwdArgs, grouped_linear_fwd
+from transformer_linear.modules.grouped_linear_args import GroupedLinearFwdArgs
+from transformer_linear.modules.grouped_linear_ops import grouped_linear_fwd
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.reference import grouped as reference_grouped
 

@@ -20,7 +20,7 @@ from tolerances import assert_bitwise_equal
 import transformer_linear as tl
 from transformer_linear import _C
 from transformer_linear.formats.nvfp4 import hadamard_amax_of_transpose
-from transformer_linear.modules import grouped_linear_ops
+from transformer_linear.modules import grouped_linear_ops, grouped_linear_quantize
 from transformer_linear.ops import grouped_nvfp4, nvfp4
 from transformer_linear.reference import grouped as reference_grouped
 from transformer_linear.reference import nvfp4 as ref
@@ -365,8 +365,8 @@ def test_opcheck_grouped_quantize():
 def _old_masked_path(monkeypatch):
     """The GroupedLinear's NVFP4 path as it was: masked copies quantized one by one, every expert on all tokens."""
     def masked_columnwise(q, t, offs):
-        qt = grouped_linear_ops._stacked_nvfp4(q, grouped_linear_ops.masked_to_groups(t, offs), rowwise=False,
-                                               columnwise=True)
+        qt = grouped_linear_quantize._stacked_nvfp4(q, grouped_linear_quantize.masked_to_groups(t, offs),
+                                                    rowwise=False, columnwise=True)
         return qt.data_t, qt.scale_inv_t
 
     def wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype, offs=None):

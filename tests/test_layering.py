@@ -179,7 +179,11 @@ def test_triton_kernels_import_only_the_formats(rel):
 
 @pytest.mark.parametrize(
     "rel",
-    ["ops/__init__.py", "ops/block.py", "ops/nvfp4.py", "ops/grouped.py", "ops/gemm_block_cuda.py", "recipe/__init__.py"],
+    [
+        "ops/__init__.py", "ops/block.py", "ops/nvfp4.py", "ops/nvfp4_quantize.py", "ops/nvfp4_gemm.py",
+        "ops/nvfp4_packed_scales.py", "ops/nvfp4_checks.py", "ops/grouped.py", "ops/gemm_block_cuda.py",
+        "recipe/__init__.py",
+    ],
 )
 def test_the_ops_and_recipes_do_not_import_the_oracle(rel):
     top, local = imports_of(rel)

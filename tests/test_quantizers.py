@@ -20,7 +20,7 @@ from transformer_linear.formats.block_scaling import GemmScalings
 from transformer_linear.formats.block_scaling import resolve_gemm_scalings as resolve_fp8_gemm_scalings
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.modules import linear, linear_ops
-from transformer_linear.ops import nvfp4
+from transformer_linear.ops import nvfp4, nvfp4_gemm
 from transformer_linear.recipe.quantization import (
     DATA_DTYPES,
     QUANTIZER_SCALE_DTYPES,
@@ -44,7 +44,7 @@ def resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv):
     """The ScalingTypes ops.fp8_gemm resolves for its operands: FP8 pairs by block_scaling.py; NVFP4
     operands (uint8 data, packed scales) take the NVFP4 GEMM, their packed scales checked by its op."""
     if a.dtype == torch.uint8:
-        nvfp4._check_packed_gemm("fp8_gemm", a, a_scale_inv, b, b_scale_inv, torch.float32, None)
+        nvfp4_gemm._check_packed_gemm("fp8_gemm", a, a_scale_inv, b, b_scale_inv, torch.float32, None)
         return GemmScalings("NVFP4", (1, 16), "NVFP4", (1, 16))
     return resolve_fp8_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
 

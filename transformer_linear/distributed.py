@@ -43,7 +43,7 @@ from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_
 from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
 from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.grouped_linear import GroupedLinear
-from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
 from transformer_linear.recipe import Recipe

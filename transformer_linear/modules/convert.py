@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from transformer_linear.modules import tensor_parallel
-from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
     ExpertsFP8State,

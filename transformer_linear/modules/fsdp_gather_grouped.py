@@ -47,7 +47,7 @@ from transformer_linear.modules.fsdp_gather_usages import (
     rowwise_source_handle,
     usages_to_gather,
 )
-from transformer_linear.modules.grouped_linear_ops import quantize_expert_weights
+from transformer_linear.modules.grouped_linear_quantize import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.quantized_init import columnwise_is_transpose
 from transformer_linear.recipe.quantization import QuantizationSpec, Quantized

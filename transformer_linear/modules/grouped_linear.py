@@ -30,7 +30,8 @@ from transformer_linear.modules.grouped_linear_functional import (
     high_precision_grouped_linear,
     run_grouped_linear,
 )
-from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization, compute_grouped_wgrad
+from transformer_linear.modules.grouped_linear_ops import compute_grouped_wgrad
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.linear_ops import WgradQueue
 from transformer_linear.recipe import Recipe, amax_reduction

@@ -14,14 +14,13 @@ from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules.autocast import get_fp8_recipe
-from transformer_linear.modules.grouped_linear_ops import (
+from transformer_linear.modules.grouped_linear_args import (
     GroupedLinearFwdArgs,
     GroupedLinearFwdOutputs,
     GroupedWgradArgs,
-    check_grouped_quantization,
-    finish_wgrad,
-    grouped_linear_fwd,
 )
+from transformer_linear.modules.grouped_linear_ops import finish_wgrad, grouped_linear_fwd
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.ops.grouped_high_precision import group_ends
 from transformer_linear.recipe import Recipe

@@ -1,5 +1,6 @@
 """The grouped (mixture-of-experts) Linear as a custom op with autograd: ``grouped_linear_fwd`` (the
-functional form and the module's entry point are in grouped_linear_functional.py).
+functional form and the module's entry point are in grouped_linear_functional.py, the op's argument bundles
+in grouped_linear_args.py, the recipe check and the experts' quantized copies in grouped_linear_quantize.py).
 
 Forward quantizes the tokens of every expert once (the recipe's input quantizer), each expert's weight
 with its own scale (under delayed scaling the state's one weight scale, shared by the experts) into the
@@ -16,8 +17,8 @@ Float8RowwiseScaling, a CustomRecipe of such) run the block-scaled grouped GEMMs
 the rowwise data and each expert's columnwise weight copy, and the weight gradient on *grouped
 columnwise copies* of the input and of grad_output (ops.grouped_quantize), whose 1 x B token blocks
 restart at each group's first token (scales per (column, group) for rowwise scaling), so no block
-straddles two experts and nothing is padded (formats.grouped_scaling). :func:`check_grouped_quantization`
-names what does not fit.
+straddles two experts and nothing is padded (formats.grouped_scaling). ``check_grouped_quantization``
+(grouped_linear_quantize.py) names what does not fit.
 
 The recipe's ``backward_override`` (QuantizationSpec.backward_operands) is asked, never the recipe: with
 "high_precision" autograd saves the original input and weights, with "dequantized" the rowwise copies the
@@ -29,22 +30,24 @@ grad_output is not quantized.
 # No ``from __future__ import annotations``: args_op reads the op schema from the field annotations.
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.formats.dtypes import FP8_DTYPES
-from transformer_linear.formats.grouped_scaling import (
-    GROUPED_GEMM_SCALINGS,
-    TOKEN_BLOCKS,
-    WHOLE,
-    token_scale_cols,
+from transformer_linear.formats.grouped_scaling import token_scale_cols
+from transformer_linear.modules.grouped_linear_args import (
+    GroupedLinearFwdArgs,
+    GroupedLinearFwdOutputs,
+    GroupedWgradArgs,
 )
-from transformer_linear.formats.nvfp4 import BLOCK as NVFP4_BLOCK
-from transformer_linear.modules.linear_args import CachedWeight, args_op
+from transformer_linear.modules.grouped_linear_quantize import (
+    masked_columnwise_nvfp4,
+    quantize_expert_weights,
+    token_block,
+)
+from transformer_linear.modules.linear_args import args_op
 from transformer_linear.modules.linear_ops import QueuedWgrad, WgradQueue
 from transformer_linear.ops.grouped import (
     fp8_grouped_gemm,
@@ -52,155 +55,20 @@ from transformer_linear.ops.grouped import (
     fp8_grouped_gemm_wgrad_blockwise,
 )
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
-from transformer_linear.ops.grouped_nvfp4 import (
-    compact_columnwise,
-    group_of_rows,
-    nvfp4_grouped_gemm,
-    nvfp4_grouped_gemm_wgrad,
-    quantize_nvfp4_grouped_columnwise,
-)
+from transformer_linear.ops.grouped_nvfp4 import nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
-from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.delayed_scaling import (
     DelayedScalingArgs,
     ForwardScales,
     forward_scales,
     quantize_and_record_grad_output,
 )
-from transformer_linear.recipe.quantization import (
-    QuantizationSpec,
-    Quantized,
-    TensorQuantizer,
-    check_recipe,
-    flat,
-    quantization_spec,
-    tensorwise_result,
-)
+from transformer_linear.recipe.quantization import QuantizationSpec, Quantized, TensorQuantizer, flat
 
-__all__ = [
-    "GroupedLinearFwdArgs",
-    "GroupedLinearFwdOutputs",
-    "GroupedWgradArgs",
-    "check_grouped_quantization",
-    "compute_grouped_wgrad",
-    "group_sums",
-    "grouped_linear_fwd",
-    "quantize_expert_weights",
-]
-
-
-@dataclasses.dataclass(slots=True)
-class GroupedLinearFwdArgs:
-    """Everything ``grouped_linear_fwd`` needs; one field = one op argument (a config: one per leaf)."""
-
-    inp: Tensor
-    """(total_tokens, in_features): the tokens of every expert, expert by expert."""
-    weight: Tensor
-    """(num_gemms, out_features, in_features): one weight per expert."""
-    bias: Optional[Tensor]
-    """(num_gemms, out_features) or None."""
-    cached_weight: Optional[CachedWeight]
-    """is_first_microbatch=False: the experts' FP8 weights to reuse (stacked: (num_gemms, ...) each); None
-    quantizes the weight."""
-    offs: Tensor
-    """(num_gemms,) int32 cumulative row ends (torch._grouped_mm's)."""
-    input_requires_grad: bool
-    weight_requires_grad: bool
-    bias_requires_grad: bool
-    quantization: QuantizationSpec
-    """The quantizers of input, weight and grad_output (quantization.py)."""
-    delayed: Optional[DelayedScalingArgs]
-    """The module's delayed-scaling state where the quantizers take their scales from it, else None."""
-    out_dtype: torch.dtype
-    main_grad: Optional[Tensor]
-    """fuse_wgrad_accumulation: the (num_gemms, out_features, in_features) fp32 buffer backward adds wgrad to."""
-    wgrad_queue: int
-    """delay_wgrad_compute: handle (_handles.py) of the module's WgradQueue, which backward_dw() drains; -1 off."""
-
-
-class GroupedLinearFwdOutputs(NamedTuple):
-    """What ``grouped_linear_fwd`` returns (unused slots are empty tensors); only ``out`` has a gradient."""
-
-    out: Tensor
-    """(total_tokens, out_features); rows past offs[-1] are 0."""
-    inp_fp8: Tensor
-    """What wgrad reads: one scale per tensor, the (total_tokens, in_features) rowwise data (the grouped
-    wgrad contracts over rows); block scales, the (in_features, total_tokens) grouped columnwise copy
-    (empty when the weight needs no gradient)."""
-    inp_scale_inv: Tensor
-    """inp_fp8's scales: one element, or the grouped columnwise copy's grid, flat (1-D)."""
-    weight_fp8: Tensor
-    """(num_gemms, out_features, in_features) FP8: each expert's rowwise weight, what the forward GEMM read
-    (empty when a cached weight was given); the module caches it for is_first_microbatch."""
-    weight_fp8_t: Tensor
-    """(num_gemms, in_features, out_features) FP8: each expert's weight transposed (block scales: its
-    columnwise copy), what dgrad reads (empty when the input needs no gradient or a cached weight was given)."""
-    weight_scale_inv: Tensor
-    """weight_fp8's scales: (num_gemms,), or (num_gemms, ...) block scales of each expert."""
-    weight_scale_inv_t: Tensor
-    """weight_fp8_t's scales: (num_gemms,) (the rowwise ones), or (num_gemms, ...) block scales of each copy."""
-    amax: Tensor
-    """(2,) amaxes of [input, weight (over all experts)] for the delayed-scaling update, else empty."""
-    grad_output_scale: Tensor
-    """Delayed scaling: grad_output's scale as of this forward (negated: backward computes one just in time)."""
-    fwd_scales: Tensor
-    """Delayed scaling: the scales this forward used for [input, weight, grad_output]."""
+__all__ = ["compute_grouped_wgrad", "group_sums", "grouped_linear_fwd"]
 
 
 _FwdOutputs = tuple[(Tensor,) * len(GroupedLinearFwdOutputs._fields)]
-
-
-def token_block(q: TensorQuantizer) -> int:
-    """The token block of a block-scaling quantizer's grouped columnwise copy: its block along the row
-    of the transposed tensor (WHOLE for rowwise scaling: one scale per column and group)."""
-    return WHOLE if q.block_shape[1] == 0 else q.block_shape[1]
-
-
-def check_grouped_quantization(where: str, recipe: Recipe) -> QuantizationSpec:
-    """The quantizers of ``recipe``, checked to be ones the grouped GEMMs take: FP8 with one scale per
-    tensor for every role, or block scales for every role, with 1 x B blocks (B 128, 32 or the whole row)
-    of the input and grad_output alike, and weight scales that pair with them
-    (grouped_scaling.GROUPED_GEMM_SCALINGS).
-
-    Raises:
-        TypeError: not a recipe (check_recipe).
-        NotImplementedError: quantizers outside those (the message names the recipe and the role).
-    """
-    check_recipe(where, recipe)
-    spec = quantization_spec(recipe)
-    name = type(recipe).__name__
-
-    def refuse(why: str) -> NotImplementedError:
-        return NotImplementedError(
-            f"{where}: recipe {name} {why}; the grouped GEMMs take FP8 with one scale per tensor for every role "
-            "(DelayedScaling, Float8CurrentScaling), block scales for every role (Float8BlockScaling, "
-            "MXFP8BlockScaling, Float8RowwiseScaling), or NVFP4 for every role (NVFP4BlockScaling)"
-        )
-
-    roles = {role: getattr(spec, role) for role in ("input", "weight", "grad_output")}
-    nvfp4_roles = [q.is_nvfp4 for q in roles.values()]
-    if all(nvfp4_roles):
-        return spec  # the NVFP4 path (ops.grouped_nvfp4)
-    if any(nvfp4_roles):
-        raise refuse("mixes NVFP4 with other formats")
-    for role, q in roles.items():
-        if q.dtype not in FP8_DTYPES:
-            raise refuse(f"quantizes the {role} to {q.dtype}")
-    if len({q.blockwise for q in roles.values()}) > 1:
-        raise refuse("mixes one scale per tensor with block scales")
-    if not spec.input.blockwise:
-        return spec
-    for role in ("input", "grad_output"):
-        q = roles[role]
-        if q.block_shape[0] != 1 or token_block(q) not in TOKEN_BLOCKS or TOKEN_BLOCKS[token_block(q)] != q.scale_dtype:
-            raise refuse(f"quantizes the {role} in {list(q.block_shape)} blocks of {q.scale_dtype} scales (the "
-                         "grouped weight gradient takes 1x128 / 1x0 float32 or 1x32 E8M0 blocks)")
-        if (q.gemm_scaling, spec.weight.gemm_scaling) not in GROUPED_GEMM_SCALINGS:
-            raise refuse(f"pairs {q.gemm_scaling} {role} scales with {spec.weight.gemm_scaling} weight scales")
-    if spec.input.block_shape != spec.grad_output.block_shape:
-        raise refuse(f"quantizes the input in {list(spec.input.block_shape)} blocks and grad_output in "
-                     f"{list(spec.grad_output.block_shape)} blocks (the grouped weight gradient takes one token block)")
-    return spec
 
 
 def _grouped_columnwise(q: TensorQuantizer, t: Tensor, offs: Tensor):
@@ -333,48 +201,6 @@ def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
     )
 
 
-def masked_to_groups(t: Tensor, offs: Tensor) -> list[Tensor]:
-    """One copy of ``t`` per group, its other rows zero (the group of a row found on the device)."""
-    group = group_of_rows(t.shape[0], offs).unsqueeze(1)
-    return [torch.where(group == g, t, torch.zeros((), dtype=t.dtype, device=t.device)) for g in range(offs.shape[0])]
-
-
-def masked_columnwise_nvfp4(q: TensorQuantizer, t: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    """Each group's columnwise copy of ``t`` masked to its group (its other rows zero) by the NVFP4 quantizer
-    ``q``, compact (ops.grouped_nvfp4: each group's 16-token bands only, about ``t``'s FP4 size, not G times
-    it): (data_t (K, C/2), scales (8 G + K * C/16)). 1x16 blocks: one grouped quantize (on the CPU only the
-    bands holding each group's tokens are quantized), with one stochastic-rounding seed per group drawn as
-    quantizing each masked copy would; 16x16 tiles: each masked copy quantized by ``q``, its bands kept."""
-    if q.block_shape != [1, NVFP4_BLOCK]:
-        qt = _stacked_nvfp4(q, masked_to_groups(t, offs), rowwise=False, columnwise=True)
-        return compact_columnwise(qt.data_t, qt.scale_inv_t, offs)
-    seeds = None
-    if q.stochastic_rounding:
-        # One draw per group, in group order; each draw depends on its own tensor so that none is merged.
-        draws = [ops.nvfp4.sr_seed(offs[g]) for g in range(offs.shape[0])]
-        seeds = torch.stack(draws) if draws else torch.zeros(0, dtype=torch.int64)
-    return quantize_nvfp4_grouped_columnwise(t, offs, q.rht, q.stochastic_rounding, seeds)
-
-
-def _stacked_nvfp4(q: TensorQuantizer, tensors: list[Tensor], rowwise: bool, columnwise: bool) -> Quantized:
-    """Each tensor quantized by the NVFP4 quantizer ``q`` in the usages asked for, the copies stacked
-    (data (G, ...), packed scales (G, S)); an absent usage is empty."""
-    qs = [q.quantize(t, rowwise=rowwise, columnwise=columnwise) for t in tensors]
-
-    def stacked(field: str, present: bool) -> Tensor:
-        if not present:
-            return getattr(qs[0], field).new_empty(0)
-        # Copied into one tensor rather than stacked: torch.autocast's stack rejects FP8 scales.
-        parts = [getattr(qt, field) for qt in qs]
-        out = parts[0].new_empty((len(parts), *parts[0].shape))
-        for g, part in enumerate(parts):
-            out[g].copy_(part)
-        return out
-
-    return Quantized(stacked("data", rowwise), stacked("scale_inv", rowwise), stacked("data_t", columnwise),
-                     stacked("scale_inv_t", columnwise))
-
-
 def _quantize_experts(
     a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales], columnwise: bool
 ) -> Quantized:
@@ -383,52 +209,6 @@ def _quantize_experts(
     w = a.quantization.weight
     return quantize_expert_weights(w, a.weight, columnwise, scale=scales.weight if scales else None,
                                    records_amax=w.records_amax and scales is not None)
-
-
-def quantize_expert_weights(
-    w: TensorQuantizer, weight: Tensor, columnwise: bool, scale: Optional[Tensor] = None, records_amax: bool = False
-) -> Quantized:
-    """Each expert's weight of the (num_gemms, out_features, in_features) ``weight`` quantized by ``w``, stacked:
-    rowwise for the forward GEMM and (``columnwise``: the input needs a quantized gradient) columnwise for
-    dgrad. One scale per tensor: each expert's own (or ``scale``, the delayed-scaling state's, for all),
-    scales (num_gemms,), and ``amax`` over all experts where ``records_amax``. Also what
-    ``tl.quantized_model_init`` stores of a GroupedLinear's weight."""
-    weight = weight.contiguous()
-    groups, n, k = weight.shape
-    if w.is_nvfp4:
-        return _stacked_nvfp4(w, list(weight), rowwise=True, columnwise=columnwise)
-    empty_f32 = weight.new_empty(0, dtype=torch.float32)
-    if w.blockwise:
-        qws = [w.quantize(weight[g], rowwise=True, columnwise=columnwise) for g in range(groups)]
-        weight_scale_inv = torch.stack([q.scale_inv for q in qws])
-        weight_scale_inv_t = torch.stack([q.scale_inv_t for q in qws]) if columnwise else empty_f32.clone()
-        amax = None
-    else:
-        # One quantize pass per expert: the grouped GEMM takes one scale per expert. The quantizers are
-        # tensorwise (check_grouped_quantization), so the pass also writes the transpose dgrad reads (the
-        # fused cast + transpose costs next to nothing; a strided FP8 copy afterwards costs as much as a GEMM).
-        qws = [
-            tensorwise_result(ops.quantize_fused(weight[g], w.dtype, scale, margin=w.margin, columnwise=columnwise))
-            for g in range(groups)
-        ]
-        weight_scale_inv = torch.cat([q.scale_inv.reshape(1) for q in qws])
-        weight_scale_inv_t = weight_scale_inv.clone() if columnwise else empty_f32.clone()
-        amax = torch.stack([q.amax.reshape(()) for q in qws]).amax() if records_amax else None
-    weight_fp8, weight_fp8_t = _stacked_weights(weight, qws, (groups, n, k), w.dtype, columnwise)
-    return Quantized(weight_fp8, weight_scale_inv, weight_fp8_t, weight_scale_inv_t, amax)
-
-
-def _stacked_weights(x: Tensor, qws, shape, dtype, with_t: bool) -> tuple[Tensor, Tensor]:
-    """Each expert's rowwise data and (``with_t``) columnwise data, copied into one tensor each rather than
-    stacked: torch.autocast's stack rejects FP8."""
-    groups, n, k = shape
-    weight_fp8 = x.new_empty((groups, n, k), dtype=dtype)
-    weight_fp8_t = x.new_empty((groups, k, n) if with_t else (0,), dtype=dtype)
-    for g, q in enumerate(qws):
-        weight_fp8[g].copy_(q.data)
-        if with_t:
-            weight_fp8_t[g].copy_(q.data_t)
-    return weight_fp8, weight_fp8_t
 
 
 @grouped_linear_fwd.op.register_fake
@@ -461,28 +241,6 @@ class _BwdContext:
     bias_dtype: Optional[torch.dtype]
     wgrad_queue: int
     main_grad: Optional[Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedWgradArgs:
-    """What the grouped weight gradient reads; backward runs it, or queues it for ``backward_dw()``."""
-
-    grad_output: Tensor
-    """One scale per tensor: the (total_tokens, out_features) rowwise FP8 data; block scales: its grouped
-    columnwise copy (out_features, total_tokens); no recipe: the high-precision gradient."""
-    grad_output_scale_inv: Optional[Tensor]
-    """Its scales ((1,), or the grouped copy's 2-D grid); None without FP8."""
-    inp: Tensor
-    """As GroupedLinearFwdOutputs.inp_fp8 (no recipe: the high-precision input)."""
-    inp_scale_inv: Optional[Tensor]
-    """Its scales, 2-D for block scales; None without FP8."""
-    offs: Tensor
-    wgrad_dtype: torch.dtype
-    token_block: Optional[int]
-    """The block scales' token block (grouped_scaling.TOKEN_BLOCKS); None for one scale per tensor."""
-    nvfp4: bool = False
-    """NVFP4: ``grad_output`` / ``inp`` are the experts' compact columnwise copies of their masked tokens,
-    (N, C/2) / (K, C/2), with their 1-D scales (ops.grouped_nvfp4)."""
 
 
 def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> Optional[Tensor]:

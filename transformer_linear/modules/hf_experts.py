@@ -33,7 +33,7 @@ from transformer_linear.modules.grouped_linear_functional import (
     high_precision_grouped_linear,
     run_grouped_linear,
 )
-from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.recipe import Recipe, amax_reduction
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
 

@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformer_linear import ops, reference
 from transformer_linear.formats import layout
 from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered
-from transformer_linear.modules.grouped_linear_ops import quantize_expert_weights
+from transformer_linear.modules.grouped_linear_quantize import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec

@@ -15,7 +15,7 @@ from torch import nn
 
 from transformer_linear.modules.autocast import autocast
 from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
-from transformer_linear.modules.grouped_linear_ops import check_grouped_quantization
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import ExpertsFP8State, is_hf_experts
 from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics import blame, experts, verdict

@@ -26,7 +26,7 @@ import torch
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.nvfp4 import BLOCK
-from transformer_linear.ops import gemm_block_cuda, nvfp4, torch_cuda
+from transformer_linear.ops import gemm_block_cuda, nvfp4_gemm, nvfp4_quantize, torch_cuda
 from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
 
 __all__ = ["cublaslt_nvfp4_applies", "cublaslt_nvfp4_operands_fit", "cublaslt_nvfp4_scale", "nvfp4_gemm_cublaslt"]
@@ -94,17 +94,17 @@ def _triton_kernels():
     return kernels
 
 
-@nvfp4._quantize_nvfp4_op.register_kernel("cuda")
+@nvfp4_quantize._quantize_nvfp4_op.register_kernel("cuda")
 def _(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset):
-    nvfp4._check_quantize_op("quantize_nvfp4", x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
+    nvfp4_quantize._check_quantize_op("quantize_nvfp4", x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
     return _triton_kernels().quantize_nvfp4(
         x.contiguous(), amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
     )
 
 
-@nvfp4._nvfp4_gemm_op.register_kernel("cuda")
+@nvfp4_gemm._nvfp4_gemm_op.register_kernel("cuda")
 def _(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias):
-    nvfp4._check_gemm_op("nvfp4_gemm", a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
+    nvfp4_gemm._check_gemm_op("nvfp4_gemm", a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias)
     check_hp_dtype("nvfp4_gemm", "out_dtype", out_dtype)
     if a.shape[1] * 2 % BLOCK == 0 and a.numel() and b.numel():
         out = nvfp4_gemm_cublaslt(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)
