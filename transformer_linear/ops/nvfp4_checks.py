@@ -7,10 +7,10 @@ import math
 
 import torch
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
+def check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
     """A float32 one-element tensor whose value (when it can be read: CPU) is finite and, for amax, >= 0."""
     if t.dtype != torch.float32:
         raise TypeError(f"{op}: argument '{name}' must be a float32 tensor, got {t.dtype}")
@@ -26,12 +26,14 @@ def _check_scalar(op: str, name: str, t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{op}: argument '{name}' must be {bound} (a global {what}), got {value}")
 
 
-def _check_device_type(op: str, name: str, t: torch.Tensor) -> None:
+def check_device_type(op: str, name: str, t: torch.Tensor) -> None:
+    """A tensor on the CPU, a CUDA GPU or 'meta'."""
     # A tensor on 'meta' alone is shape inference (the fake implementation answers it).
     if t.device.type not in ("cpu", "cuda", "meta"):
         raise TypeError(f"{op}: argument '{name}' must be on cpu or cuda (the NVFP4 kernels' devices), got {t.device}")
 
 
-def _check_int(op: str, name: str, value: object, low: int, high: int) -> None:
+def check_int(op: str, name: str, value: object, low: int, high: int) -> None:
+    """An int (not a bool) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{op}: argument '{name}' must be an integer in [{low}, {high}], got {value!r}")

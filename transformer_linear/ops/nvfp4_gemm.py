@@ -17,7 +17,7 @@ from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
 from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE
 from transformer_linear.ops.descriptors import desc, stream_for
-from transformer_linear.ops.nvfp4_checks import _check_device_type, _check_scalar
+from transformer_linear.ops.nvfp4_checks import check_device_type, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import packed_scale_numel, unpack_scales
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_packed"]
@@ -115,11 +115,11 @@ def nvfp4_gemm(
     """
     op = "nvfp4_gemm"
     check_tensor(op, "a", a)
-    _check_device_type(op, "a", a)
+    check_device_type(op, "a", a)
     _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, bias, data_dtype=FP4_DTYPE)
     check_hp_dtype(op, "out_dtype", out_dtype)
-    _check_scalar(op, "a_global_scale", a_global_scale, "scale")
-    _check_scalar(op, "b_global_scale", b_global_scale, "scale")
+    check_scalar(op, "a_global_scale", a_global_scale, "scale")
+    check_scalar(op, "b_global_scale", b_global_scale, "scale")
     if bias is not None:
         if bias.dtype != out_dtype:
             raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
@@ -203,7 +203,7 @@ def nvfp4_gemm_packed(
     """
     op = "nvfp4_gemm_packed"
     check_tensor(op, "a", a)
-    _check_device_type(op, "a", a)
+    check_device_type(op, "a", a)
     if bias is not None and bias.dtype != out_dtype:
         raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
     return _gemm_packed_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)

@@ -52,6 +52,6 @@ def unpack_scales(packed: torch.Tensor, rows: int, cols: int) -> tuple[torch.Ten
     return raw[GLOBAL_SCALE_ELEMENTS:].view(torch.float8_e4m3fn).reshape(rows, cols // BLOCK), global_scale
 
 
-def _write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
+def write_packed_global_scale(packed: torch.Tensor, global_scale: torch.Tensor) -> None:
     """The head of packed scales (see :func:`pack_scales`) from a () float32 global scale."""
     packed[:GLOBAL_SCALE_ELEMENTS].view(torch.uint8).copy_(_global_scale_head(global_scale))

@@ -17,12 +17,12 @@ from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
 from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_amax_of_transpose
 from transformer_linear.ops.descriptors import desc, stream_for
-from transformer_linear.ops.nvfp4_checks import _INT64_MAX, _INT64_MIN, _check_device_type, _check_int, _check_scalar
+from transformer_linear.ops.nvfp4_checks import INT64_MAX, INT64_MIN, check_device_type, check_int, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import (
     GLOBAL_SCALE_ELEMENTS,
-    _write_packed_global_scale,
     pack_scales,
     packed_scale_numel,
+    write_packed_global_scale,
 )
 
 __all__ = ["NVFP4Tensors", "nvfp4_amax", "quantize_nvfp4", "quantize_nvfp4_packed", "sr_seed"]
@@ -160,17 +160,17 @@ def quantize_nvfp4(
     """
     op = "quantize_nvfp4"
     check_tensor(op, "x", x)
-    _check_device_type(op, "x", x)
+    check_device_type(op, "x", x)
     check_tensor(op, "amax", amax, like=x, like_name="x")
     if amax_t is not None:
         check_tensor(op, "amax_t", amax_t, like=x, like_name="x")
     check_hp_dtype(op, "x", x.dtype)
     check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
-    _check_scalar(op, "amax", amax, "amax")
+    check_scalar(op, "amax", amax, "amax")
     if amax_t is not None:
-        _check_scalar(op, "amax_t", amax_t, "amax")
-    _check_int(op, "seed", seed, _INT64_MIN, _INT64_MAX)
-    _check_int(op, "offset", offset, 0, _INT64_MAX)
+        check_scalar(op, "amax_t", amax_t, "amax")
+    check_int(op, "seed", seed, INT64_MIN, INT64_MAX)
+    check_int(op, "offset", offset, 0, INT64_MAX)
     outs = torch.ops.transformer_linear.quantize_nvfp4(
         x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
     )
@@ -292,9 +292,9 @@ def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, 
     _run_quantize_kernel(op, x, amax, amax_t, copies, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
                          0)
     if rowwise:
-        _write_packed_global_scale(outs[1], g)
+        write_packed_global_scale(outs[1], g)
     if columnwise:
-        _write_packed_global_scale(outs[3], g_t)
+        write_packed_global_scale(outs[3], g_t)
     return outs
 
 
@@ -374,10 +374,10 @@ def quantize_nvfp4_packed(
     """
     op = "quantize_nvfp4_packed"
     check_tensor(op, "x", x)
-    _check_device_type(op, "x", x)
+    check_device_type(op, "x", x)
     if amax is not None:
         check_tensor(op, "amax", amax, like=x, like_name="x")
-        _check_scalar(op, "amax", amax, "amax")
+        check_scalar(op, "amax", amax, "amax")
     return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
 
 
@@ -385,7 +385,7 @@ def quantize_nvfp4_packed(
 def _sr_seed_op(like: torch.Tensor) -> torch.Tensor:
     # The default CPU generator, drawn here rather than by a traced torch.randint: inductor replaces traced
     # random ops by its own generator, so a compiled graph would round with other bits than eager.
-    return torch.randint(_INT64_MIN, _INT64_MAX, (), dtype=torch.int64)
+    return torch.randint(INT64_MIN, INT64_MAX, (), dtype=torch.int64)
 
 
 @_sr_seed_op.register_fake
