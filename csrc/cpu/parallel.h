@@ -85,6 +85,28 @@ void parallel_for(int threads, int64_t n, int64_t grain, Fn&& fn) {
   if (error) std::rethrow_exception(error);
 }
 
+/*!
+ * \brief Run fn(lo, hi) over [begin, end) in chunks whose bounds are multiples
+ *        of `chunk` (clipped to the range), the last chunk first.
+ *
+ * For a pass over data that was last written or read front to back (by the
+ * op that produced it, or a kernel's own first pass): what the caches still
+ * hold of it is its end, so starting there reads from cache what a forward
+ * walk would fetch from memory, and leaves the beginning in cache for a
+ * forward pass after it. Each chunk is walked forward by fn, which the
+ * hardware prefetchers follow best; each jump back costs their ramp-up, so
+ * chunks should span megabytes.
+ */
+template <typename Fn>
+void for_chunks_backward(int64_t begin, int64_t end, int64_t chunk, Fn&& fn) {
+  chunk = std::max<int64_t>(chunk, 1);
+  for (int64_t hi = end; hi > begin;) {
+    const int64_t lo = std::max(begin, (hi - 1) / chunk * chunk);
+    fn(lo, hi);
+    hi = lo;
+  }
+}
+
 /*! \brief parallel_for with the current call's thread count (tl::get_num_threads()). */
 template <typename Fn>
 void parallel_for(int64_t n, int64_t grain, Fn&& fn) {

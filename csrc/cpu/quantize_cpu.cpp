@@ -22,6 +22,11 @@ constexpr int64_t kTile = 64;        // transpose tile edge
 // would not stay there anyway, and skipping the read-for-ownership saves
 // a fifth of the traffic of an fp32 -> fp8 cast.
 constexpr int64_t kStreamBytes = 8 << 20;
+// Input bytes per chunk of the amax pass, which walks each thread's range
+// backward (for_chunks_backward): 256 KiB chunks measured 2-6% slower than
+// one forward walk on an input not in cache (the prefetchers ramp up again at
+// each chunk), 2 MiB as fast.
+constexpr int64_t kAmaxChunkBytes = 2 << 20;
 
 // The vector kernels of the path in use, or null on the portable path.
 const QuantizeKernels* vector_kernels() {
@@ -69,13 +74,28 @@ float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
 
 // Per-thread results are written to a slot per OpenMP thread, so the slots
 // are sized from the same `threads` that sizes the team (read once per call).
+//
+// The input is `n` units of `unit` elements (whole rows where unit is the row
+// length), split among threads as parallel_for(threads, n, grain) splits them:
+// the partition of the cast that follows current scaling's amax, so that each
+// core reads again what it read. Each thread walks its part backward, in
+// chunks (each read forward): the cache then holds the part's beginning, where
+// the cast starts; and a tensor just written or read front to back (the
+// output of the op before) has its end in cache, where this pass starts.
+// The maximum does not depend on the order (but for which NaN's payload).
 template <typename In>
-float parallel_amax(const typename In::storage* x, int64_t n, int threads) {
+float parallel_amax(const typename In::storage* x, int64_t n, int threads, int64_t unit = 1,
+                    int64_t grain = kGrain) {
   std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
   const QuantizeKernels* vec = vector_kernels();
-  parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
-    partial[static_cast<size_t>(omp_get_thread_num())] =
-        vec ? vec->amax(In::dtype, x, b, e) : amax_range<In>(x, b, e);
+  // Chunk bounds at multiples of 64 elements: whole cache lines.
+  const int64_t chunk = std::max<int64_t>(64, kAmaxChunkBytes / static_cast<int64_t>(sizeof(x[0])) / 64 * 64);
+  parallel_for(threads, n, grain, [&](int64_t b, int64_t e) {
+    float amax = 0.0f;
+    for_chunks_backward(b * unit, e * unit, chunk, [&](int64_t lo, int64_t hi) {
+      amax = fp8::amax_update(amax, vec ? vec->amax(In::dtype, x, lo, hi) : amax_range<In>(x, lo, hi));
+    });
+    partial[static_cast<size_t>(omp_get_thread_num())] = amax;
   });
   float r = 0.0f;
   for (float a : partial) r = fp8::amax_update(r, a);
@@ -154,8 +174,11 @@ void quantize_impl(const QuantizeParams& p) {
   const int threads = std::max(1, get_num_threads());
   float scale;
   float known_amax = 0.0f;
+  // The cast+transpose splits rows among threads: the amax pass splits them alike.
+  const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
   if (p.current_scaling) {
-    known_amax = parallel_amax<In>(x, n, threads);
+    known_amax = p.output_t.defined() && p.cols > 0 ? parallel_amax<In>(x, p.rows, threads, p.cols, row_grain)
+                                                    : parallel_amax<In>(x, n, threads);
     scale = fp8::compute_scale(known_amax, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
     *scale_ptr = scale;
   } else {
@@ -167,7 +190,6 @@ void quantize_impl(const QuantizeParams& p) {
   std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
   const QuantizeKernels* vec = vector_kernels();
   if (qt != nullptr) {
-    const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
     const bool stream = n >= kStreamBytes;
     // The vector path casts a stripe of rows into scratch before transposing
     // it; the scratch is allocated here, outside the parallel region (an

@@ -28,6 +28,9 @@ using namespace nvfp4;
 
 // Columns per band chunk: 16 rows x 256 columns of float32 (16 KiB) stay in L1.
 constexpr int64_t kChunkCols = 256;
+// Input bytes per group of rows that the global amax pass walks backward (as the
+// tensorwise amax pass, csrc/cpu/quantize_cpu.cpp).
+constexpr int64_t kAmaxChunkBytes = 2 << 20;
 
 struct Scratch {
   std::vector<float> tile;      // kBlock x chunk columns, row-major
@@ -210,17 +213,26 @@ void nvfp4_amaxes(const TensorDesc& x, int64_t k, const AmaxRange& range, float*
   // The plain amax rides along the transform's pass when the bands hold exactly the rows.
   const bool fused = amax != nullptr && amax_rht != nullptr && range.band_begin * kBlock <= range.row_begin &&
                      range.band_end * kBlock >= range.row_end;
+  // Each thread walks its rows backward in groups of about kAmaxChunkBytes (AbsMax does not
+  // depend on the order): a tensor just written has its end in cache, where this pass starts,
+  // and the quantize that follows reads forward from the beginning, which this pass read last.
+  const int64_t row_bytes = std::max<int64_t>(1, k * element_size(x.dtype));
+  const int64_t chunk_rows = std::max<int64_t>(kBlock, kAmaxChunkBytes / row_bytes / kBlock * kBlock);
   if (amax_rht != nullptr) {
     parallel_for(threads, range.band_end - range.band_begin, 1, [&](int64_t b0, int64_t b1) {
       const int t = omp_get_thread_num();
-      AbsMax p;
-      rht[t].add(kernels.bands(x, k, range, range.band_begin + b0, range.band_begin + b1, fused ? &p : nullptr));
-      plain[t].add(p);
+      for_chunks_backward(b0, b1, chunk_rows / kBlock, [&](int64_t lo, int64_t hi) {
+        AbsMax p;
+        rht[t].add(kernels.bands(x, k, range, range.band_begin + lo, range.band_begin + hi, fused ? &p : nullptr));
+        plain[t].add(p);
+      });
     });
   }
   if (amax != nullptr && !fused) {
     parallel_for(threads, range.row_end - range.row_begin, 16, [&](int64_t i0, int64_t i1) {
-      plain[omp_get_thread_num()].add(kernels.rows(x, k, range.row_begin + i0, range.row_begin + i1));
+      for_chunks_backward(i0, i1, chunk_rows, [&](int64_t lo, int64_t hi) {
+        plain[omp_get_thread_num()].add(kernels.rows(x, k, range.row_begin + lo, range.row_begin + hi));
+      });
     });
   }
   AbsMax total, total_rht;
