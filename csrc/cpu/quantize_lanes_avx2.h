@@ -129,66 +129,127 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The cast of 32 lanes at a time, as to_fp8 but with fewer instructions:
-// the magnitude is cast alone, its sign bits are packed to bytes alongside
-// (pack_signed_bytes) and set once per 32 lanes. Saturation leaves NaN as the
-// only special lane, and the normal-path code of a NaN lane (>= 0x23c) is
-// above every finite code (<= 0x7e), so one unsigned min gives its kNanBits.
+// The cast of 32 lanes at a time, as to_fp8 but with fewer instructions. The
+// saturated magnitude a = min(kMax, |v|) is rounded to the FP8 grid by one
+// float addition: with M = max(2^(E + 23 - mantissa bits), 2^(subnormal
+// exponent + 23)) for a's exponent E, the sum a + M has the FP8 grid's spacing
+// as its unit in the last place, so it rounds a ties-to-even (normals and
+// subnormals alike, the same rounding as fp8_math.h's), and r = (a + M) - M is
+// exact. r is then an FP8 value, exactly a float16, and vcvtps2ph narrows it
+// to the float16 bits whose top byte is the FP8 code: for e4m3 after the
+// prescale of 2^-8 (float16's exponent bias is e4m3's plus 8, so normals and
+// subnormals of both line up), for e5m2 as it is (the same exponent field).
+// Per 8 lanes: and, min, and, add, max, add, sub, vcvtps2ph, and a quarter of
+// the 32-lane packing; the integer rounding (to_fp8 less its sign) is 12.
+//
+// The products are taken in the "code domain": x * scale * kCodeScale (2^-8 for
+// e4m3), where saturation and the magic numbers are scaled alike. Multiplying
+// x by the uniform scale * 2^-8 rounds as (x * scale) * 2^-8 whenever that
+// factor is exact (code_scale); products that land among float32 subnormals
+// there are below 2^-118 and cast to ±0 either way.
+//
+// NaN: a NaN's exponent field makes E + 23 - mantissa bits overflow into the
+// int32 sign, so M is the floor constant and r stays NaN; vcvtps2ph gives a
+// float16 NaN (0x7e00 and up), whose shifted bits sort above every finite code.
 
-// FP8 code of |v| saturated (the lanes' FP8 bytes without their sign).
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_magnitude(__m256 v) {
-  using B = Fp8CastBits<Out>;
-  static_assert(B::kNanBits >= 0x7f, "NaN code must order above the finite codes");
-  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+struct Fp8ViaHalf;
+
+template <>
+struct Fp8ViaHalf<Float8E4M3> {
+  static constexpr float kCodeScale = 0x1p-8f;
+  static constexpr float kMax = 448.0f * kCodeScale;
+  static constexpr int32_t kMagicExp = 20 << 23;   // M = 2^(E + 20) ...
+  static constexpr int32_t kMagicFloor = 133 << 23;  // ... at least 2^6 = 2^14 * kCodeScale
+  static constexpr int kHalfShift = 7;                // float16 bits >> 7: the code
+};
+
+template <>
+struct Fp8ViaHalf<Float8E5M2> {
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr float kMax = 57344.0f;
+  static constexpr int32_t kMagicExp = 21 << 23;     // M = 2^(E + 21) ...
+  static constexpr int32_t kMagicFloor = 134 << 23;  // ... at least 2^7
+  static constexpr int kHalfShift = 8;                // float16 bits >> 8: the code
+};
+
+// scale * kCodeScale in *code_scale; false where that product is not exact (scales
+// below 2^-118 for e4m3), where the 32-lane cast must not be used with it.
+template <typename Out>
+inline bool code_scale(float scale, float* code_scale) {
+  constexpr float k = Fp8ViaHalf<Out>::kCodeScale;
+  *code_scale = scale * k;
+  return *code_scale / k == scale;
+}
+
+// float16 bits of |v| saturated and rounded to the FP8 grid, v in the code domain.
+template <typename Out>
+TL_LANE_INLINE __m128i fp8_grid_halves(__m256 v) {
+  using H = Fp8ViaHalf<Out>;
+  const __m256 abs_v = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
   // vminps returns the second operand when either is NaN: NaN passes.
-  const __m256i u = _mm256_castps_si256(_mm256_min_ps(_mm256_set1_ps(Out::kMax), a));
-  const __m256i mant_odd = _mm256_and_si256(_mm256_srli_epi32(u, B::kMantShift), _mm256_set1_epi32(1));
-  __m256i normal = _mm256_add_epi32(u, _mm256_set1_epi32(static_cast<int>(B::kRebias)));
-  normal = _mm256_srli_epi32(_mm256_add_epi32(normal, mant_odd), B::kMantShift);
-  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(B::kDenormMask));
-  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm));
-  const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm);
-  const __m256i r = _mm256_blendv_epi8(normal, subnormal, lanes_lt(u, B::kSubnormalBelow));
-  return _mm256_min_epu32(r, _mm256_set1_epi32(static_cast<int>(B::kNanBits)));
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(H::kMax), abs_v);
+  const __m256i e = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000));
+  const __m256 magic = _mm256_castsi256_ps(
+      _mm256_max_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(H::kMagicExp)), _mm256_set1_epi32(H::kMagicFloor)));
+  const __m256 r = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// The FP8 bytes of x * scale for 32 lanes held as four vectors, in the byte
-// order of two in-lane pack rounds (see pack_bytes): the caller's permutation
-// puts them in element order.
+// The FP8 bytes of 32 lanes of products in the code domain, in the order of
+// the lanes (v[0]'s 8, then v[1]'s, ...). Magnitudes: the float16 bits >> 7 for
+// e4m3 (NaN: 0xfc and up), >> 8 for e5m2 (NaN: 0x7e or 0x7f, finite codes up to
+// 0x7b). Signs: two rounds of signed saturating packs keep each lane's sign in
+// its byte's top bit, in the packs' order, which one permutation undoes.
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_of_products_in_pack_order(const __m256 (&v)[4]) {
-  // Pairs packed as soon as they are cast, so that fewer vectors are live at once (AVX2 has 16
-  // registers; with all four products and magnitudes live the compiler spilled them).
-  __m256i mag16[2], sgn16[2];
-#pragma GCC unroll 2
-  for (int p = 0; p < 2; ++p) {
-    const __m256i m0 = fp8_magnitude<Out>(v[2 * p]), m1 = fp8_magnitude<Out>(v[2 * p + 1]);
-    mag16[p] = _mm256_packus_epi32(m0, m1);
-    // Signed saturating packs keep each lane's sign in its byte's top bit.
-    sgn16[p] = _mm256_packs_epi32(_mm256_castps_si256(v[2 * p]), _mm256_castps_si256(v[2 * p + 1]));
+TL_LANE_INLINE __m256i fp8_bytes_of_code_products(const __m256 (&v)[4]) {
+  const __m128i h0 = fp8_grid_halves<Out>(v[0]), h1 = fp8_grid_halves<Out>(v[1]);
+  const __m128i h2 = fp8_grid_halves<Out>(v[2]), h3 = fp8_grid_halves<Out>(v[3]);
+  // [h0 | h2], [h1 | h3]: the in-lane pack leaves h0 h1 | h2 h3.
+  const __m256i w02 = _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h2, 1);
+  const __m256i w13 = _mm256_inserti128_si256(_mm256_castsi128_si256(h1), h3, 1);
+  constexpr int kShift = Fp8ViaHalf<Out>::kHalfShift;
+  const __m256i mag = _mm256_packus_epi16(_mm256_srli_epi16(w02, kShift), _mm256_srli_epi16(w13, kShift));
+  const __m256i sgn = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
+                         _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3]))),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  __m256i code;
+  if constexpr (std::is_same_v<Out, Float8E4M3>) {
+    code = _mm256_min_epu8(mag, _mm256_set1_epi8(0x7f));  // NaN's 0xfc and up -> 0x7f
+  } else {
+    // NaN's 0x7e and 0x7f -> 0x7f: code + 4 has its top bit set for NaN alone.
+    code = _mm256_blendv_epi8(mag, _mm256_set1_epi8(0x7f), _mm256_add_epi8(mag, _mm256_set1_epi8(4)));
   }
-  const __m256i mag = _mm256_packus_epi16(mag16[0], mag16[1]);
-  const __m256i sgn = _mm256_packs_epi16(sgn16[0], sgn16[1]);
-  return _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
+  return _mm256_or_si256(code, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
 }
 
+// The FP8 bytes of x * scale in the order of the lanes; code_sc from code_scale.
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], __m256 scale) {
+TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], __m256 code_sc) {
   __m256 v[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale);
-  return fp8_bytes_of_products_in_pack_order<Out>(v);
+  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], code_sc);
+  return fp8_bytes_of_code_products<Out>(v);
 }
 
-// As above with one scale per lane: x[j] * scale[j].
+// As above with one scale per lane: x[j] * scale[j], then times kCodeScale (exact
+// unless the product is below 2^-118, which casts to ±0 either way).
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], const __m256 (&scale)[4]) {
+TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], const __m256 (&scale)[4]) {
   __m256 v[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale[j]);
-  return fp8_bytes_of_products_in_pack_order<Out>(v);
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_mul_ps(x[j], scale[j]);
+    if constexpr (Fp8ViaHalf<Out>::kCodeScale != 1.0f) v[j] = _mm256_mul_ps(v[j], _mm256_set1_ps(Fp8ViaHalf<Out>::kCodeScale));
+  }
+  return fp8_bytes_of_code_products<Out>(v);
 }
+
+// bfloat16 widened by interleaving with zero words holds lanes {0-3, 8-11},
+// {4-7, 12-15}, ...: the bytes in lane order, 4-byte groups 0, 2, 1, 3 of each
+// 16, back in element order.
+TL_LANE_INLINE __m256i bf16_lane_order_to_elements(__m256i bytes) { return _mm256_shuffle_epi32(bytes, 0xd8); }
 
 // 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
 TL_LANE_INLINE __m256 load_scales(const float* p, int64_t n) {
@@ -201,6 +262,10 @@ template <typename In, typename Out, bool kAmax, bool kStream>
 float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
                  int64_t end) {
   const __m256 sc = _mm256_set1_ps(scale);
+  float code_sc_scalar;
+  // The 32-lane cast needs scale * kCodeScale exact; the 16-lane one below takes any scale.
+  const int64_t end32 = code_scale<Out>(scale, &code_sc_scalar) ? end : begin;
+  const __m256 code_sc = _mm256_set1_ps(code_sc_scalar);
   __m256i acc = _mm256_setzero_si256();
   // Fewer than 16 elements: through stack buffers, lanes past n read as +0.
   auto partial = [&](int64_t i, int64_t n) {
@@ -219,13 +284,12 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
   }
   // bfloat16 amax on the 16-bit words, 16 lanes per max.
   __m256i acc16 = _mm256_setzero_si256();
-  for (; i + 32 <= end; i += 32) {
+  for (; i + 32 <= end32; i += 32) {
     __m256 v[4];
     __m256i b;
     if constexpr (std::is_same_v<In, BFloat16>) {
       // Interleaving with zero words widens bfloat16 to float32 in one
-      // instruction per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}: the
-      // order the in-lane packs undo, leaving bytes in 64-bit groups 0, 2, 1, 3.
+      // instruction per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}.
       const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
       const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16));
       if (kAmax) {
@@ -237,7 +301,7 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
       v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
       v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
       v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
-      b = _mm256_permute4x64_epi64(fp8_bytes_in_pack_order<Out>(v, sc), 0xd8);
+      b = bf16_lane_order_to_elements(fp8_bytes<Out>(v, code_sc));
     } else {
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
@@ -245,8 +309,7 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
         acc = _mm256_max_epu32(acc, _mm256_max_epu32(_mm256_max_epu32(abs_bits(v[0]), abs_bits(v[1])),
                                                       _mm256_max_epu32(abs_bits(v[2]), abs_bits(v[3]))));
       }
-      b = _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc),
-                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      b = fp8_bytes<Out>(v, code_sc);
     }
     if (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(b));
