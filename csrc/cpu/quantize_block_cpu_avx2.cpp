@@ -32,18 +32,13 @@ void column_amax(const void* xv, int64_t n, float* amax) {
 // cast of quantize_lanes_avx2.h's cast_range (fewer instructions than to_fp8 + pack_bytes).
 template <typename In, typename Out>
 TL_LANE_INLINE __m256i cast32(const typename In::storage* x, __m256 code_sc) {
-  __m256 v[4];
   if constexpr (std::is_same_v<In, BFloat16>) {
-    // Widened by interleaving with zero words: lanes {0-3, 8-11}, {4-7, 12-15}, ...
     const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-    const __m256i zero = _mm256_setzero_si256();
-    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h0));
-    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
-    v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
-    v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
-    return bf16_lane_order_to_elements(fp8_bytes<Out>(v, code_sc));
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    return fp8_bytes_bf16<Out>(h0, h1, _mm256_and_si256(h0, mag), _mm256_and_si256(h1, mag), code_sc);
   } else {
+    __m256 v[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + 8 * j);
     return fp8_bytes<Out>(v, code_sc);

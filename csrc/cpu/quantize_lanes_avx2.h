@@ -130,8 +130,8 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
 }
 
 // The cast of 32 lanes at a time, as to_fp8 but with fewer instructions. The
-// saturated magnitude a = min(kMax, |v|) is rounded to the FP8 grid by one
-// float addition: with M = max(2^(E + 23 - mantissa bits), 2^(subnormal
+// saturated magnitude a = min(kMax, |x| * scale) is rounded to the FP8 grid by
+// one float addition: with M = max(2^(E + 23 - mantissa bits), 2^(subnormal
 // exponent + 23)) for a's exponent E, the sum a + M has the FP8 grid's spacing
 // as its unit in the last place, so it rounds a ties-to-even (normals and
 // subnormals alike, the same rounding as fp8_math.h's), and r = (a + M) - M is
@@ -139,18 +139,23 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
 // to the float16 bits whose top byte is the FP8 code: for e4m3 after the
 // prescale of 2^-8 (float16's exponent bias is e4m3's plus 8, so normals and
 // subnormals of both line up), for e5m2 as it is (the same exponent field).
-// Per 8 lanes: and, min, and, add, max, add, sub, vcvtps2ph, and a quarter of
-// the 32-lane packing; the integer rounding (to_fp8 less its sign) is 12.
+// Per 8 lanes: and (|x|, shared with the amax), mul, min, and, add, max, add,
+// sub, vcvtps2ph, and a quarter of the 32-lane packing; the integer rounding
+// (to_fp8 less its sign) is 12 after the mul.
 //
-// The products are taken in the "code domain": x * scale * kCodeScale (2^-8 for
-// e4m3), where saturation and the magic numbers are scaled alike. Multiplying
-// x by the uniform scale * 2^-8 rounds as (x * scale) * 2^-8 whenever that
-// factor is exact (code_scale); products that land among float32 subnormals
-// there are below 2^-118 and cast to ±0 either way.
+// The products are taken in the "code domain": |x| * scale * kCodeScale (2^-8
+// for e4m3), where saturation and the magic numbers are scaled alike.
+// Multiplying by the uniform scale * 2^-8 rounds as (x * scale) * 2^-8
+// whenever that factor is exact; products that land among float32 subnormals
+// there are below 2^-118 and cast to ±0 either way. The signs are the inputs'
+// (packed to bytes apart and OR'd in once per 32 lanes): for a positive finite
+// scale, x * scale has x's sign and |x| * scale = |x * scale|, NaN included.
+// code_scale says which scales qualify; the 16-lane to_fp8 takes the others.
 //
 // NaN: a NaN's exponent field makes E + 23 - mantissa bits overflow into the
 // int32 sign, so M is the floor constant and r stays NaN; vcvtps2ph gives a
-// float16 NaN (0x7e00 and up), whose shifted bits sort above every finite code.
+// float16 NaN (0x7e00 and up, sign clear), whose shifted bits sort above every
+// finite code.
 
 template <typename Out>
 struct Fp8ViaHalf;
@@ -173,22 +178,22 @@ struct Fp8ViaHalf<Float8E5M2> {
   static constexpr int kHalfShift = 8;                // float16 bits >> 8: the code
 };
 
-// scale * kCodeScale in *code_scale; false where that product is not exact (scales
-// below 2^-118 for e4m3), where the 32-lane cast must not be used with it.
+// scale * kCodeScale in *code_sc; false where the 32-lane cast must not take the
+// scale: not positive and finite, or scale * kCodeScale inexact (e4m3 scales
+// below 2^-118 with bits beyond a subnormal's).
 template <typename Out>
-inline bool code_scale(float scale, float* code_scale) {
+inline bool code_scale(float scale, float* code_sc) {
   constexpr float k = Fp8ViaHalf<Out>::kCodeScale;
-  *code_scale = scale * k;
-  return *code_scale / k == scale;
+  *code_sc = scale * k;
+  return scale > 0.0f && scale <= 0x1.fffffep127f && *code_sc / k == scale;
 }
 
-// float16 bits of |v| saturated and rounded to the FP8 grid, v in the code domain.
+// float16 bits of a (>= 0 or NaN, in the code domain) saturated and rounded to the FP8 grid.
 template <typename Out>
-TL_LANE_INLINE __m128i fp8_grid_halves(__m256 v) {
+TL_LANE_INLINE __m128i fp8_grid_halves(__m256 a) {
   using H = Fp8ViaHalf<Out>;
-  const __m256 abs_v = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
   // vminps returns the second operand when either is NaN: NaN passes.
-  const __m256 a = _mm256_min_ps(_mm256_set1_ps(H::kMax), abs_v);
+  a = _mm256_min_ps(_mm256_set1_ps(H::kMax), a);
   const __m256i e = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000));
   const __m256 magic = _mm256_castsi256_ps(
       _mm256_max_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(H::kMagicExp)), _mm256_set1_epi32(H::kMagicFloor)));
@@ -196,60 +201,83 @@ TL_LANE_INLINE __m128i fp8_grid_halves(__m256 v) {
   return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// The FP8 bytes of 32 lanes of products in the code domain, in the order of
-// the lanes (v[0]'s 8, then v[1]'s, ...). Magnitudes: the float16 bits >> 7 for
-// e4m3 (NaN: 0xfc and up), >> 8 for e5m2 (NaN: 0x7e or 0x7f, finite codes up to
-// 0x7b). Signs: two rounds of signed saturating packs keep each lane's sign in
-// its byte's top bit, in the packs' order, which one permutation undoes.
+// The FP8 codes (no sign) of 32 lanes of magnitudes in the code domain, in the
+// order of the lanes (a[0]'s 8, then a[1]'s, ...). The float16 bits >> 7 are
+// e4m3's code (NaN: 0xfc and up), >> 8 e5m2's (NaN: 0x7e or 0x7f, finite codes
+// up to 0x7b).
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_of_code_products(const __m256 (&v)[4]) {
-  const __m128i h0 = fp8_grid_halves<Out>(v[0]), h1 = fp8_grid_halves<Out>(v[1]);
-  const __m128i h2 = fp8_grid_halves<Out>(v[2]), h3 = fp8_grid_halves<Out>(v[3]);
+TL_LANE_INLINE __m256i fp8_codes(const __m256 (&a)[4]) {
+  const __m128i h0 = fp8_grid_halves<Out>(a[0]), h1 = fp8_grid_halves<Out>(a[1]);
+  const __m128i h2 = fp8_grid_halves<Out>(a[2]), h3 = fp8_grid_halves<Out>(a[3]);
   // [h0 | h2], [h1 | h3]: the in-lane pack leaves h0 h1 | h2 h3.
   const __m256i w02 = _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h2, 1);
   const __m256i w13 = _mm256_inserti128_si256(_mm256_castsi128_si256(h1), h3, 1);
   constexpr int kShift = Fp8ViaHalf<Out>::kHalfShift;
   const __m256i mag = _mm256_packus_epi16(_mm256_srli_epi16(w02, kShift), _mm256_srli_epi16(w13, kShift));
-  const __m256i sgn = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
-                         _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3]))),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  __m256i code;
   if constexpr (std::is_same_v<Out, Float8E4M3>) {
-    code = _mm256_min_epu8(mag, _mm256_set1_epi8(0x7f));  // NaN's 0xfc and up -> 0x7f
+    return _mm256_min_epu8(mag, _mm256_set1_epi8(0x7f));  // NaN's 0xfc and up -> 0x7f
   } else {
     // NaN's 0x7e and 0x7f -> 0x7f: code + 4 has its top bit set for NaN alone.
-    code = _mm256_blendv_epi8(mag, _mm256_set1_epi8(0x7f), _mm256_add_epi8(mag, _mm256_set1_epi8(4)));
+    return _mm256_blendv_epi8(mag, _mm256_set1_epi8(0x7f), _mm256_add_epi8(mag, _mm256_set1_epi8(4)));
   }
-  return _mm256_or_si256(code, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
 }
 
-// The FP8 bytes of x * scale in the order of the lanes; code_sc from code_scale.
+// codes with each byte's sign taken from the top bit of the same byte of sign.
+TL_LANE_INLINE __m256i with_signs(__m256i codes, __m256i sign) {
+  return _mm256_or_si256(codes, _mm256_and_si256(sign, _mm256_set1_epi8(static_cast<char>(0x80))));
+}
+
+// Bytes whose top bits are the signs of 32 float32 lanes, in the order of the lanes:
+// signed saturating packs keep each lane's sign, one permutation undoes their order.
+TL_LANE_INLINE __m256i sign_bytes(const __m256 (&x)[4]) {
+  const __m256i packed =
+      _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(x[0]), _mm256_castps_si256(x[1])),
+                         _mm256_packs_epi32(_mm256_castps_si256(x[2]), _mm256_castps_si256(x[3])));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The FP8 bytes of x[j] * scale, in the order of the lanes; code_sc from code_scale
+// (which returned true).
 template <typename Out>
 TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], __m256 code_sc) {
-  __m256 v[4];
+  __m256 a[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], code_sc);
-  return fp8_bytes_of_code_products<Out>(v);
+  for (int j = 0; j < 4; ++j) a[j] = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits(x[j])), code_sc);
+  return with_signs(fp8_codes<Out>(a), sign_bytes(x));
 }
 
-// As above with one scale per lane: x[j] * scale[j], then times kCodeScale (exact
-// unless the product is below 2^-118, which casts to ±0 either way).
+// As above with one positive finite scale per lane: |x[j]| * scale[j], then times
+// kCodeScale (exact unless the product is below 2^-118, which casts to ±0 either way).
 template <typename Out>
 TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], const __m256 (&scale)[4]) {
-  __m256 v[4];
+  __m256 a[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_mul_ps(x[j], scale[j]);
-    if constexpr (Fp8ViaHalf<Out>::kCodeScale != 1.0f) v[j] = _mm256_mul_ps(v[j], _mm256_set1_ps(Fp8ViaHalf<Out>::kCodeScale));
+    a[j] = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits(x[j])), scale[j]);
+    if constexpr (Fp8ViaHalf<Out>::kCodeScale != 1.0f) {
+      a[j] = _mm256_mul_ps(a[j], _mm256_set1_ps(Fp8ViaHalf<Out>::kCodeScale));
+    }
   }
-  return fp8_bytes_of_code_products<Out>(v);
+  return with_signs(fp8_codes<Out>(a), sign_bytes(x));
 }
 
-// bfloat16 widened by interleaving with zero words holds lanes {0-3, 8-11},
-// {4-7, 12-15}, ...: the bytes in lane order, 4-byte groups 0, 2, 1, 3 of each
-// 16, back in element order.
-TL_LANE_INLINE __m256i bf16_lane_order_to_elements(__m256i bytes) { return _mm256_shuffle_epi32(bytes, 0xd8); }
+// The FP8 bytes of 32 bfloat16 elements (16 in h0, 16 in h1) times the scale, in
+// element order; code_sc from code_scale. habs0 and habs1 hold h0 and h1 & 0x7fff.
+// Interleaving with zero words widens bfloat16 to float32 in one instruction
+// per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}, ...: one in-lane dword
+// shuffle puts the codes in element order. The signs pack straight from the
+// 16-bit words.
+template <typename Out>
+TL_LANE_INLINE __m256i fp8_bytes_bf16(__m256i h0, __m256i h1, __m256i habs0, __m256i habs1, __m256 code_sc) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 a[4];
+  a[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, habs0)), code_sc);
+  a[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, habs0)), code_sc);
+  a[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, habs1)), code_sc);
+  a[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, habs1)), code_sc);
+  const __m256i codes = _mm256_shuffle_epi32(fp8_codes<Out>(a), 0xd8);
+  return with_signs(codes, _mm256_permute4x64_epi64(_mm256_packs_epi16(h0, h1), 0xd8));
+}
 
 // 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
 TL_LANE_INLINE __m256 load_scales(const float* p, int64_t n) {
@@ -285,24 +313,16 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
   // bfloat16 amax on the 16-bit words, 16 lanes per max.
   __m256i acc16 = _mm256_setzero_si256();
   for (; i + 32 <= end32; i += 32) {
-    __m256 v[4];
     __m256i b;
     if constexpr (std::is_same_v<In, BFloat16>) {
-      // Interleaving with zero words widens bfloat16 to float32 in one
-      // instruction per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}.
       const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
       const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16));
-      if (kAmax) {
-        const __m256i mag = _mm256_set1_epi16(0x7fff);
-        acc16 = _mm256_max_epu16(acc16, _mm256_max_epu16(_mm256_and_si256(h0, mag), _mm256_and_si256(h1, mag)));
-      }
-      const __m256i zero = _mm256_setzero_si256();
-      v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h0));
-      v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
-      v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
-      v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
-      b = bf16_lane_order_to_elements(fp8_bytes<Out>(v, code_sc));
+      const __m256i mag = _mm256_set1_epi16(0x7fff);
+      const __m256i habs0 = _mm256_and_si256(h0, mag), habs1 = _mm256_and_si256(h1, mag);
+      if (kAmax) acc16 = _mm256_max_epu16(acc16, _mm256_max_epu16(habs0, habs1));
+      b = fp8_bytes_bf16<Out>(h0, h1, habs0, habs1, code_sc);
     } else {
+      __m256 v[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
       if (kAmax) {
