@@ -131,17 +131,20 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
 
 // The cast of 32 lanes at a time, as to_fp8 but with fewer instructions. The
 // saturated magnitude a = min(kMax, |x| * scale) is rounded to the FP8 grid by
-// one float addition: with M = max(2^(E + 23 - mantissa bits), 2^(subnormal
-// exponent + 23)) for a's exponent E, the sum a + M has the FP8 grid's spacing
-// as its unit in the last place, so it rounds a ties-to-even (normals and
-// subnormals alike, the same rounding as fp8_math.h's), and r = (a + M) - M is
-// exact. r is then an FP8 value, exactly a float16, and vcvtps2ph narrows it
+// one float addition: with M = 2^(max(E, Emin) + 23 - mantissa bits) for a's
+// exponent E and the format's smallest normal exponent Emin, the sum a + M has
+// the FP8 grid's spacing as its unit in the last place, so it rounds a
+// ties-to-even (normals and subnormals alike, the same rounding as
+// fp8_math.h's), and r = (a + M) - M is exact. Both are FMAs on the power of
+// two 2^max(E, Emin) (a's exponent field, at least Emin's), so M is never
+// formed. r is then an FP8 value, exactly a float16, and vcvtps2ph narrows it
 // to the float16 bits whose top byte is the FP8 code: for e4m3 after the
 // prescale of 2^-8 (float16's exponent bias is e4m3's plus 8, so normals and
 // subnormals of both line up), for e5m2 as it is (the same exponent field).
-// Per 8 lanes: and (|x|, shared with the amax), mul, min, and, add, max, add,
-// sub, vcvtps2ph, and a quarter of the 32-lane packing; the integer rounding
-// (to_fp8 less its sign) is 12 after the mul.
+// Per 8 lanes: and (|x|, shared with a fused amax), mul, min, and, max, two
+// FMAs, vcvtps2ph, and a quarter of the 32-lane packing (12 instructions per
+// 32); the integer rounding (fp8_magnitude before this) was 12 after the mul,
+// and its packing 8 per 32.
 //
 // The products are taken in the "code domain": |x| * scale * kCodeScale (2^-8
 // for e4m3), where saturation and the magic numbers are scaled alike.
@@ -152,10 +155,9 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
 // scale, x * scale has x's sign and |x| * scale = |x * scale|, NaN included.
 // code_scale says which scales qualify; the 16-lane to_fp8 takes the others.
 //
-// NaN: a NaN's exponent field makes E + 23 - mantissa bits overflow into the
-// int32 sign, so M is the floor constant and r stays NaN; vcvtps2ph gives a
-// float16 NaN (0x7e00 and up, sign clear), whose shifted bits sort above every
-// finite code.
+// NaN: its exponent field gives 2^max(E, Emin) = inf, r stays NaN (an FMA with
+// one NaN operand returns it), and vcvtps2ph gives a float16 NaN (0x7e00 and
+// up, sign clear), whose shifted bits sort above every finite code.
 
 template <typename Out>
 struct Fp8ViaHalf;
@@ -164,18 +166,18 @@ template <>
 struct Fp8ViaHalf<Float8E4M3> {
   static constexpr float kCodeScale = 0x1p-8f;
   static constexpr float kMax = 448.0f * kCodeScale;
-  static constexpr int32_t kMagicExp = 20 << 23;   // M = 2^(E + 20) ...
-  static constexpr int32_t kMagicFloor = 133 << 23;  // ... at least 2^6 = 2^14 * kCodeScale
-  static constexpr int kHalfShift = 7;                // float16 bits >> 7: the code
+  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14 = 2^-6 * kCodeScale
+  static constexpr float kMagicFactor = 0x1p20f;        // M = 2^max(E, Emin) * 2^(23 - 3)
+  static constexpr int kHalfShift = 7;                  // float16 bits >> 7: the code
 };
 
 template <>
 struct Fp8ViaHalf<Float8E5M2> {
   static constexpr float kCodeScale = 1.0f;
   static constexpr float kMax = 57344.0f;
-  static constexpr int32_t kMagicExp = 21 << 23;     // M = 2^(E + 21) ...
-  static constexpr int32_t kMagicFloor = 134 << 23;  // ... at least 2^7
-  static constexpr int kHalfShift = 8;                // float16 bits >> 8: the code
+  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14
+  static constexpr float kMagicFactor = 0x1p21f;        // M = 2^max(E, Emin) * 2^(23 - 2)
+  static constexpr int kHalfShift = 8;                  // float16 bits >> 8: the code
 };
 
 // scale * kCodeScale in *code_sc; false where the 32-lane cast must not take the
@@ -194,10 +196,11 @@ TL_LANE_INLINE __m128i fp8_grid_halves(__m256 a) {
   using H = Fp8ViaHalf<Out>;
   // vminps returns the second operand when either is NaN: NaN passes.
   a = _mm256_min_ps(_mm256_set1_ps(H::kMax), a);
-  const __m256i e = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000));
-  const __m256 magic = _mm256_castsi256_ps(
-      _mm256_max_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(H::kMagicExp)), _mm256_set1_epi32(H::kMagicFloor)));
-  const __m256 r = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  // 2^max(E, Emin): a's exponent field, at least Emin's (a NaN's gives inf).
+  const __m256 p = _mm256_castsi256_ps(_mm256_max_epi32(
+      _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(H::kMinNormalBits)));
+  const __m256 k = _mm256_set1_ps(H::kMagicFactor);
+  const __m256 r = _mm256_fnmadd_ps(p, k, _mm256_fmadd_ps(p, k, a));  // (a + M) - M, M = p * k exactly
   return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
