@@ -159,37 +159,6 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
 // one NaN operand returns it), and vcvtps2ph gives a float16 NaN (0x7e00 and
 // up, sign clear), whose shifted bits sort above every finite code.
 
-template <typename Out>
-struct Fp8ViaHalf;
-
-template <>
-struct Fp8ViaHalf<Float8E4M3> {
-  static constexpr float kCodeScale = 0x1p-8f;
-  static constexpr float kMax = 448.0f * kCodeScale;
-  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14 = 2^-6 * kCodeScale
-  static constexpr float kMagicFactor = 0x1p20f;        // M = 2^max(E, Emin) * 2^(23 - 3)
-  static constexpr int kHalfShift = 7;                  // float16 bits >> 7: the code
-};
-
-template <>
-struct Fp8ViaHalf<Float8E5M2> {
-  static constexpr float kCodeScale = 1.0f;
-  static constexpr float kMax = 57344.0f;
-  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14
-  static constexpr float kMagicFactor = 0x1p21f;        // M = 2^max(E, Emin) * 2^(23 - 2)
-  static constexpr int kHalfShift = 8;                  // float16 bits >> 8: the code
-};
-
-// scale * kCodeScale in *code_sc; false where the 32-lane cast must not take the
-// scale: not positive and finite, or scale * kCodeScale inexact (e4m3 scales
-// below 2^-118 with bits beyond a subnormal's).
-template <typename Out>
-inline bool code_scale(float scale, float* code_sc) {
-  constexpr float k = Fp8ViaHalf<Out>::kCodeScale;
-  *code_sc = scale * k;
-  return scale > 0.0f && scale <= 0x1.fffffep127f && *code_sc / k == scale;
-}
-
 // float16 bits of a (>= 0 or NaN, in the code domain) saturated and rounded to the FP8 grid.
 template <typename Out>
 TL_LANE_INLINE __m128i fp8_grid_halves(__m256 a) {
