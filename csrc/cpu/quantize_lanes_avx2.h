@@ -3,13 +3,15 @@
 // lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
 // Include only from *_avx2.cpp files (compiled with -mavx2 -mfma -mf16c).
 //
-// The same function as quantize_lanes_avx512.h, 8 lanes wide: fp8_math.h's
-// e4m3_bits_from_float / e5m2_bits_from_float lane by lane, with the same
-// integer rounding for normals and the same float addition that rounds
-// subnormals (no FMA, -ffp-contract=off), so results are bitwise those of the
-// scalar path. AVX2 has no mask registers: comparisons give all-ones lanes
-// for vpblendvb, and the partial vectors at the end of a range are read
-// through a zeroed stack buffer, so no byte past the range is touched.
+// The same function as quantize_lanes_avx512.h, 8 lanes wide. The 8-lane cast
+// (to_fp8) is fp8_math.h's e4m3_bits_from_float / e5m2_bits_from_float lane by
+// lane, with the same integer rounding for normals and the same float addition
+// that rounds subnormals (no contracted FMA, -ffp-contract=off); the 32-lane
+// cast rounds by a magic-number addition written as two explicit FMAs (see
+// fp8_codes), the same rounding: results are bitwise those of the scalar path.
+// AVX2 has no mask registers: comparisons give all-ones lanes for vpblendvb,
+// and the partial vectors at the end of a range are read through a zeroed
+// stack buffer, so no byte past the range is touched.
 //
 // Every lane value the comparisons see has its sign bit clear, so signed
 // 32-bit comparisons order them as unsigned ones would.

@@ -3,11 +3,14 @@
 // lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
 // Include only from *_avx512.cpp files (compiled with the AVX-512 flags).
 //
-// The cast follows fp8_math.h's e4m3_bits_from_float / e5m2_bits_from_float
-// lane by lane: the same integer rounding for normals and the same float
-// addition that rounds subnormals (no FMA anywhere, -ffp-contract=off), so
-// the results are bitwise those of the scalar path; tests/test_quantize.py
-// and tests/test_blockwise_quantize.py check every bf16 and fp16 bit pattern.
+// The 16-lane cast (to_fp8) follows fp8_math.h's e4m3_bits_from_float /
+// e5m2_bits_from_float lane by lane: the same integer rounding for normals and
+// the same float addition that rounds subnormals (no contracted FMA,
+// -ffp-contract=off). The 64-lane cast of cast_range rounds by a magic-number
+// addition written as two explicit FMAs (see quantize_lanes_avx2.h), the same
+// rounding. Both are bitwise the scalar path; tests/test_quantize.py,
+// tests/test_quantize_cast_exhaustive.py and tests/test_blockwise_quantize.py
+// check every bf16 and fp16 bit pattern and fp32 values at every boundary.
 //
 // amax works on the integer bits of |x|: for non-negative IEEE values the
 // unsigned bit order is the value order and every NaN sorts above inf, so an
