@@ -137,7 +137,7 @@ TL_LANE_INLINE __m256i fp8_grid_halves(__m512 a) {
 // The FP8 codes (no sign) of 64 lanes of magnitudes in the code domain, in the
 // byte order the in-lane pack of [a0 | a1] and [a2 | a3]'s float16 words leaves
 // them: 8-byte groups a0[0-7] a2[0-7] a0[8-15] a2[8-15] a1[0-7] a3[0-7] ...
-// (see fp8_codes_in_lane_order). NaN becomes 0x7f.
+// (fp8_bytes and fp8_bytes_bf16 permute them into element order). NaN becomes 0x7f.
 template <typename Out>
 TL_LANE_INLINE __m512i fp8_codes_in_pack_order(const __m512 (&a)[4]) {
   const __m512i w01 = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_grid_halves<Out>(a[0])), fp8_grid_halves<Out>(a[1]), 1);
