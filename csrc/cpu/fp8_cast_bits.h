@@ -44,5 +44,39 @@ struct Fp8CastBits<Float8E5M2> {
   static constexpr uint32_t kNanBits = 0x7f;
 };
 
+// The constants of the 32- and 64-lane casts (quantize_lanes_avx2.h explains
+// them): the FP8 grid reached by a magic-number addition, the code read from
+// float16 bits. Lanes hold |x| * scale * kCodeScale (the "code domain").
+template <typename Out>
+struct Fp8ViaHalf;
+
+template <>
+struct Fp8ViaHalf<Float8E4M3> {
+  static constexpr float kCodeScale = 0x1p-8f;
+  static constexpr float kMax = 448.0f * kCodeScale;
+  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14 = 2^-6 * kCodeScale
+  static constexpr float kMagicFactor = 0x1p20f;        // M = 2^max(E, Emin) * 2^(23 - 3)
+  static constexpr int kHalfShift = 7;                  // float16 bits >> 7: the code
+};
+
+template <>
+struct Fp8ViaHalf<Float8E5M2> {
+  static constexpr float kCodeScale = 1.0f;
+  static constexpr float kMax = 57344.0f;
+  static constexpr int32_t kMinNormalBits = 113 << 23;  // 2^-14
+  static constexpr float kMagicFactor = 0x1p21f;        // M = 2^max(E, Emin) * 2^(23 - 2)
+  static constexpr int kHalfShift = 8;                  // float16 bits >> 8: the code
+};
+
+// scale * kCodeScale in *code_sc; false where the 32-lane cast must not take the
+// scale: not positive and finite, or scale * kCodeScale inexact (e4m3 scales
+// below 2^-118 with bits beyond a subnormal's).
+template <typename Out>
+inline bool code_scale(float scale, float* code_sc) {
+  constexpr float k = Fp8ViaHalf<Out>::kCodeScale;
+  *code_sc = scale * k;
+  return scale > 0.0f && scale <= 0x1.fffffep127f && *code_sc / k == scale;
+}
+
 }  // namespace cpu
 }  // namespace tl

@@ -28,26 +28,20 @@ void column_amax(const void* xv, int64_t n, float* amax) {
   for (; i < n; ++i) amax[i] = fp8::amax_update(amax[i], In::load(x[i]));
 }
 
-// The FP8 bytes of x[0, 32) * sc in element order: the cast of quantize_lanes_avx2.h's
-// cast_range (magnitudes and signs packed apart, fewer instructions than to_fp8 + pack_bytes).
+// The FP8 bytes of x[0, 32) * scale in element order, code_sc = scale * kCodeScale (code_scale): the
+// cast of quantize_lanes_avx2.h's cast_range (fewer instructions than to_fp8 + pack_bytes).
 template <typename In, typename Out>
-TL_LANE_INLINE __m256i cast32(const typename In::storage* x, __m256 sc) {
-  __m256 v[4];
+TL_LANE_INLINE __m256i cast32(const typename In::storage* x, __m256 code_sc) {
   if constexpr (std::is_same_v<In, BFloat16>) {
-    // Widened by interleaving with zero words: lanes {0-3, 8-11}, {4-7, 12-15}, ..., which the in-lane
-    // packs undo up to the order of their 64-bit groups (0, 2, 1, 3).
     const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-    const __m256i zero = _mm256_setzero_si256();
-    v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h0));
-    v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
-    v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
-    v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
-    return _mm256_permute4x64_epi64(fp8_bytes_in_pack_order<Out>(v, sc), 0xd8);
+    const __m256i mag = _mm256_set1_epi16(0x7fff);
+    return fp8_bytes_bf16<Out>(h0, h1, _mm256_and_si256(h0, mag), _mm256_and_si256(h1, mag), code_sc);
   } else {
+    __m256 v[4];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + 8 * j);
-    return _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return fp8_bytes<Out>(v, code_sc);
   }
 }
 
@@ -60,7 +54,7 @@ TL_LANE_INLINE __m256i cast32_lanes(const typename In::storage* x, const float* 
     v[j] = load_hp<In>(x + 8 * j);
     sc[j] = _mm256_loadu_ps(scale + 8 * j);
   }
-  return _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return fp8_bytes<Out>(v, sc);
 }
 
 template <typename In, typename Out>
@@ -114,15 +108,19 @@ TL_LANE_INLINE float amax_fold(const typename In::storage* x, int64_t b, int64_t
   return fp8::float_of(bits);
 }
 
-// q[i] = quantize(x[i], sc) for i in [b, e); with kStream, q + b is 16-byte aligned.
+// q[i] = quantize(x[i], scale) for i in [b, e); with kStream, q + b is 16-byte aligned.
 // With `ahead` > 0, prefetches the input `ahead` elements past each 32 it casts.
 template <typename In, typename Out, bool kStream>
-TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m256 sc, int64_t b, int64_t e,
+TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, float scale, int64_t b, int64_t e,
                                int64_t ahead) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  float code_sc;
+  // The 32-lane cast needs scale * kCodeScale exact; the 16-lane one below takes any scale.
+  const int64_t e32 = code_scale<Out>(scale, &code_sc) ? e : b;
   int64_t i = b;
-  for (; i + 32 <= e; i += 32) {
+  for (; i + 32 <= e32; i += 32) {
     if (ahead > 0) quantize_block::prefetch_lines<32 * sizeof(typename In::storage)>(x + i + ahead);
-    const __m256i bytes = cast32<In, Out>(x + i, sc);
+    const __m256i bytes = cast32<In, Out>(x + i, _mm256_set1_ps(code_sc));
     if (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(bytes));
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), _mm256_extracti128_si256(bytes, 1));
@@ -334,7 +332,7 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
     block_scales(amax, nj, rule, scale_inv, first + j0, scale);
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t b = b0 + j * seg;
-      cast_block<In, Out, kStream>(x, q, _mm256_set1_ps(scale[j]), b, std::min(n, b + seg), ahead);
+      cast_block<In, Out, kStream>(x, q, scale[j], b, std::min(n, b + seg), ahead);
     }
   }
 }
@@ -490,9 +488,9 @@ void segment_cast(const void* xv, uint8_t* q, int64_t n, int64_t seg, const floa
   for (int64_t j = 0, b = 0; b < n; ++j, b += seg) {
     const int64_t e = std::min(n, b + seg);
     if (stream && (reinterpret_cast<uintptr_t>(q + b) & 15) == 0) {
-      cast_block<In, Out, true>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+      cast_block<In, Out, true>(x, q, scale[j], b, e, 0);
     } else {
-      cast_block<In, Out, false>(x, q, _mm256_set1_ps(scale[j]), b, e, 0);
+      cast_block<In, Out, false>(x, q, scale[j], b, e, 0);
     }
   }
 }

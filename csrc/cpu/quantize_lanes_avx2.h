@@ -3,13 +3,15 @@
 // lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
 // Include only from *_avx2.cpp files (compiled with -mavx2 -mfma -mf16c).
 //
-// The same function as quantize_lanes_avx512.h, 8 lanes wide: fp8_math.h's
-// e4m3_bits_from_float / e5m2_bits_from_float lane by lane, with the same
-// integer rounding for normals and the same float addition that rounds
-// subnormals (no FMA, -ffp-contract=off), so results are bitwise those of the
-// scalar path. AVX2 has no mask registers: comparisons give all-ones lanes
-// for vpblendvb, and the partial vectors at the end of a range are read
-// through a zeroed stack buffer, so no byte past the range is touched.
+// The same function as quantize_lanes_avx512.h, 8 lanes wide. The 8-lane cast
+// (to_fp8) is fp8_math.h's e4m3_bits_from_float / e5m2_bits_from_float lane by
+// lane, with the same integer rounding for normals and the same float addition
+// that rounds subnormals (no contracted FMA, -ffp-contract=off); the 32-lane
+// cast rounds by a magic-number addition written as two explicit FMAs (see
+// fp8_codes), the same rounding: results are bitwise those of the scalar path.
+// AVX2 has no mask registers: comparisons give all-ones lanes for vpblendvb,
+// and the partial vectors at the end of a range are read through a zeroed
+// stack buffer, so no byte past the range is touched.
 //
 // Every lane value the comparisons see has its sign bit clear, so signed
 // 32-bit comparisons order them as unsigned ones would.
@@ -129,65 +131,126 @@ TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The cast of 32 lanes at a time, as to_fp8 but with fewer instructions:
-// the magnitude is cast alone, its sign bits are packed to bytes alongside
-// (pack_signed_bytes) and set once per 32 lanes. Saturation leaves NaN as the
-// only special lane, and the normal-path code of a NaN lane (>= 0x23c) is
-// above every finite code (<= 0x7e), so one unsigned min gives its kNanBits.
+// The cast of 32 lanes at a time, as to_fp8 but with fewer instructions. The
+// saturated magnitude a = min(kMax, |x| * scale) is rounded to the FP8 grid by
+// one float addition: with M = 2^(max(E, Emin) + 23 - mantissa bits) for a's
+// exponent E and the format's smallest normal exponent Emin, the sum a + M has
+// the FP8 grid's spacing as its unit in the last place, so it rounds a
+// ties-to-even (normals and subnormals alike, the same rounding as
+// fp8_math.h's), and r = (a + M) - M is exact. Both are FMAs on the power of
+// two 2^max(E, Emin) (a's exponent field, at least Emin's), so M is never
+// formed. r is then an FP8 value, exactly a float16, and vcvtps2ph narrows it
+// to the float16 bits whose top byte is the FP8 code: for e4m3 after the
+// prescale of 2^-8 (float16's exponent bias is e4m3's plus 8, so normals and
+// subnormals of both line up), for e5m2 as it is (the same exponent field).
+// Per 8 lanes: and (|x|, shared with a fused amax), mul, min, and, max, two
+// FMAs, vcvtps2ph, and a quarter of the 32-lane packing (12 instructions per
+// 32); the integer rounding (fp8_magnitude before this) was 12 after the mul,
+// and its packing 8 per 32.
+//
+// The products are taken in the "code domain": |x| * scale * kCodeScale (2^-8
+// for e4m3), where saturation and the magic numbers are scaled alike.
+// Multiplying by the uniform scale * 2^-8 rounds as (x * scale) * 2^-8
+// whenever that factor is exact; products that land among float32 subnormals
+// there are below 2^-118 and cast to ±0 either way. The signs are the inputs'
+// (packed to bytes apart and OR'd in once per 32 lanes): for a positive finite
+// scale, x * scale has x's sign and |x| * scale = |x * scale|, NaN included.
+// code_scale says which scales qualify; the 16-lane to_fp8 takes the others.
+//
+// NaN: its exponent field gives 2^max(E, Emin) = inf, r stays NaN (an FMA with
+// one NaN operand returns it), and vcvtps2ph gives a float16 NaN (0x7e00 and
+// up, sign clear), whose shifted bits sort above every finite code.
 
-// FP8 code of |v| saturated (the lanes' FP8 bytes without their sign).
+// float16 bits of a (>= 0 or NaN, in the code domain) saturated and rounded to the FP8 grid.
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_magnitude(__m256 v) {
-  using B = Fp8CastBits<Out>;
-  static_assert(B::kNanBits >= 0x7f, "NaN code must order above the finite codes");
-  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+TL_LANE_INLINE __m128i fp8_grid_halves(__m256 a) {
+  using H = Fp8ViaHalf<Out>;
   // vminps returns the second operand when either is NaN: NaN passes.
-  const __m256i u = _mm256_castps_si256(_mm256_min_ps(_mm256_set1_ps(Out::kMax), a));
-  const __m256i mant_odd = _mm256_and_si256(_mm256_srli_epi32(u, B::kMantShift), _mm256_set1_epi32(1));
-  __m256i normal = _mm256_add_epi32(u, _mm256_set1_epi32(static_cast<int>(B::kRebias)));
-  normal = _mm256_srli_epi32(_mm256_add_epi32(normal, mant_odd), B::kMantShift);
-  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(B::kDenormMask));
-  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm));
-  const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(sum), denorm);
-  const __m256i r = _mm256_blendv_epi8(normal, subnormal, lanes_lt(u, B::kSubnormalBelow));
-  return _mm256_min_epu32(r, _mm256_set1_epi32(static_cast<int>(B::kNanBits)));
+  a = _mm256_min_ps(_mm256_set1_ps(H::kMax), a);
+  // 2^max(E, Emin): a's exponent field, at least Emin's (a NaN's gives inf).
+  const __m256 p = _mm256_castsi256_ps(_mm256_max_epi32(
+      _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f800000)), _mm256_set1_epi32(H::kMinNormalBits)));
+  const __m256 k = _mm256_set1_ps(H::kMagicFactor);
+  const __m256 r = _mm256_fnmadd_ps(p, k, _mm256_fmadd_ps(p, k, a));  // (a + M) - M, M = p * k exactly
+  return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// The FP8 bytes of x * scale for 32 lanes held as four vectors, in the byte
-// order of two in-lane pack rounds (see pack_bytes): the caller's permutation
-// puts them in element order.
+// The FP8 codes (no sign) of 32 lanes of magnitudes in the code domain, in the
+// order of the lanes (a[0]'s 8, then a[1]'s, ...). The float16 bits >> 7 are
+// e4m3's code (NaN: 0xfc and up), >> 8 e5m2's (NaN: 0x7e or 0x7f, finite codes
+// up to 0x7b).
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_of_products_in_pack_order(const __m256 (&v)[4]) {
-  // Pairs packed as soon as they are cast, so that fewer vectors are live at once (AVX2 has 16
-  // registers; with all four products and magnitudes live the compiler spilled them).
-  __m256i mag16[2], sgn16[2];
-#pragma GCC unroll 2
-  for (int p = 0; p < 2; ++p) {
-    const __m256i m0 = fp8_magnitude<Out>(v[2 * p]), m1 = fp8_magnitude<Out>(v[2 * p + 1]);
-    mag16[p] = _mm256_packus_epi32(m0, m1);
-    // Signed saturating packs keep each lane's sign in its byte's top bit.
-    sgn16[p] = _mm256_packs_epi32(_mm256_castps_si256(v[2 * p]), _mm256_castps_si256(v[2 * p + 1]));
+TL_LANE_INLINE __m256i fp8_codes(const __m256 (&a)[4]) {
+  const __m128i h0 = fp8_grid_halves<Out>(a[0]), h1 = fp8_grid_halves<Out>(a[1]);
+  const __m128i h2 = fp8_grid_halves<Out>(a[2]), h3 = fp8_grid_halves<Out>(a[3]);
+  // [h0 | h2], [h1 | h3]: the in-lane pack leaves h0 h1 | h2 h3.
+  const __m256i w02 = _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h2, 1);
+  const __m256i w13 = _mm256_inserti128_si256(_mm256_castsi128_si256(h1), h3, 1);
+  constexpr int kShift = Fp8ViaHalf<Out>::kHalfShift;
+  const __m256i mag = _mm256_packus_epi16(_mm256_srli_epi16(w02, kShift), _mm256_srli_epi16(w13, kShift));
+  if constexpr (std::is_same_v<Out, Float8E4M3>) {
+    return _mm256_min_epu8(mag, _mm256_set1_epi8(0x7f));  // NaN's 0xfc and up -> 0x7f
+  } else {
+    // NaN's 0x7e and 0x7f -> 0x7f: code + 4 has its top bit set for NaN alone.
+    return _mm256_blendv_epi8(mag, _mm256_set1_epi8(0x7f), _mm256_add_epi8(mag, _mm256_set1_epi8(4)));
   }
-  const __m256i mag = _mm256_packus_epi16(mag16[0], mag16[1]);
-  const __m256i sgn = _mm256_packs_epi16(sgn16[0], sgn16[1]);
-  return _mm256_or_si256(mag, _mm256_and_si256(sgn, _mm256_set1_epi8(static_cast<char>(0x80))));
 }
 
-template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], __m256 scale) {
-  __m256 v[4];
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale);
-  return fp8_bytes_of_products_in_pack_order<Out>(v);
+// codes with each byte's sign taken from the top bit of the same byte of sign.
+TL_LANE_INLINE __m256i with_signs(__m256i codes, __m256i sign) {
+  return _mm256_or_si256(codes, _mm256_and_si256(sign, _mm256_set1_epi8(static_cast<char>(0x80))));
 }
 
-// As above with one scale per lane: x[j] * scale[j].
+// Bytes whose top bits are the signs of 32 float32 lanes, in the order of the lanes:
+// signed saturating packs keep each lane's sign, one permutation undoes their order.
+TL_LANE_INLINE __m256i sign_bytes(const __m256 (&x)[4]) {
+  const __m256i packed =
+      _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(x[0]), _mm256_castps_si256(x[1])),
+                         _mm256_packs_epi32(_mm256_castps_si256(x[2]), _mm256_castps_si256(x[3])));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The FP8 bytes of x[j] * scale, in the order of the lanes; code_sc from code_scale
+// (which returned true).
 template <typename Out>
-TL_LANE_INLINE __m256i fp8_bytes_in_pack_order(const __m256 (&x)[4], const __m256 (&scale)[4]) {
-  __m256 v[4];
+TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], __m256 code_sc) {
+  __m256 a[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(x[j], scale[j]);
-  return fp8_bytes_of_products_in_pack_order<Out>(v);
+  for (int j = 0; j < 4; ++j) a[j] = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits(x[j])), code_sc);
+  return with_signs(fp8_codes<Out>(a), sign_bytes(x));
+}
+
+// As above with one positive finite scale per lane: |x[j]| * scale[j], then times
+// kCodeScale (exact unless the product is below 2^-118, which casts to ±0 either way).
+template <typename Out>
+TL_LANE_INLINE __m256i fp8_bytes(const __m256 (&x)[4], const __m256 (&scale)[4]) {
+  __m256 a[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    a[j] = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits(x[j])), scale[j]);
+    if constexpr (Fp8ViaHalf<Out>::kCodeScale != 1.0f) {
+      a[j] = _mm256_mul_ps(a[j], _mm256_set1_ps(Fp8ViaHalf<Out>::kCodeScale));
+    }
+  }
+  return with_signs(fp8_codes<Out>(a), sign_bytes(x));
+}
+
+// The FP8 bytes of 32 bfloat16 elements (16 in h0, 16 in h1) times the scale, in
+// element order; code_sc from code_scale. habs0 and habs1 hold h0 and h1 & 0x7fff.
+// Interleaving with zero words widens bfloat16 to float32 in one instruction
+// per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}, ...: one in-lane dword
+// shuffle puts the codes in element order. The signs pack straight from the
+// 16-bit words.
+template <typename Out>
+TL_LANE_INLINE __m256i fp8_bytes_bf16(__m256i h0, __m256i h1, __m256i habs0, __m256i habs1, __m256 code_sc) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 a[4];
+  a[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, habs0)), code_sc);
+  a[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, habs0)), code_sc);
+  a[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, habs1)), code_sc);
+  a[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, habs1)), code_sc);
+  const __m256i codes = _mm256_shuffle_epi32(fp8_codes<Out>(a), 0xd8);
+  return with_signs(codes, _mm256_permute4x64_epi64(_mm256_packs_epi16(h0, h1), 0xd8));
 }
 
 // 8 scales for the per-lane cast: the first n (< 8) of them, the rest 0.
@@ -201,6 +264,10 @@ template <typename In, typename Out, bool kAmax, bool kStream>
 float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
                  int64_t end) {
   const __m256 sc = _mm256_set1_ps(scale);
+  float code_sc_scalar;
+  // The 32-lane cast needs scale * kCodeScale exact; the 16-lane one below takes any scale.
+  const int64_t end32 = code_scale<Out>(scale, &code_sc_scalar) ? end : begin;
+  const __m256 code_sc = _mm256_set1_ps(code_sc_scalar);
   __m256i acc = _mm256_setzero_si256();
   // Fewer than 16 elements: through stack buffers, lanes past n read as +0.
   auto partial = [&](int64_t i, int64_t n) {
@@ -219,34 +286,24 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
   }
   // bfloat16 amax on the 16-bit words, 16 lanes per max.
   __m256i acc16 = _mm256_setzero_si256();
-  for (; i + 32 <= end; i += 32) {
-    __m256 v[4];
+  for (; i + 32 <= end32; i += 32) {
     __m256i b;
     if constexpr (std::is_same_v<In, BFloat16>) {
-      // Interleaving with zero words widens bfloat16 to float32 in one
-      // instruction per 8 lanes, in the order {0-3, 8-11}, {4-7, 12-15}: the
-      // order the in-lane packs undo, leaving bytes in 64-bit groups 0, 2, 1, 3.
       const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
       const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16));
-      if (kAmax) {
-        const __m256i mag = _mm256_set1_epi16(0x7fff);
-        acc16 = _mm256_max_epu16(acc16, _mm256_max_epu16(_mm256_and_si256(h0, mag), _mm256_and_si256(h1, mag)));
-      }
-      const __m256i zero = _mm256_setzero_si256();
-      v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h0));
-      v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h0));
-      v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h1));
-      v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h1));
-      b = _mm256_permute4x64_epi64(fp8_bytes_in_pack_order<Out>(v, sc), 0xd8);
+      const __m256i mag = _mm256_set1_epi16(0x7fff);
+      const __m256i habs0 = _mm256_and_si256(h0, mag), habs1 = _mm256_and_si256(h1, mag);
+      if (kAmax) acc16 = _mm256_max_epu16(acc16, _mm256_max_epu16(habs0, habs1));
+      b = fp8_bytes_bf16<Out>(h0, h1, habs0, habs1, code_sc);
     } else {
+      __m256 v[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 8 * j);
       if (kAmax) {
         acc = _mm256_max_epu32(acc, _mm256_max_epu32(_mm256_max_epu32(abs_bits(v[0]), abs_bits(v[1])),
                                                       _mm256_max_epu32(abs_bits(v[2]), abs_bits(v[3]))));
       }
-      b = _mm256_permutevar8x32_epi32(fp8_bytes_in_pack_order<Out>(v, sc),
-                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      b = fp8_bytes<Out>(v, code_sc);
     }
     if (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(b));

@@ -3,11 +3,14 @@
 // lanes, the bitwise cast to FP8, range amax / cast, and byte transposes.
 // Include only from *_avx512.cpp files (compiled with the AVX-512 flags).
 //
-// The cast follows fp8_math.h's e4m3_bits_from_float / e5m2_bits_from_float
-// lane by lane: the same integer rounding for normals and the same float
-// addition that rounds subnormals (no FMA anywhere, -ffp-contract=off), so
-// the results are bitwise those of the scalar path; tests/test_quantize.py
-// and tests/test_blockwise_quantize.py check every bf16 and fp16 bit pattern.
+// The 16-lane cast (to_fp8) follows fp8_math.h's e4m3_bits_from_float /
+// e5m2_bits_from_float lane by lane: the same integer rounding for normals and
+// the same float addition that rounds subnormals (no contracted FMA,
+// -ffp-contract=off). The 64-lane cast of cast_range rounds by a magic-number
+// addition written as two explicit FMAs (see quantize_lanes_avx2.h), the same
+// rounding. Both are bitwise the scalar path; tests/test_quantize.py,
+// tests/test_quantize_cast_exhaustive.py and tests/test_blockwise_quantize.py
+// check every bf16 and fp16 bit pattern and fp32 values at every boundary.
 //
 // amax works on the integer bits of |x|: for non-negative IEEE values the
 // unsigned bit order is the value order and every NaN sorts above inf, so an
@@ -109,47 +112,99 @@ TL_LANE_INLINE __m128i to_fp8(__m512 x, __m512 scale) {
 }
 
 // The cast of 64 lanes at a time, as to_fp8 with fewer instructions: the
-// magnitude is cast alone and its sign set by one masked OR; saturation leaves
-// NaN as the only special lane, and the normal-path code of a NaN lane
-// (>= 0x23c) is above every finite code (<= 0x7e), so one unsigned min gives
-// its kNanBits. The 64 codes are then packed to bytes in two in-lane rounds
-// and one permutation, and stored as one 64-byte line.
+// rounding of quantize_lanes_avx2.h's 32-lane cast (a magic-number addition as
+// two FMAs, then vcvtps2ph, whose float16 bits hold the FP8 code; constants in
+// Fp8ViaHalf), 16 lanes wide, on |x| * scale * kCodeScale with the inputs'
+// signs set once per 64 lanes (code_scale: a positive finite scale, exact in
+// the code domain; the 16-lane to_fp8 takes other scales). Per 16 lanes: and
+// (|x|, shared with a fused amax), mul, min, and, max, two FMAs, vcvtps2ph,
+// and a quarter of the 64-lane packing (12 instructions per 64).
 
-// FP8 byte of v (x * scale) per 32-bit lane.
+// float16 bits of a (>= 0 or NaN, in the code domain) saturated and rounded to the FP8 grid.
 template <typename Out>
-TL_LANE_INLINE __m512i fp8_code(__m512 v) {
-  using B = Fp8CastBits<Out>;
-  static_assert(B::kNanBits >= 0x7f, "NaN code must order above the finite codes");
-  const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+TL_LANE_INLINE __m256i fp8_grid_halves(__m512 a) {
+  using H = Fp8ViaHalf<Out>;
   // vminps returns the second operand when either is NaN: NaN passes.
-  const __m512i u = _mm512_castps_si512(_mm512_min_ps(_mm512_set1_ps(Out::kMax), a));
-  const __m512i mant_odd = _mm512_and_si512(_mm512_srli_epi32(u, B::kMantShift), _mm512_set1_epi32(1));
-  __m512i normal = _mm512_add_epi32(u, _mm512_set1_epi32(static_cast<int>(B::kRebias)));
-  normal = _mm512_srli_epi32(_mm512_add_epi32(normal, mant_odd), B::kMantShift);
-  const __m512i denorm = _mm512_set1_epi32(static_cast<int>(B::kDenormMask));
-  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(denorm));
-  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(sum), denorm);
-  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(u, _mm512_set1_epi32(B::kSubnormalBelow));
-  __m512i r = _mm512_mask_blend_epi32(is_sub, normal, subnormal);
-  r = _mm512_min_epu32(r, _mm512_set1_epi32(static_cast<int>(B::kNanBits)));
-  return _mm512_mask_or_epi32(r, _mm512_movepi32_mask(_mm512_castps_si512(v)), r, _mm512_set1_epi32(0x80));
+  a = _mm512_min_ps(_mm512_set1_ps(H::kMax), a);
+  // 2^max(E, Emin): a's exponent field, at least Emin's (a NaN's gives inf).
+  const __m512 p = _mm512_castsi512_ps(_mm512_max_epi32(
+      _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(H::kMinNormalBits)));
+  const __m512 k = _mm512_set1_ps(H::kMagicFactor);
+  const __m512 r = _mm512_fnmadd_ps(p, k, _mm512_fmadd_ps(p, k, a));  // (a + M) - M, M = p * k exactly
+  return _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// The FP8 bytes of x * scale for 64 lanes held as four vectors, in the order
-// two in-lane pack rounds leave them (each caller permutes them into element
-// order).
+// The FP8 codes (no sign) of 64 lanes of magnitudes in the code domain, in the
+// byte order the in-lane pack of [a0 | a1] and [a2 | a3]'s float16 words leaves
+// them: 8-byte groups a0[0-7] a2[0-7] a0[8-15] a2[8-15] a1[0-7] a3[0-7] ...
+// (fp8_bytes and fp8_bytes_bf16 permute them into element order). NaN becomes 0x7f.
 template <typename Out>
-TL_LANE_INLINE __m512i fp8_bytes_in_pack_order(const __m512 (&x)[4], __m512 scale) {
-  __m512i c[4];
+TL_LANE_INLINE __m512i fp8_codes_in_pack_order(const __m512 (&a)[4]) {
+  const __m512i w01 = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_grid_halves<Out>(a[0])), fp8_grid_halves<Out>(a[1]), 1);
+  const __m512i w23 = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_grid_halves<Out>(a[2])), fp8_grid_halves<Out>(a[3]), 1);
+  constexpr int kShift = Fp8ViaHalf<Out>::kHalfShift;
+  const __m512i mag = _mm512_packus_epi16(_mm512_srli_epi16(w01, kShift), _mm512_srli_epi16(w23, kShift));
+  if constexpr (std::is_same_v<Out, Float8E4M3>) {
+    return _mm512_min_epu8(mag, _mm512_set1_epi8(0x7f));  // NaN's 0xfc and up -> 0x7f
+  } else {  // NaN's 0x7e and 0x7f -> 0x7f (finite codes are at most 0x7b)
+    return _mm512_mask_mov_epi8(mag, _mm512_cmpgt_epu8_mask(mag, _mm512_set1_epi8(0x7c)), _mm512_set1_epi8(0x7f));
+  }
+}
+
+// codes | (sign & 0x80), byte by byte.
+TL_LANE_INLINE __m512i with_signs(__m512i codes, __m512i sign) {
+  return _mm512_ternarylogic_epi32(codes, sign, _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // a | (b & c)
+}
+
+// The FP8 bytes of 64 float32 lanes x[j] * scale in element order (x[0]'s 16, then x[1]'s, ...).
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes(const __m512 (&x)[4], __m512 code_sc) {
+  __m512 a[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) c[j] = fp8_code<Out>(_mm512_mul_ps(x[j], scale));
-  return _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits(x[j])), code_sc);
+  const __m512i codes = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), fp8_codes_in_pack_order<Out>(a));
+  // Signed saturating packs keep each lane's sign in its byte's top bit; 4-byte
+  // group l of 128-bit lane k then holds elements 16 * l + 4 * k ...: a 4x4
+  // transpose of dwords puts them in order.
+  const __m512i packed =
+      _mm512_packs_epi16(_mm512_packs_epi32(_mm512_castps_si512(x[0]), _mm512_castps_si512(x[1])),
+                         _mm512_packs_epi32(_mm512_castps_si512(x[2]), _mm512_castps_si512(x[3])));
+  const __m512i sign =
+      _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+  return with_signs(codes, sign);
+}
+
+// The FP8 bytes of 64 bfloat16 elements (32 in h0, 32 in h1) times the scale, in
+// element order; habs0 and habs1 hold h0 and h1 & 0x7fff. Interleaving with
+// zero words widens bfloat16 to float32 in one instruction per 16 lanes: per
+// 128-bit lane, a0 takes elements 0-3 of each 8, a1 4-7 (a2, a3 the same of h1),
+// so the codes' 4-byte groups come out of the pack in the order 0 2 4 6 8 ...
+// of a0 and a2, then 1 3 5 7 ...: one dword permutation. The signs pack straight
+// from the 16-bit words.
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes_bf16(__m512i h0, __m512i h1, __m512i habs0, __m512i habs1, __m512 code_sc) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 a[4];
+  a[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs0)), code_sc);
+  a[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs0)), code_sc);
+  a[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs1)), code_sc);
+  a[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs1)), code_sc);
+  // Pack order, 4-byte groups: a0[0-3] a0[4-7] a2[0-3] a2[4-7] a0[8-11] ... then a1's and a3's; a0's
+  // group g is elements 8 * g + 0-3 and a1's 8 * g + 4-7 (a2, a3: 32 on).
+  const __m512i codes = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 2, 10, 3, 11, 6, 14, 7, 15), fp8_codes_in_pack_order<Out>(a));
+  const __m512i sign = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packs_epi16(h0, h1));
+  return with_signs(codes, sign);
 }
 
 template <typename In, typename Out, bool kAmax, bool kStream>
 float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
                  int64_t end) {
   const __m512 sc = _mm512_set1_ps(scale);
+  float code_sc_scalar;
+  // The 64-lane cast needs a positive finite scale, exact times kCodeScale; the 16-lane one takes any.
+  const int64_t end64 = code_scale<Out>(scale, &code_sc_scalar) ? end : begin;
+  const __m512 code_sc = _mm512_set1_ps(code_sc_scalar);
   __m512i acc = _mm512_setzero_si512();
   auto masked = [&](int64_t i, int64_t n) {
     const __mmask16 m = tail_mask(n);
@@ -164,38 +219,24 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
     i += head;
   }
   __m512i acc16 = _mm512_setzero_si512();  // bfloat16 amax on the 16-bit words
-  for (; i + 64 <= end; i += 64) {
-    __m512 v[4];
+  for (; i + 64 <= end64; i += 64) {
     __m512i b;
     if constexpr (std::is_same_v<In, BFloat16>) {
-      // Interleaving with zero words widens bfloat16 to float32 in one
-      // instruction per 16 lanes; per 128-bit lane the low half takes
-      // elements 0-3, the high half 4-7 of each 8, an order the first pack
-      // round undoes. The second leaves 8-byte groups in the order
-      // 0 4 1 5 2 6 3 7.
       const __m512i h0 = _mm512_loadu_si512(x + i);
       const __m512i h1 = _mm512_loadu_si512(x + i + 32);
-      if (kAmax) {
-        const __m512i mag = _mm512_set1_epi16(0x7fff);
-        acc16 = _mm512_max_epu16(acc16, _mm512_max_epu16(_mm512_and_si512(h0, mag), _mm512_and_si512(h1, mag)));
-      }
-      const __m512i zero = _mm512_setzero_si512();
-      v[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, h0));
-      v[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, h0));
-      v[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, h1));
-      v[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, h1));
-      b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), fp8_bytes_in_pack_order<Out>(v, sc));
+      const __m512i mag = _mm512_set1_epi16(0x7fff);
+      const __m512i habs0 = _mm512_and_si512(h0, mag), habs1 = _mm512_and_si512(h1, mag);
+      if (kAmax) acc16 = _mm512_max_epu16(acc16, _mm512_max_epu16(habs0, habs1));
+      b = fp8_bytes_bf16<Out>(h0, h1, habs0, habs1, code_sc);
     } else {
+      __m512 v[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 16 * j);
       if (kAmax) {
         acc = _mm512_max_epu32(acc, _mm512_max_epu32(_mm512_max_epu32(abs_bits(v[0]), abs_bits(v[1])),
                                                       _mm512_max_epu32(abs_bits(v[2]), abs_bits(v[3]))));
       }
-      // 4-byte group l of 128-bit lane k holds elements 16 * l + 4 * k ...:
-      // a 4x4 transpose of dwords puts them in order.
-      b = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
-                                   fp8_bytes_in_pack_order<Out>(v, sc));
+      b = fp8_bytes<Out>(v, code_sc);
     }
     if (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm512_castsi512_si128(b));
