@@ -136,10 +136,10 @@ def test_host_reads_are_the_cpu_scale_checks_and_delayed_scalings_state(name, co
         elsewhere = {site: n for site, n in step.reads.items() if site != CPU_SCALE_CHECKS}
         expected = {"recipe/delayed_scaling.py": 2} if _just_in_time(name) else {}
         if _stochastic_rounding(name):
-            expected["ops/nvfp4.py"] = 1
+            expected["ops/nvfp4_quantize.py"] = 1
         assert elsewhere == expected
         # The counting sees reads where they happen (NVFP4's ops read no scale on the host: its seed read).
-        assert step.reads[CPU_SCALE_CHECKS if not _stochastic_rounding(name) else "ops/nvfp4.py"] > 0
+        assert step.reads[CPU_SCALE_CHECKS if not _stochastic_rounding(name) else "ops/nvfp4_quantize.py"] > 0
     assert costs.cpu_only_reads
 
 
