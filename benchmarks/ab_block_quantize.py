@@ -14,10 +14,8 @@ measures the kernel.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import statistics
-import time
 
+import ab_builds
 import torch
 
 from transformer_linear import _C as new_C
@@ -35,24 +33,13 @@ CASES = [
 ]
 
 
-def thread_clock() -> float:
-    return time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old_so", help="path of the other build's _C*.so")
-    parser.add_argument("--repeats", type=int, default=9)
+    ab_builds.add_arguments(parser)
     parser.add_argument("--rows", type=int, default=4096, help="input rows (x 4096 columns)")
-    parser.add_argument("--threads", type=int, default=1, help="threads (more than 1: wall clock, not thread CPU time)")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("old_build._C", args.old_so)
-    old_C = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old_C)
-    torch.set_num_threads(args.threads)
-    clock = thread_clock if args.threads == 1 else time.perf_counter
-    print(f"{'block':<10}{'dtype':<10}{'layouts':<9}{'old ms':>8}{'new ms':>8}{'new/old':>9}"
-          f"{'old of memcpy':>15}{'new of memcpy':>15}  bitwise")
+    old_C, clock = ab_builds.setup(args)
+    print(f"{'block':<10}{'dtype':<10}{'layouts':<9}{ab_builds.HEADER}")
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(args.rows, 4096).to(dtype)
         copy_dst = torch.empty_like(x)
@@ -71,28 +58,13 @@ def main() -> None:
                         block[0], block[1], block_t[0], block_t[1], power_2, False, stream_for(x),
                     )
 
-                call(new_C)
-                new_outs = [o.clone() if o is not None else None for o in outs]
-                call(old_C)
-                same = all(a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                           for a, b in zip(outs, new_outs))
-                fns = {"old": lambda: call(old_C), "new": lambda: call(new_C), "memcpy": lambda x=x, dst=copy_dst: dst.copy_(x)}
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for fn in fns.values():
-                    fn()
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        start = clock()
-                        fn()
-                        times[k].append(clock() - start)
-                med = {k: statistics.median(v) for k, v in times.items()}
+                same = ab_builds.outputs_agree(outs, call, new_C, old_C)
+                fns = {"old": lambda: call(old_C), "new": lambda: call(new_C),
+                       "memcpy": lambda x=x, dst=copy_dst: dst.copy_(x)}
+                times = ab_builds.time_interleaved(fns, args.repeats, clock)
                 nbytes = x.numel() * x.element_size() + x.numel() * (2 if columnwise else 1)
-                memcpy_gbs = 2 * x.numel() * x.element_size() / med["memcpy"]
                 print(f"{name:<10}{str(dtype).removeprefix('torch.'):<10}{'row+col' if columnwise else 'row':<9}"
-                      f"{med['old'] * 1e3:>8.2f}{med['new'] * 1e3:>8.2f}{med['old'] / med['new']:>8.2f}x"
-                      f"{nbytes / med['old'] / memcpy_gbs:>15.0%}{nbytes / med['new'] / memcpy_gbs:>15.0%}  {same}",
-                      flush=True)
-
+                      f"{ab_builds.ab_columns(times, x, nbytes, same)}", flush=True)
 
 if __name__ == "__main__":
     main()

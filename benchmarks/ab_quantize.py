@@ -14,10 +14,8 @@ then the cast), and the cast with the transposed copy, for float32 and bfloat16 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import statistics
-import time
 
+import ab_builds
 import torch
 
 from transformer_linear import _C as new_C
@@ -32,27 +30,16 @@ CASES = [
 ]
 
 
-def thread_clock() -> float:
-    return time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old_so", help="path of the other build's _C*.so")
-    parser.add_argument("--repeats", type=int, default=9)
+    ab_builds.add_arguments(parser)
     parser.add_argument("--rows", type=int, default=4096, help="input rows (x 4096 columns)")
     parser.add_argument("--fp8", choices=["e4m3", "e5m2", "both"], default="e4m3")
-    parser.add_argument("--threads", type=int, default=1, help="threads (more than 1: wall clock, not thread CPU time)")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("old_build._C", args.old_so)
-    old_C = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old_C)
-    torch.set_num_threads(args.threads)
-    clock = thread_clock if args.threads == 1 else time.perf_counter
+    old_C, clock = ab_builds.setup(args)
     fp8s = {"e4m3": [torch.float8_e4m3fn], "e5m2": [torch.float8_e5m2],
             "both": [torch.float8_e4m3fn, torch.float8_e5m2]}[args.fp8]
-    print(f"{'case':<16}{'dtype':<10}{'fp8':<6}{'old ms':>8}{'new ms':>8}{'new/old':>9}"
-          f"{'old of memcpy':>15}{'new of memcpy':>15}  bitwise")
+    print(f"{'case':<16}{'dtype':<10}{'fp8':<6}{ab_builds.HEADER}")
     for fp8 in fp8s:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(args.rows, 4096).to(dtype)
@@ -73,29 +60,14 @@ def main() -> None:
                         current, 0, stream_for(x),
                     )
 
-                kept = (q, q_t, scale_inv, x_amax)
-                call(new_C)
-                new_outs = [o.clone() for o in kept]
-                call(old_C)
-                same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(kept, new_outs))
+                same = ab_builds.outputs_agree((q, q_t, scale_inv, x_amax), call, new_C, old_C)
                 fns = {"old": lambda: call(old_C), "new": lambda: call(new_C),
                        "memcpy": lambda x=x, dst=copy_dst: dst.copy_(x)}
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for fn in fns.values():
-                    fn()
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        start = clock()
-                        fn()
-                        times[k].append(clock() - start)
-                med = {k: statistics.median(v) for k, v in times.items()}
+                times = ab_builds.time_interleaved(fns, args.repeats, clock)
                 nbytes = x.numel() * x.element_size() + x.numel() * (int(rowwise) + int(columnwise))
-                memcpy_gbs = 2 * x.numel() * x.element_size() / med["memcpy"]
-                print(f"{name:<16}{str(dtype).removeprefix('torch.'):<10}{'e4m3' if fp8 == torch.float8_e4m3fn else 'e5m2':<6}"
-                      f"{med['old'] * 1e3:>8.2f}{med['new'] * 1e3:>8.2f}{med['old'] / med['new']:>8.2f}x"
-                      f"{nbytes / med['old'] / memcpy_gbs:>15.0%}{nbytes / med['new'] / memcpy_gbs:>15.0%}  {same}",
-                      flush=True)
-
+                fp8_name = "e4m3" if fp8 == torch.float8_e4m3fn else "e5m2"
+                print(f"{name:<16}{str(dtype).removeprefix('torch.'):<10}{fp8_name:<6}"
+                      f"{ab_builds.ab_columns(times, x, nbytes, same)}", flush=True)
 
 if __name__ == "__main__":
     main()

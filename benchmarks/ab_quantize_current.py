@@ -27,50 +27,32 @@ in cache), ``none`` nothing (the input as the previous timed call left it).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import statistics
-import time
 
+import ab_builds
 import torch
 
 from transformer_linear import _C as new_C
 from transformer_linear.ops import _quantize_outputs, _scalar
-from transformer_linear.ops import nvfp4 as nvfp4_ops
+from transformer_linear.ops import nvfp4_quantize as nvfp4_ops
 from transformer_linear.ops.descriptors import desc, stream_for
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = [(2048, 4096), (4096, 4096), (8192, 4096)]
 
 
-def thread_clock() -> float:
-    return time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID)
-
-
-def load_extension(path: str):
-    spec = importlib.util.spec_from_file_location("old_build._C", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old_so", help="path of the other build's _C*.so")
-    parser.add_argument("--repeats", type=int, default=9)
+    ab_builds.add_arguments(parser)
     parser.add_argument("--rows", type=int, nargs="*", help="input rows (x 4096 columns); default 2048 4096 8192")
-    parser.add_argument("--threads", type=int, default=1, help="threads (more than 1: wall clock, not thread CPU time)")
     parser.add_argument("--nvfp4", action="store_true", help="NVFP4's global amax + quantize instead")
     parser.add_argument("--before", choices=("write", "flush", "none"), default="write",
                         help="untimed step before each timed call (see above)")
     args = parser.parse_args()
-    old_C = load_extension(args.old_so)
-    torch.set_num_threads(args.threads)
-    clock = thread_clock if args.threads == 1 else time.perf_counter
+    old_C, clock = ab_builds.setup(args)
     shapes = [(r, 4096) for r in args.rows] if args.rows else SHAPES
     flush_buffer = torch.empty(64 << 20, dtype=torch.uint8)
     print(f"before each call: {args.before}; {args.threads} thread(s)")
-    print(f"{'shape':<11}{'dtype':<10}{'layouts':<9}{'old ms':>8}{'new ms':>8}{'old/new':>9}"
-          f"{'old of memcpy':>15}{'new of memcpy':>15}  bitwise")
+    print(f"{'shape':<11}{'dtype':<10}{'layouts':<9}{ab_builds.HEADER}")
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(shape).to(dtype)
@@ -104,32 +86,15 @@ def main() -> None:
                             desc(amax, "ab", "amax"), None, True, 0, stream_for(x),
                         )
 
-                call(new_C)
-                new_outs = [o.clone() for o in outs]
-                call(old_C)
-                same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(outs, new_outs))
+                same = ab_builds.outputs_agree(outs, call, new_C, old_C)
                 fns = {"old": lambda: call(old_C), "new": lambda: call(new_C),
                        "memcpy": lambda x=x, dst=copy_dst: dst.copy_(x)}
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                for fn in fns.values():
-                    fn()
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        before()
-                        start = clock()
-                        fn()
-                        times[k].append(clock() - start)
-                med = {k: statistics.median(v) for k, v in times.items()}
-                ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
+                times = ab_builds.time_interleaved(fns, args.repeats, clock, before)
                 out_bytes = x.numel() // 2 if args.nvfp4 else x.numel() * (2 if columnwise else 1)
                 nbytes = x.numel() * x.element_size() + out_bytes
-                memcpy_gbs = 2 * x.numel() * x.element_size() / med["memcpy"]
                 print(f"{'x'.join(map(str, shape)):<11}{str(dtype).removeprefix('torch.'):<10}"
                       f"{'nvfp4' if args.nvfp4 else 'row+col' if columnwise else 'row':<9}"
-                      f"{med['old'] * 1e3:>8.2f}{med['new'] * 1e3:>8.2f}{ratio:>8.2f}x"
-                      f"{nbytes / med['old'] / memcpy_gbs:>15.0%}{nbytes / med['new'] / memcpy_gbs:>15.0%}  {same}",
-                      flush=True)
-
+                      f"{ab_builds.ab_columns(times, x, nbytes, same)}", flush=True)
 
 if __name__ == "__main__":
     main()
