@@ -123,14 +123,6 @@ TL_LANE_INLINE __m128i pack_bytes(__m256i lo, __m256i hi) {
   return _mm_packus_epi16(w0, w1);
 }
 
-// The low bytes of 32 lanes (values 0..255), in order, as 32 bytes: two in-lane
-// packs leave the 4-byte groups in the order r0.lo r1.lo r2.lo r3.lo | r0.hi ...,
-// one dword permutation puts them back (4 instructions, not pack_bytes' 10).
-TL_LANE_INLINE __m256i pack_bytes(__m256i r0, __m256i r1, __m256i r2, __m256i r3) {
-  const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
-  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 // The cast of 32 lanes at a time, as to_fp8 but with fewer instructions. The
 // saturated magnitude a = min(kMax, |x| * scale) is rounded to the FP8 grid by
 // one float addition: with M = 2^(max(E, Emin) + 23 - mantissa bits) for a's
