@@ -11,6 +11,7 @@ blocks in either direction (MXFP8) and 16x16 tiles (NVFP4); the uneven model (25
 padding of per-tensor scaled shards.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -82,19 +83,21 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _mlp(layer_recipe, hidden=HIDDEN, out=OUT):
+def _mlp(layer_recipe, hidden=HIDDEN, out=OUT, bias=True):
     torch.manual_seed(0)
     return nn.Sequential(
-        tl.Linear(IN, hidden, recipe=layer_recipe), nn.ReLU(), tl.Linear(hidden, out, recipe=layer_recipe)
+        tl.Linear(IN, hidden, bias=bias, recipe=layer_recipe), nn.ReLU(),
+        tl.Linear(hidden, out, bias=bias, recipe=layer_recipe),
     )
 
 
-def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=OUT, reshard_after_forward=True):
+def _sharded(layer_recipe, fp8_all_gather, param_dtype=None, hidden=HIDDEN, out=OUT, reshard_after_forward=True,
+             bias=True):
     """The MLP with each Linear and the root sharded (FSDP2's usual nesting; the root keeps its gathered
     parameters through backward, as FSDP2 makes it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    model = _mlp(layer_recipe, hidden, out)
+    model = _mlp(layer_recipe, hidden, out, bias)
     kwargs = {"mesh": _mesh(), "fp8_all_gather": fp8_all_gather}
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -121,7 +124,7 @@ def _train(model, batches, autocast_recipe=None, loss_fn=_square_sum):
     losses, grads = [], []
     for x in batches:
         opt.zero_grad()
-        with tl.autocast(enabled=autocast_recipe is not None, recipe=autocast_recipe):
+        with tl.autocast(recipe=autocast_recipe) if autocast_recipe is not None else contextlib.nullcontext():
             loss = loss_fn(model, x)
         loss.backward()
         losses.append(loss.detach().clone())
@@ -178,6 +181,14 @@ def _gathered_bytes(name, fp8_all_gather, param_dtype=None, reshard_after_forwar
     return counter, seen
 
 
+def _gathered_data_dtypes(name):
+    """The dtypes of the weight data ``fsdp_pre_all_gather`` returns: NVFP4's packed FP4 and per-tensor scaled
+    FP8 data (gathered alone, as its bytes) as uint8, block-scaled FP8 data (beside its scales) as FP8."""
+    if name == "nvfp4" or not quantization_spec(RECIPES[name]).weight.blockwise:
+        return {torch.uint8}
+    return FP8_DTYPES
+
+
 def _bytes_rank(rank, world, name, reshard_after_forward):
     rf = reshard_after_forward
     fp8, seen = _gathered_bytes(name, True, reshard_after_forward=rf)
@@ -194,8 +205,9 @@ def _bytes_rank(rank, world, name, reshard_after_forward):
             expected = [(torch.uint8, numel // 2), (torch.float8_e4m3fn, numel // 16)]
             assert gathered == expected, f"fsdp_pre_all_gather returned {gathered}, expected FP4 {expected}"
     else:
-        bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in FP8_DTYPES]
-        assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8"
+        expected_dtypes = _gathered_data_dtypes(name)
+        bad = [d for d in fp8.data_dtypes + fp8_bf16.data_dtypes if d not in expected_dtypes]
+        assert not bad, f"fsdp_pre_all_gather returned {bad} data, expected FP8 ({expected_dtypes})"
     assert fp32.fp8_gathers == 0 and bf16.fp8_gathers == 0
     assert seen == [GatheredFP8Weight] * 2, f"the forward read {seen}, expected the gathered FP8 weight"
     assert GatheredFP8Weight not in seen_off
@@ -229,9 +241,9 @@ def _assert_same_training(rank, world, on, off, what, autocast_recipe=None, batc
         assert_bitwise_equal(p_on.full_tensor(), p_off.full_tensor(), f"{what}: {pname} after {STEPS} steps")
 
 
-def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None):
+def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None, bias=True):
     r = RECIPES[name]
-    on = _sharded(r, True, param_dtype, out=out)
+    on = _sharded(r, True, param_dtype, out=out, bias=bias)
     assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
     if compile_backend is not None:
         # Per layer, as FSDP2 models are compiled: its hooks (and the all-gathers) run outside the graphs,
@@ -239,8 +251,9 @@ def _parity_rank(rank, world, name, param_dtype, out, compile_backend=None):
         torch._dynamo.utils.counters.clear()
         for layer in (on[0], on[2]):
             layer.compile(backend=compile_backend, fullgraph=True)
-    off = _sharded(r, False, param_dtype, out=out)
-    _assert_same_training(rank, world, on, off, f"{name}, param_dtype={param_dtype}, out={out}, {compile_backend}",
+    off = _sharded(r, False, param_dtype, out=out, bias=bias)
+    _assert_same_training(rank, world, on, off,
+                          f"{name}, param_dtype={param_dtype}, out={out}, {compile_backend}, bias={bias}",
                           batches=_batches(rank, world, name=name))
     if compile_backend is not None:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -405,7 +418,7 @@ def _hsdp_rank(rank, world, name, quantized_init):
     batches = _batches(rank, world, name=name)
     with _GatherCounter() as counter:
         on(batches[0]).square().sum().backward()
-    data_dtypes = (torch.uint8,) if name == "nvfp4" else FP8_DTYPES
+    data_dtypes = _gathered_data_dtypes(name)
     assert counter.fp8_gathers > 0 and all(d in data_dtypes for d in counter.data_dtypes), counter.data_dtypes
     on.zero_grad(set_to_none=True)
     _assert_same_training(rank, world, on, off, f"HSDP {name}, quantized_model_init={quantized_init}",
@@ -500,6 +513,12 @@ class TestFP8AllGather:
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_training_bitwise_matches_high_precision_gather(self, name):
         run_ranks(_parity_rank, name, None, OUT, world_size=WORLD, timeout=TIMEOUT)
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_layers_without_bias(self, name):
+        # A per-tensor scaled weight gathers its FP8 data alone (no bias beside it in FSDP2's group): FSDP2 then
+        # all-gathers in that one dtype, which gloo does not take, unless the data travels as bytes.
+        run_ranks(_parity_rank, name, None, OUT, None, False, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", ["current", "delayed", "nvfp4"])
     def test_bf16_mixed_precision_policy(self, name):

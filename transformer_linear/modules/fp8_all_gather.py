@@ -290,7 +290,11 @@ class FP8AllGatherWeight(torch.Tensor):
             if data.shape[0] != padded_rows:
                 # An uneven shard is padded to the first shard's rows, as FSDP2 pads the high-precision one.
                 data = torch.cat([data, data.new_zeros(padded_rows - data.shape[0], cols)])
-            return (data,), _GatherMetadata(rows, ROWWISE, group, q.scale_inv.reshape(1), scaling.amax.reshape(()))
+            # As bytes: FSDP2 all-gathers a group whose tensors share one dtype in that dtype (here the FP8 data
+            # alone, when the layer has no bias), and gloo takes no 8-bit float; a byte copy is one on NCCL too.
+            return (data.view(torch.uint8),), _GatherMetadata(
+                rows, ROWWISE, group, q.scale_inv.reshape(1), scaling.amax.reshape(())
+            )
 
     def fsdp_post_all_gather(
         self,
@@ -322,6 +326,7 @@ class FP8AllGatherWeight(torch.Tensor):
             data_t_src, scale_inv_t_src = data.t(), scale_inv.t()
             amax = None
         else:
+            data = data.view(quantizer.dtype)  # gathered as bytes (fsdp_pre_all_gather)
             scale_inv = metadata.scale_inv
             data_t_src = data.t() if layout.needs_columnwise(data.device) else None
             scale_inv_t_src = None
