@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules import fp8_all_gather, quantized_init
-from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.grouped_linear_functional import (
     HighPrecisionGroupedLinear,
     check_grouped_linear_args,
@@ -210,7 +210,7 @@ class GroupedLinear(nn.Module):
             # AOT autograd takes no in-place update of a graph input in the backward graph.
             raise RuntimeError("GroupedLinear: fuse_wgrad_accumulation runs eagerly only (backward adds to "
                                "weight.main_grad in place)")
-        recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        recipe = layer_recipe(self.recipe)
         main_grad = self._main_grad()
         wgrad_queue = self._wgrad_queue.handle if self.delay_wgrad_compute else NO_HANDLE
         if recipe is None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.grouped_linear_args import (
     GroupedLinearFwdArgs,
     GroupedLinearFwdOutputs,
@@ -121,7 +121,7 @@ def grouped_linear(
         NotImplementedError: quantizers the grouped GEMMs do not take (see check_grouped_quantization).
     """
     check_grouped_linear_args("grouped_linear", inp, weight, offs, bias)
-    recipe = recipe if recipe is not None else get_fp8_recipe()
+    recipe = layer_recipe(recipe)
     if recipe is None:
         return high_precision_grouped_linear(inp, weight, offs, bias)
     spec = check_grouped_quantization("grouped_linear", recipe)

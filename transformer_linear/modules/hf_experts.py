@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.grouped_linear_functional import (
     check_grouped_linear_args,
     grouped_linear,
@@ -128,7 +128,7 @@ class ExpertsFP8State(nn.Module):
         """The grouped Linear of ``inp`` (tokens sorted by expert) with ``weight`` (E, out, in) under this
         state's recipe (else ``tl.autocast``'s; none: high precision)."""
         check_grouped_linear_args("ExpertsFP8State", inp, weight, offs, bias)
-        recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        recipe = layer_recipe(self.recipe)
         if recipe is None:
             return high_precision_grouped_linear(inp, weight, offs, bias)
         spec = check_grouped_quantization("ExpertsFP8State", recipe)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.checks import check_linear_devices
 from transformer_linear.modules import fp8_all_gather, quantized_init, tensor_parallel
-from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.modules.linear_ops import WgradQueue, compute_wgrad, linear_fwd
 from transformer_linear.recipe import Recipe, amax_reduction
@@ -172,7 +172,7 @@ class Linear(nn.Module):
 
     def _forward(self, is_first_microbatch: Optional[bool], inp: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """The forward with explicit (possibly local-shard) parameters."""
-        recipe = self.recipe if self.recipe is not None else get_fp8_recipe()
+        recipe = layer_recipe(self.recipe)
         gathered = fp8_all_gather.gathered_weight(weight) if recipe is None else None
         if gathered is not None and not isinstance(gathered, quantized_init.QuantizedWeight):
             # A weight kept by quantized_model_init reads as its dequantized value (high precision, as
@@ -294,10 +294,7 @@ class Linear(nn.Module):
         # Sharing the Parameters keeps optimizer state and ties pointing at them valid.
         new.weight = linear.weight
         new.bias = linear.bias
-        if new.quantized_init is not None:
-            if new.quantized_init.preserve_high_precision_init_val:
-                new._high_precision_init_val = new.weight.detach().to("cpu", copy=True)
-            quantized_init.requantize(new)
+        quantized_init.requantize(new)  # under tl.quantized_model_init: the weight kept quantized
         new.train(linear.training)
         new.reset_fp8_state()
         return new

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from transformer_linear.modules.autocast import autocast
+from transformer_linear.modules.autocast import outside_autocast
 from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import ExpertsFP8State, is_hf_experts
@@ -113,8 +113,8 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
     (their deferred/fused weight-gradient options are turned off so each
     step's gradients land in ``.grad``). Layers for which
     ``module_filter_fn(layer, fqn)`` is False stay in high precision.
-    Run the copy under ``tl.autocast(enabled=False)`` so an enclosing
-    autocast does not reach the high-precision layers.
+    Run the copy under ``outside_autocast()`` so an enclosing
+    ``tl.autocast`` does not reach its layers.
 
     ``transformers`` experts modules (mixture of experts) run their
     projections as grouped GEMMs under ``recipe`` (``convert_to_fp8``'s
@@ -290,7 +290,7 @@ def compare(
     for label, recipe in recipe_list:
         run_model = with_recipe(model, recipe, module_filter_fn).to(reference_dtype)
         try:
-            with autocast(enabled=False):
+            with outside_autocast():
                 for _ in range(calibration_steps):
                     _loss_step(run_model, inputs, loss_fn, 0)
                 losses[label], ref_loss, stats = _observed_step(
@@ -387,7 +387,7 @@ def train_run(
     observe = set(observe_at) if spec.recipe is not None else set()
     curve: list[float] = []
     observations: list[LayerStats] = []
-    with autocast(enabled=False):
+    with outside_autocast():
         for step, inputs in enumerate(batches):
             inputs = _as_tuple(inputs)
             if step in observe:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_linear import reference
-from transformer_linear.modules.autocast import get_fp8_recipe
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics import plots
@@ -159,7 +159,7 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
     @torch.no_grad()
     def _record(self, fqn: str, x: torch.Tensor, y: torch.Tensor, x_amax: torch.Tensor) -> Optional[dict[str, Any]]:
         layer = self.layers[fqn]
-        recipe = layer.recipe or get_fp8_recipe() or self.recipe
+        recipe = layer_recipe(layer.recipe) or self.recipe
         if recipe is None:
             return None  # the layer ran in high precision
         spec = quantization_spec(recipe)
