@@ -13,7 +13,10 @@ the directory ``from_pretrained`` loaded).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -21,7 +24,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from transformer_linear.modules import tensor_parallel
+from transformer_linear.modules import quantized_init, tensor_parallel
+from transformer_linear.modules.grouped_linear import GroupedLinear
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import (
     DEFAULT_EXPERTS_IMPLEMENTATION,
@@ -100,6 +104,7 @@ def from_conv1d(conv: nn.Module, **kwargs: Any) -> Conv1DLinear:
         new = Conv1DLinear(in_features, out_features, bias=conv.bias is not None, **kwargs)
     new.weight = conv.weight
     new.bias = conv.bias
+    quantized_init.requantize(new)  # under tl.quantized_model_init: the (in, out) weight kept quantized
     new.train(conv.training)
     new.reset_fp8_state()
     return new
@@ -320,6 +325,9 @@ def convert_to_fp8(
     Args:
         model: the model; if it is itself a convertible layer the converted module is returned.
         recipe: the converted layers' recipe; None follows ``tl.autocast``.
+            ``tl.Linear`` / ``tl.GroupedLinear`` layers already in the model
+            without a recipe take it too; those with another recipe of their
+            own keep theirs (a warning names them).
         module_filter_fn: ``fn(module, fqn) -> bool``; layers for which it
             returns False are left alone (torchao's convention).
         fp8_state: where the converted layers' delayed-scaling state comes
@@ -339,11 +347,20 @@ def convert_to_fp8(
     """
     _check_model("convert_to_fp8", model)
     experts = _experts_to_convert(model, module_filter_fn, recipe)
+    if recipe is not None:
+        _give_recipe_to_existing_layers(model, recipe, module_filter_fn)
+
+    tied = _tied_weights(model)
+    kept_plain = []
 
     def convert(module: nn.Module) -> nn.Module:
-        if is_conv1d(module):
-            return from_conv1d(module, recipe=recipe)
-        return Linear.from_linear(module, recipe=recipe)
+        # A weight another module holds too (an output layer tied to the embedding) stays a plain Parameter
+        # under quantized_model_init: kept quantized it would be a new Parameter, and the tie would break.
+        plain = quantized_init.active_config() is not None and id(module.weight) in tied
+        with quantized_init.quantized_model_init(enabled=False) if plain else contextlib.nullcontext():
+            if is_conv1d(module):
+                return from_conv1d(module, recipe=recipe)
+            return Linear.from_linear(module, recipe=recipe)
 
     if _skip_reason(model, "", module_filter_fn) is None:
         return convert(model)
@@ -360,12 +377,54 @@ def convert_to_fp8(
             if _skip_reason(child, child_fqn, module_filter_fn) is None:
                 done[id(child)] = convert(child)
                 setattr(module, name, done[id(child)])
+                if id(child.weight) in tied:
+                    kept_plain.append(child_fqn)
+    if kept_plain and quantized_init.active_config() is not None:
+        warnings.warn(
+            "convert_to_fp8: under quantized_model_init these layers keep a high-precision weight, which another "
+            f"module holds too (tied): {', '.join(kept_plain)}; they still run their GEMMs in FP8",
+            stacklevel=2,
+        )
     if experts:
         _run_experts_in_fp8(experts, recipe)
     source = _checkpoint_dir(model) if isinstance(fp8_state, str) and fp8_state == "auto" else fp8_state
     if source is not None:
         load_fp8_state(model, source)
     return model
+
+
+def _tied_weights(model: nn.Module) -> set[int]:
+    """The ids of the Parameters more than one module of ``model`` holds (tied embeddings)."""
+    holders = collections.Counter(id(p) for m in model.modules() for p in m._parameters.values() if p is not None)
+    return {pid for pid, count in holders.items() if count > 1}
+
+
+def _give_recipe_to_existing_layers(model: nn.Module, recipe: Recipe, module_filter_fn: Optional[FilterFn]) -> None:
+    """``tl.Linear`` / ``tl.GroupedLinear`` layers already in ``model`` without a recipe take ``recipe``.
+
+    Left without one they would follow ``tl.autocast`` alone, and outside it
+    run in high precision although the model was converted with a recipe.
+    Layers with another recipe of their own keep it, with a warning naming them.
+    """
+    layers = [
+        (fqn, m)
+        for fqn, m in model.named_modules()
+        if isinstance(m, (Linear, GroupedLinear)) and (module_filter_fn is None or module_filter_fn(m, fqn))
+    ]
+    if any(isinstance(m, GroupedLinear) and m.recipe is None for _, m in layers):
+        check_grouped_quantization("convert_to_fp8", recipe)  # before any layer changes
+    kept = []
+    for fqn, layer in layers:
+        if layer.recipe is None:
+            layer.recipe = recipe
+            layer.reset_fp8_state()  # the history length is the recipe's
+        elif layer.recipe != recipe:
+            kept.append(f"{fqn or '<root>'} ({layer.recipe!r})")
+    if kept:
+        warnings.warn(
+            f"convert_to_fp8: these layers keep the recipe of their own instead of {recipe!r}: {', '.join(kept)}",
+            stacklevel=3,
+        )
 
 
 def _experts_to_convert(model: nn.Module, module_filter_fn: Optional[FilterFn], recipe: Optional[Recipe]) -> list[nn.Module]:

@@ -197,6 +197,22 @@ def _transposed(t: Tensor) -> Tensor:
     return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
+def transposed_weight(quantizer: TensorQuantizer, cached: CachedWeight) -> CachedWeight:
+    """The quantized form of the 2-D weight ``cached`` represents, transposed: its rowwise copy is
+    ``cached``'s columnwise copy and the other way round (each copy is the quantization of one GEMM operand,
+    whatever the blocks). ``cached`` holds both copies (``QuantizedWeight.cached_weight``), or (one scale
+    per tensor, no columnwise copy needed here) the rowwise one alone, whose transpose is made now."""
+    if cached.weight_fp8_t is None:
+        return dataclasses.replace(cached, weight_fp8=_transposed(cached.weight_fp8), weight_fp8_t=cached.weight_fp8)
+    return dataclasses.replace(
+        cached,
+        weight_fp8=cached.weight_fp8_t,
+        weight_fp8_t=cached.weight_fp8,
+        weight_scale_inv=cached.weight_scale_inv if not quantizer.blockwise else cached.weight_scale_inv_t,
+        weight_scale_inv_t=cached.weight_scale_inv_t if not quantizer.blockwise else cached.weight_scale_inv,
+    )
+
+
 def dequantize_weight(quantizer: TensorQuantizer, cached: CachedWeight, dtype: torch.dtype) -> Tensor:
     """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``; a
     stacked (num_gemms, rows, cols) one expert by expert."""
@@ -317,6 +333,12 @@ class QuantizedWeight(GatheredFP8Weight):
             moved = {name: getattr(this, name) for name in _CACHED_FIELDS}
             moved = {name: None if t is None else t.to(device, copy=True) for name, t in moved.items()}
             return QuantizedWeight(CachedWeight(**moved), this.quantizer, kwargs.get("dtype") or this.dtype)
+        if first is this and this.dim() == 2 and (
+            func is torch.ops.aten.t.default
+            or (func is torch.ops.aten.transpose.int and {d % 2 for d in args[1:3]} == {0, 1})
+        ):
+            # A Conv1D's (in, out) weight is read transposed by its forward: the other copy, no dequantize.
+            return QuantizedWeight(transposed_weight(this.quantizer, this.cached_weight), this.quantizer, this.dtype)
         if first is this and func is torch.ops.aten.copy_.default:
             src = args[1]
             this.quantize_(src.dequantize(this.dtype) if isinstance(src, QuantizedWeight) else src)
