@@ -163,6 +163,9 @@ def test_a_quantizer_takes_any_data_dtype_and_checks_its_fields():
         TensorQuantizer(torch.float8_e4m3fn, [], torch.float32, False, margin=-1)
     with pytest.raises(ValueError, match="one scale per tensor only"):
         TensorQuantizer(torch.float8_e4m3fn, [1, 128], torch.float32, False, scale_from_history=True)
+    for block_shape in (None, 128, [1.0, 128], [True, 128]):
+        with pytest.raises(TypeError, match=r"'block_shape' must be a list of ints \(\[\] for one scale per tensor"):
+            TensorQuantizer(torch.float8_e4m3fn, block_shape, torch.float32, False)
 
 
 def test_per_tensor_and_block_quantizers_return_one_result_type():

@@ -4,7 +4,25 @@
 ops; ``transformer_linear.reference`` defines their numerics in plain torch.
 """
 
-from transformer_linear import _torch_fixes, ops, reference
+import importlib.machinery
+import pathlib
+
+try:
+    from transformer_linear import _C  # noqa: F401  (the compiled kernels; every op module needs them)
+except ImportError as _error:
+    _here = pathlib.Path(__file__).parent
+    _built = [p.name for s in importlib.machinery.EXTENSION_SUFFIXES for p in _here.glob(f"_C{s}")]
+    if _built:
+        raise ImportError(f"transformer_linear: the compiled extension {_built[0]} in {_here} failed to load: "
+                          f"{_error}") from _error
+    raise ImportError(
+        f"transformer_linear: the compiled extension (_C) is not in {_here}. This is a source folder: run from a "
+        "repository clone's root after `pip install .`, Python imports the clone's transformer_linear/ (which has "
+        "no build) instead of the installed package. Run from another directory, or install with "
+        "`pip install -e .`, which builds the extension into the source folder."
+    ) from _error
+
+from transformer_linear import _torch_fixes, ops, reference  # noqa: E402
 from transformer_linear._compile_cache import tag_compile_caches
 
 # Compiled graphs cached by another version of the package are not reused (_compile_cache.py).

@@ -134,6 +134,13 @@ class TensorQuantizer:
             object.__setattr__(self, "dtype", FP4_STORAGE_DTYPE)
         if self.dtype not in DATA_DTYPES:
             raise TypeError(f"TensorQuantizer: 'dtype' must be one of {DATA_DTYPES}, got {self.dtype}")
+        if not isinstance(self.block_shape, (list, tuple)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in self.block_shape
+        ):
+            raise TypeError(
+                "TensorQuantizer: 'block_shape' must be a list of ints ([] for one scale per tensor, [rows, cols] "
+                f"for blocks), got {self.block_shape!r}"
+            )
         if len(self.block_shape) not in (0, 2) or any(b < 0 for b in self.block_shape):
             raise ValueError(f"TensorQuantizer: 'block_shape' must be [] or [rows, cols >= 0], got {self.block_shape}")
         if self.scale_dtype not in QUANTIZER_SCALE_DTYPES:
