@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from transformer_linear.modules import quantized_init, tensor_parallel
+from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.grouped_linear import GroupedLinear
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import (
@@ -94,7 +95,11 @@ class Conv1DLinear(Linear):
                 "Conv1DLinear: delay_wgrad_compute, fuse_wgrad_accumulation and tensor parallelism need an (out, in) "
                 "weight; convert the model with these off, or replace Conv1D by nn.Linear first"
             )
-        return self._forward(is_first_microbatch, inp, self.weight.t().contiguous(), self.bias)
+        weight = self.weight
+        if isinstance(weight, quantized_init.QuantizedWeight) and layer_recipe(self.recipe) is not None:
+            # Kept quantized (quantized_model_init): the stored columnwise copy is the (out, in) rowwise one.
+            return self._forward(is_first_microbatch, inp, quantized_init.transposed(weight), self.bias)
+        return self._forward(is_first_microbatch, inp, weight.t().contiguous(), self.bias)
 
 
 def from_conv1d(conv: nn.Module, **kwargs: Any) -> Conv1DLinear:

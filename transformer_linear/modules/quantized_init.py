@@ -333,12 +333,6 @@ class QuantizedWeight(GatheredFP8Weight):
             moved = {name: getattr(this, name) for name in _CACHED_FIELDS}
             moved = {name: None if t is None else t.to(device, copy=True) for name, t in moved.items()}
             return QuantizedWeight(CachedWeight(**moved), this.quantizer, kwargs.get("dtype") or this.dtype)
-        if first is this and this.dim() == 2 and (
-            func is torch.ops.aten.t.default
-            or (func is torch.ops.aten.transpose.int and {d % 2 for d in args[1:3]} == {0, 1})
-        ):
-            # A Conv1D's (in, out) weight is read transposed by its forward: the other copy, no dequantize.
-            return QuantizedWeight(transposed_weight(this.quantizer, this.cached_weight), this.quantizer, this.dtype)
         if first is this and func is torch.ops.aten.copy_.default:
             src = args[1]
             this.quantize_(src.dequantize(this.dtype) if isinstance(src, QuantizedWeight) else src)
@@ -356,6 +350,25 @@ class QuantizedWeight(GatheredFP8Weight):
         quantizer, dtype = meta
         cached = CachedWeight(**{name: inner_tensors.get(name) for name in _CACHED_FIELDS})
         return QuantizedWeight(cached, quantizer, dtype)
+
+
+class _Transposed(torch.autograd.Function):
+    """The transposed weight as a :class:`QuantizedWeight` (its copies swapped); the gradient transposed back."""
+
+    @staticmethod
+    def forward(ctx, weight: QuantizedWeight) -> QuantizedWeight:
+        return QuantizedWeight(transposed_weight(weight.quantizer, weight.cached_weight), weight.quantizer, weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.t()
+
+
+def transposed(weight: QuantizedWeight) -> QuantizedWeight:
+    """``weight`` (2-D) transposed, still quantized, for a forward that reads it transposed (a Conv1D's
+    (in, out) weight): no dequantize, the gradient reaches ``weight``. (``weight.t()`` is the dequantized
+    weight transposed, as every op but the forward's reads it.)"""
+    return _Transposed.apply(weight)
 
 
 def _optimizer_guard(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
