@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -58,12 +58,12 @@ from transformer_linear.recipe.scaling import (
 )
 from transformer_linear.reference import compute_scale, fp8_max
 
-if TYPE_CHECKING:  # the Linear's op arguments, in the layer above: annotations only
-    from transformer_linear.modules.linear_args import LinearFwdArgs, LinearFwdOutputs
 
 __all__ = [
     "FWD_SCALE_KEY",
     "STATE_KEYS",
+    "DelayedForwardArgs",
+    "DelayedForwardOutputs",
     "DelayedScalingArgs",
     "DelayedScalingState",
     "ForwardScales",
@@ -134,6 +134,26 @@ class PendingReduction(NamedTuple):
     fp8_max: float
     margin: int
     amax_compute_algo: str
+
+
+class DelayedForwardArgs(Protocol):
+    """What :meth:`DelayedScalingState.forward` reads of a layer's forward arguments (``LinearFwdArgs``,
+    ``GroupedLinearFwdArgs``): the state as the op takes it, and the quantizers."""
+
+    delayed: Optional[DelayedScalingArgs]
+    quantization: quantization.QuantizationSpec
+
+
+class DelayedForwardOutputs(Protocol):
+    """What :meth:`DelayedScalingState.forward` reads of a forward's outputs: the scales it quantized with
+    and the amaxes it recorded."""
+
+    fwd_scales: Tensor
+    amax: Tensor
+
+
+_FwdArgs = TypeVar("_FwdArgs", bound=DelayedForwardArgs)
+_FwdOutputs = TypeVar("_FwdOutputs", bound=DelayedForwardOutputs)
 
 
 class DelayedScalingState:
@@ -281,9 +301,7 @@ class DelayedScalingState:
             just_in_time=config.first_step_just_in_time,
         )
 
-    def forward(
-        self, owner: nn.Module, args: LinearFwdArgs, run: Callable[[LinearFwdArgs], LinearFwdOutputs]
-    ) -> LinearFwdOutputs:
+    def forward(self, owner: nn.Module, args: _FwdArgs, run: Callable[[_FwdArgs], _FwdOutputs]) -> _FwdOutputs:
         """One forward under delayed scaling: ``run(args)`` (linear_fwd) with the state brought up to date
         first and updated after.
 
