@@ -65,8 +65,16 @@ def test_outside_autocast_restores_each_layers_own_recipe():
             assert layer_recipe(own) == own and layer_recipe(None) is None and get_fp8_recipe() is None
 
 
+@pytest.fixture
+def fresh_dynamo():
+    # Graphs of other tests count towards the recompile limit of Linear.forward's code object.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["delayed", "current", "mxfp8", "nvfp4"])
-def test_compiled_toggle_compiles_each_state_once(name):
+def test_compiled_toggle_compiles_each_state_once(name, fresh_dynamo):
     layer = _linear(name, bias=False)
     x = torch.randn(16, 64)
     counter = torch._dynamo.testing.CompileCounter()
