@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from transformer_linear import _C
-from transformer_linear.formats.checks import check_hp_dtype
+from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device
 from transformer_linear.formats.nvfp4 import BLOCK
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
@@ -187,6 +187,7 @@ def nvfp4_grouped_gemm(
             [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm"
+    _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias)
     _check(op, "a", a, torch.uint8, 2)
     _check(op, "b", b, torch.uint8, 3)
     _check(op, "b_scale_inv", b_scale_inv, torch.float8_e4m3fn, 2)
@@ -211,8 +212,14 @@ def _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias=N
     return out
 
 
+def _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias) -> None:
+    check_same_device(op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "offs": offs,
+                           "bias": bias}, optional=("bias",))
+
+
 def _check_grouped_op(op, a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias) -> None:
     """What the custom op checks itself (it can be called through torch.ops); the kernel checks the rest."""
+    _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias)
     _check(op, "a", a, torch.uint8, 2)
     _check(op, "a_scale_inv", a_scale_inv, torch.float8_e4m3fn, 1)
     _check(op, "b", b, torch.uint8, 3)
@@ -308,6 +315,8 @@ def _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype) -> Te
 
 
 def _check_wgrad_shapes(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs) -> None:
+    check_same_device(op, {"grad_t": grad_t, "grad_t_scale_inv": grad_t_scale_inv, "x_t": x_t,
+                           "x_t_scale_inv": x_t_scale_inv, "offs": offs})
     for name, t in (("grad_t", grad_t), ("x_t", x_t)):
         _check(op, name, t, torch.uint8, 2)
     for name, t in (("grad_t_scale_inv", grad_t_scale_inv), ("x_t_scale_inv", x_t_scale_inv)):
@@ -418,6 +427,9 @@ def _compact_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple
 
 
 def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
+    check_same_device(op, {"x": x, "offs": offs})
+    if seeds is not None:
+        check_host_tensor(op, "seeds", seeds, x, "x")  # sr_seed's draws, read on the host
     check_hp_dtype(op, "x", x.dtype)
     _check(op, "offs", offs, torch.int32, 1)
     if x.shape[0] % BLOCK:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from transformer_linear import _C
-from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
+from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device, check_tensor
 from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_amax_of_transpose
 from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.ops.nvfp4_checks import INT64_MAX, INT64_MIN, check_device_type, check_int, check_scalar
@@ -260,6 +260,8 @@ def _packed_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[to
 
 
 def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax):
+    if seed is not None:
+        check_host_tensor(op, "seed", seed, x, "x")  # sr_seed's draw, read on the host
     check_hp_dtype(op, "x", x.dtype)
     check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
     if stochastic_rounding and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
