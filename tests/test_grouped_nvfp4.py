@@ -1,7 +1,8 @@
 """tl.GroupedLinear under NVFP4BlockScaling (ops.grouped_nvfp4): forward, dgrad and wgrad against the float64
 product of the reference-quantized operands (reference.nvfp4), each expert's wgrad operands its tokens masked
-to its group, for any token count (the columnwise copies pad the tokens with zero rows); close to a loop of nn.Linear; no host read of the routing; torch.compile with changing routing
-and no recompile; torch.export; bad shapes."""
+to its group, for any token count (the columnwise copies pad the tokens with zero rows); close to a loop of
+nn.Linear; no host read of the routing; torch.compile with changing routing and no recompile; torch.export;
+bad shapes."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import transformer_linear as tl
 from transformer_linear import _C, ops, recipe
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules import fsdp_gather_usages
-from transformer_linear.ops import descriptors, grouped, grouped_high_precision, grouped_nvfp4, grouped_quantize
+from transformer_linear.ops import descriptors, grouped, grouped_nvfp4, grouped_quantize
 from transformer_linear.ops import nvfp4 as n4
 from transformer_linear.recipe import delayed_scaling
 

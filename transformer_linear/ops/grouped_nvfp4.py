@@ -37,7 +37,7 @@ from torch import Tensor
 
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device
-from transformer_linear.formats.nvfp4 import BLOCK, pad_rows, padded_rows
+from transformer_linear.formats.nvfp4 import BLOCK, padded_rows
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
 
@@ -452,8 +452,8 @@ def _grouped_quantize_op(
 ) -> list[Tensor]:
     op = "quantize_nvfp4_grouped_columnwise"
     _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
-    x, offs = pad_rows(x.contiguous()), offs.contiguous()  # any token count: zero rows up to T
     data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
+    x, offs = x.contiguous(), offs.contiguous()  # the extension pads the rows to T (and checks offs against M)
     seeds = seeds.contiguous() if stochastic_rounding else None
     _C.quantize_nvfp4_grouped_columnwise(
         desc(x, op, "x"), desc(offs, op, "offs"), desc(seeds, op, "seeds"), desc(data_t, op, "output_t"),
