@@ -36,7 +36,7 @@ ROUTINGS = {
     "tiny": [1, 2, 3, 4],
     "all_empty": [0, 0, 0, 0],
 }
-T = 160  # tokens (a multiple of 16: the columnwise copies wgrad reads block them in 16s)
+T = 160  # tokens (any count is taken: test_grouped_quantize_takes_any_token_count)
 
 
 @pytest.fixture(params=SUPPORTED_ISAS)
@@ -308,7 +308,7 @@ def _check_grouped_copies(x, sizes, option, what):
                          f"{what}: compact scales vs the torch path's")
     data_t, scale_t = grouped_nvfp4.expand_columnwise(data, scales, offs)
     for g, (start, end) in enumerate(reference_grouped.group_bounds(offs, x.shape[0])):
-        masked = torch.zeros_like(x)
+        masked = x.new_zeros((-(-x.shape[0] // 16) * 16, x.shape[1]))  # the tokens padded to a multiple of 16
         masked[start:end] = x[start:end]
         amax = masked.float().abs().amax()
         amax_t = hadamard_amax_of_transpose(masked) if kwargs.get("rht") else None
@@ -330,6 +330,15 @@ def test_grouped_quantize_bitwise_the_masked_copies_and_the_reference(quantize_i
 
 
 @pytest.mark.parametrize("option", ["rne", "rht_sr"])
+@pytest.mark.parametrize("sizes", [[0, 1], [7, 0, 8], [37, 5, 70, 39]], ids=["1", "15", "151"])
+def test_grouped_quantize_takes_any_token_count(quantize_isa, option, sizes):
+    """Tokens not a multiple of 16 (the last one's group included): the copies of the tokens padded with zero
+    rows of no group, bitwise the masked copies' and the reference's."""
+    torch.manual_seed(6)
+    _check_grouped_copies(torch.randn(sum(sizes), 48), sizes, option, f"{sum(sizes)} tokens")
+
+
+@pytest.mark.parametrize("option", ["rne", "rht_sr"])
 def test_grouped_quantize_threads_and_wide_rows(threads, option):
     torch.manual_seed(5)
     x = torch.randn(T, 528)  # wider than the kernel's column chunk
@@ -341,8 +350,8 @@ def test_grouped_quantize_bad_input():
     offs = _offs(ROUTINGS["uneven"])
     with pytest.raises(ValueError, match="'offs'"):
         grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, torch.tensor([50, 40, 100, 150], dtype=torch.int32))
-    with pytest.raises(ValueError, match="16"):
-        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x[:T - 8], offs)
+    with pytest.raises(ValueError, match=r"'offs' must be nondecreasing cumulative row ends in \[0, 152\]"):
+        grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x[:T - 8], offs)  # offs past the rows (not the padding)
     with pytest.raises(ValueError, match="'seeds'"):
         grouped_nvfp4.quantize_nvfp4_grouped_columnwise(x, offs, stochastic_rounding=True)
     with pytest.raises(TypeError, match="'offs'"):

@@ -358,11 +358,11 @@ def test_stochastic_rounding_removes_the_bias_of_a_long_sum(name):
     "in_features, out_features, rows, match",
     [
         (24, 16, 16, "the columns of 'x' \\(24\\) must be a multiple of 16"),  # the input's rowwise copy
-        (16, 24, 16, "the rows of 'x' \\(24\\) must be a multiple of 16"),  # the weight's columnwise copy (dgrad)
-        (16, 16, 20, "the rows of 'x' \\(20\\) must be a multiple of 16"),  # the wgrad operands' columnwise copy
+        (16, 24, 16, "the columns of 'x' \\(24\\) must be a multiple of 16"),  # grad_output's rowwise copy (dgrad)
     ],
 )
 def test_bad_shapes_raise_a_clear_error(in_features, out_features, rows, match):
+    """Features not a multiple of 16 (the token count is free: tests/test_token_counts.py)."""
     layer = tl.Linear(in_features, out_features, recipe=VARIANTS["default"])
     x = torch.randn(rows, in_features, requires_grad=True)
     with pytest.raises(ValueError, match=match):
@@ -424,7 +424,7 @@ def test_opcheck_linear_dgrad_and_wgrad(name):
 
 
 @pytest.mark.usefixtures("allclose_on_fp8")
-@pytest.mark.parametrize("rows", [0, 16, 48])
+@pytest.mark.parametrize("rows", [0, 16, 48, 17])
 @pytest.mark.parametrize("scaling_2d, rht, sr", [(False, False, False), (True, False, False), (False, True, True)])
 def test_opcheck_packed_nvfp4_ops(rows, scaling_2d, rht, sr):
     x = torch.randn(rows, 64)
@@ -500,6 +500,21 @@ def test_packed_scales_hold_the_reference_copies(rows, cols):
     assert_bitwise_equal(nvfp4_ops.nvfp4_gemm_packed(data, scales, qw[0], qw[1]), expected, "gemm")
 
 
+@pytest.mark.parametrize("rows", [1, 8, 17])
+@pytest.mark.parametrize("scaling_2d, rht, sr", [(False, False, False), (True, False, False), (False, True, True)])
+def test_packed_columnwise_copy_pads_the_tokens(rows, scaling_2d, rht, sr):
+    """Any row count: the copies are the reference's of x with zero rows up to a multiple of 16, bitwise; the
+    rowwise one keeps x's rows (the padded copy's first rows)."""
+    x = torch.randn(rows, 64)
+    padded = torch.cat([x, x.new_zeros((-rows % 16, 64))])
+    seed = torch.tensor(7, dtype=torch.int64)
+    data, scales, data_t, scales_t = nvfp4_ops.quantize_nvfp4_packed(x, True, True, scaling_2d, rht, sr, seed)
+    q = ref.quantize_nvfp4(padded, _amax(padded), _amax(padded, rht), rowwise=True, columnwise=True,
+                           scaling_2d=scaling_2d, rht=rht, stochastic_rounding=sr, seed=7)
+    _assert_copy_equal(data, scales, q.data[:rows], q.scale[:rows], q.global_scale, "rowwise")
+    _assert_copy_equal(data_t, scales_t, q.data_t, q.scale_t, q.global_scale_t, "columnwise (padded tokens)")
+
+
 def test_packed_ops_reject_bad_arguments():
     data, scales, _, _ = nvfp4_ops.quantize_nvfp4_packed(torch.randn(16, 64))
     with pytest.raises(ValueError, match="'stochastic_rounding' needs 'seed'"):
@@ -512,8 +527,6 @@ def test_packed_ops_reject_bad_arguments():
         nvfp4_ops.nvfp4_gemm_packed(data, scales, data, scales[:-1])
     with pytest.raises(ValueError, match="the K dimensions"):
         nvfp4_ops.nvfp4_gemm_packed(data, scales, data[:, :16], scales[:40])
-    with pytest.raises(ValueError, match="the rows of 'x' \\(8\\) must be a multiple of 16"):
-        nvfp4_ops.quantize_nvfp4_packed(torch.randn(8, 64), columnwise=True)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

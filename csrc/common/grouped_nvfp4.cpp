@@ -227,10 +227,11 @@ void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc
   check_dtype(op, "x", input, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
   check_rank(op, "x", input, 2);
   check_contiguous(op, "x", input);
-  const int64_t total = input.shape[0], k = input.shape[1], groups = offs.defined() ? offs.shape[0] : 0;
-  TL_CHECK(total % kBlock == 0, op, ": the rows of 'x' (", total, ") must be a multiple of ", kBlock,
-           " for the columnwise copy");
-  check_offs(op, offs, groups, total, input);
+  const int64_t rows = input.shape[0], k = input.shape[1], groups = offs.defined() ? offs.shape[0] : 0;
+  check_offs(op, offs, groups, rows, input);
+  // Any token count: the copies hold blocks of 16 tokens, so the rows are padded with zero rows (of no group)
+  // to `total`, a multiple of 16, in a copy where rows are added (ops.grouped_nvfp4, formats.nvfp4.pad_rows).
+  const int64_t total = (rows + kBlock - 1) / kBlock * kBlock;
   if (stochastic_rounding) {
     check_defined(op, "seeds", seeds);
     check_device(op, "seeds", seeds, input.device, input.device_index);
@@ -254,8 +255,18 @@ void quantize_nvfp4_grouped_columnwise(const TensorDesc& input, const TensorDesc
   // The columns past the groups' bands (the capacity is an upper bound) are zero codes with zero scales.
   std::memset(output_t.data, 0, static_cast<size_t>(output_t.numel()));
   std::memset(scale_t.data, 0, static_cast<size_t>(scale_t.numel()));
+  TensorDesc padded = input;
+  cpu::Buffer padded_rows;
+  if (total != rows) {
+    const size_t row_bytes = static_cast<size_t>(k) * element_size(input.dtype);
+    padded_rows = cpu::aligned_buffer(static_cast<size_t>(total) * row_bytes, op);
+    std::memcpy(padded_rows.get(), input.data, static_cast<size_t>(rows) * row_bytes);
+    std::memset(padded_rows.get() + rows * row_bytes, 0, static_cast<size_t>(total - rows) * row_bytes);
+    padded.data = padded_rows.get();
+    padded.shape[0] = total;
+  }
   QuantizeGroupedNvfp4Params p{};
-  p.input = input;
+  p.input = padded;
   p.offs = static_cast<const int32_t*>(offs.data);
   p.seeds = stochastic_rounding ? static_cast<const int64_t*>(seeds.data) : nullptr;
   p.output_t = static_cast<uint8_t*>(output_t.data);

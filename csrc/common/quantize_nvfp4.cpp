@@ -62,6 +62,11 @@ void quantize_nvfp4(const TensorDesc& input, const TensorDesc& amax, const Tenso
            ": at least one of 'output' and 'output_t' is required");
   TL_CHECK(!(rht && scaling_2d), kOp, ": 'rht' and 'scaling_2d' cannot be combined");
   TL_CHECK(offset >= 0, kOp, ": argument 'offset' must be non-negative, got ", offset);
+  // Checked where no copy reads them too (rowwise only, 16x16 tiles): every tensor handed in is valid.
+  for (auto [name, t] : {std::pair{"amax", &amax}, {"amax_t", &amax_t}}) {
+    check_scalar_fp32(kOp, name, *t);
+    check_device(kOp, name, *t, input.device, input.device_index);
+  }
   QuantizeNvfp4Params p{};
   p.input = input;
   p.m = input.shape[0];

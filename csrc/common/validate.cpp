@@ -19,6 +19,10 @@ void check_device(const char* op, const char* name, const TensorDesc& t, DeviceT
                 device == DeviceType::kCUDA ? ":" + std::to_string(device_index) : std::string(),
                 " like the input, got ", device_name(t.device),
                 t.device == DeviceType::kCUDA ? ":" + std::to_string(t.device_index) : std::string());
+  // Every tensor whose device is checked is one the kernel reads or writes: a null data pointer
+  // must not reach it, also where an optional argument was checked only for being given.
+  TL_CHECK(t.data != nullptr || t.numel() == 0, op, ": argument '", name,
+           "' has a null data pointer");
 }
 
 void check_dtype(const char* op, const char* name, const TensorDesc& t,

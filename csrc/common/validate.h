@@ -13,7 +13,8 @@ namespace tl {
 /*! \brief Throw unless the tensor was given. */
 void check_defined(const char* op, const char* name, const TensorDesc& t);
 
-/*! \brief Throw unless the tensor is on `device` (TypeError). */
+/*! \brief Throw unless the tensor is on `device` (TypeError) and has data (a null data pointer with
+ *         elements: ValueError). */
 void check_device(const char* op, const char* name, const TensorDesc& t, DeviceType device,
                   int device_index);
 

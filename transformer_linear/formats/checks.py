@@ -7,7 +7,10 @@ only be checked here:
 - Tensor-ness and one device for every argument, before dispatch. The
   dispatcher reports a non-tensor as a RuntimeError, and one 'meta' argument
   among CPU tensors routes the whole call to the fake implementation, which
-  returns uninitialized memory (or, for an in-place op, does nothing).
+  returns uninitialized memory (or, for an in-place op, does nothing). So
+  each custom op's fake implementation checks the devices too (a call through
+  ``torch.ops`` meets no public function first); values read on the host
+  (seeds, handles) may be CPU tensors whatever the device (:func:`check_host_tensor`).
 - Scale values. A scale of 0, inf or NaN (or one whose reciprocal overflows)
   is defined by the kernels' math but turns every output into NaN or inf.
   Reading the value of a CUDA tensor is a device-to-host sync, so values are
@@ -30,6 +33,7 @@ from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES, HIGH_PRECI
 
 __all__ = [
     "check_fp8_dtype",
+    "check_host_tensor",
     "check_hp_dtype",
     "check_linear_devices",
     "check_margin",
@@ -74,6 +78,18 @@ def check_same_device(op: str, tensors: Mapping[str, Optional[torch.Tensor]], op
         if t is None and name in optional:
             continue
         check_tensor(op, name, t, like=first, like_name=first_name)
+
+
+def check_host_tensor(op: str, name: str, t: object, like: torch.Tensor, like_name: str) -> None:
+    """Raise unless ``t`` is a tensor on the CPU or on ``like``'s device: a value the op reads on the host (a
+    stochastic-rounding seed, a handle), made on the CPU whatever the device of the other arguments.
+
+    Raises:
+        TypeError: naming the argument and its device (a 'meta' one among CPU tensors included).
+    """
+    check_tensor(op, name, t)
+    if t.device.type != "cpu":
+        check_tensor(op, name, t, like=like, like_name=like_name)
 
 
 def check_scale_values(op: str, scales: Mapping[str, Optional[torch.Tensor]], reciprocal: bool = False) -> None:

@@ -33,6 +33,8 @@ __all__ = [
     "check_quantize_shape",
     "hadamard_amax_of_transpose",
     "hadamard_transform",
+    "pad_rows",
+    "padded_rows",
 ]
 
 FP4_DTYPE = torch.float4_e2m1fn_x2
@@ -104,8 +106,38 @@ def hadamard_amax_of_transpose(x: torch.Tensor) -> torch.Tensor:
     return v.abs_().amax() * 0.25
 
 
-def check_quantize_shape(op: str, shape: tuple[int, ...], rowwise: bool, columnwise: bool, scaling_2d: bool, rht: bool):
-    """Raise unless a (M, K) input can be quantized as asked (ValueError naming the dimension)."""
+def padded_rows(rows):
+    """``rows`` rounded up to a multiple of :data:`BLOCK`: the tokens of a padded columnwise copy.
+
+    Integer arithmetic only, so a symbolic row count (torch.compile's dynamic shapes) stays one expression,
+    with no guard on its remainder.
+    """
+    return (rows + BLOCK - 1) // BLOCK * BLOCK
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D ``x`` with zero rows appended up to a multiple of :data:`BLOCK` rows; ``x`` itself where it has one.
+
+    What lets a columnwise copy take any token count: the copy's last 16-token block holds zeros past the real
+    tokens, which leave the amax unchanged and add nothing to a GEMM contracting over the tokens (a weight
+    gradient) whose operands are both padded so; the Hadamard transform is orthogonal per block, so two
+    transformed padded operands contract to the same sum. A copy of ``x`` where rows are added (concrete
+    sizes: the ops' implementations call it, never a traced graph).
+    """
+    rows = x.shape[0]
+    if rows % BLOCK == 0:
+        return x
+    out = x.new_zeros((padded_rows(rows), x.shape[1]))
+    out[:rows].copy_(x)
+    return out
+
+
+def check_quantize_shape(op: str, shape: tuple[int, ...], rowwise: bool, columnwise: bool, scaling_2d: bool, rht: bool,
+                         pad: bool = False):
+    """Raise unless a (M, K) input can be quantized as asked (ValueError naming the dimension).
+
+    ``pad``: the input's rows are padded to a multiple of 16 first (:func:`pad_rows`), so any M is taken.
+    """
     if len(shape) != 2:
         raise ValueError(f"{op}: argument 'x' must be 2-D, got shape {tuple(shape)}")
     m, k = shape
@@ -113,7 +145,7 @@ def check_quantize_shape(op: str, shape: tuple[int, ...], rowwise: bool, columnw
         raise ValueError(f"{op}: at least one of 'rowwise' and 'columnwise' must be set")
     if (rowwise or scaling_2d) and k % BLOCK:
         raise ValueError(f"{op}: the columns of 'x' ({k}) must be a multiple of {BLOCK} for the rowwise copy")
-    if columnwise and m % BLOCK:
+    if columnwise and not pad and m % BLOCK:
         raise ValueError(f"{op}: the rows of 'x' ({m}) must be a multiple of {BLOCK} for the columnwise copy")
     if rht and scaling_2d:
         raise ValueError(f"{op}: 'rht' and 'scaling_2d' cannot be combined (2D copies are each other's transpose)")

@@ -24,6 +24,7 @@ from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from transformer_linear._handles import NO_HANDLE, HandleTable
+from transformer_linear.formats.checks import check_host_tensor, check_same_device
 from transformer_linear.recipe.quantization import TensorQuantizer
 
 __all__ = [
@@ -167,6 +168,7 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
     Raises:
         RuntimeError: the handle names no live source.
     """
+    _check_gather_args(missing_rowwise, weight_fp8, weight_scale_inv)
     handle = int(missing_rowwise)
     if handle == NO_HANDLE:
         return
@@ -193,7 +195,15 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
 
 @gather_rowwise_if_missing.register_fake
 def _(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
-    return None
+    _check_gather_args(missing_rowwise, weight_fp8, weight_scale_inv)
+
+
+def _check_gather_args(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+    """The weight's copies on one device, the handle there or on the CPU (it is read on the host); the fake
+    implementation checks too (a meta argument would route a call to it: a silent no-op)."""
+    op = "fsdp_gather_rowwise_if_missing"
+    check_same_device(op, {"weight_fp8": weight_fp8, "weight_scale_inv": weight_scale_inv})
+    check_host_tensor(op, "missing_rowwise", missing_rowwise, weight_fp8, "weight_fp8")
 
 
 def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:

@@ -211,7 +211,7 @@ def _quantize_experts(
                                    records_amax=w.records_amax and scales is not None)
 
 
-@grouped_linear_fwd.op.register_fake
+@grouped_linear_fwd.register_fake
 def _(*values):
     a = grouped_linear_fwd.unflatten(values)
     x = a.inp.contiguous()

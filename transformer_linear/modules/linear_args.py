@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from transformer_linear.formats.checks import check_same_device
 from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
 from transformer_linear.recipe.quantization import NO_QUANTIZATION, QuantizationSpec, Quantized
 
@@ -309,8 +310,10 @@ def _field(cls: type, name: str, param: str) -> _Field:
 class ArgsOp:
     """A custom op taking some fields of an args dataclass, callable with the dataclass."""
 
-    def __init__(self, op: Any, cls: type, fields: Sequence[str], result: Optional[type] = None):
+    def __init__(self, op: Any, cls: type, fields: Sequence[str], result: Optional[type] = None, name: str = ""):
         self.op = op
+        self.name = name
+        """The op's name without its namespace, for error messages."""
         self.cls = cls
         self.fields = tuple(fields)
         self.result = result
@@ -334,6 +337,29 @@ class ArgsOp:
         out = self.op(*self.flatten(args))
         return self.result(*out) if self.result is not None else out
 
+    def check_devices(self, values: Sequence[Any]) -> None:
+        """One device for every tensor among the op's positional arguments (absent ones skipped).
+
+        The op and its fake implementation both check: a meta tensor among CPU ones routes a call
+        (through ``torch.ops``, where no module checked first) to the fake implementation.
+
+        Raises:
+            TypeError: naming the parameter on another device.
+        """
+        tensors = {name: v for (name, _), v in zip(self.params, values) if isinstance(v, Tensor)}
+        if tensors:
+            check_same_device(self.name, tensors)
+
+    def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        """Register ``fake(*values)`` as the op's fake implementation, after :meth:`check_devices`."""
+
+        def checked(*values: Any) -> Any:
+            self.check_devices(values)
+            return fake(*values)
+
+        self.op.register_fake(checked)
+        return fake
+
 
 def args_op(
     name: str,
@@ -356,9 +382,10 @@ def args_op(
     names = tuple(fields) if fields is not None else tuple(f.name for f in dataclasses.fields(cls))
 
     def register(impl: Callable[[Any], Any]) -> ArgsOp:
-        wrapped = ArgsOp(None, cls, names, result)
+        wrapped = ArgsOp(None, cls, names, result, name.split("::")[-1])
 
         def flat(*values: Any) -> Any:
+            wrapped.check_devices(values)
             out = impl(wrapped.unflatten(values))
             return tuple(out) if isinstance(out, tuple) else out  # a NamedTuple result, as the schema's tuple
 

@@ -211,7 +211,7 @@ def _saved_usage(backward_operands: str, quantizer, q: Quantized) -> tuple[Tenso
     return q.data.new_empty(0), q.scale_inv.new_empty(0)
 
 
-@linear_fwd.op.register_fake
+@linear_fwd.register_fake
 def _(*values):
     a = linear_fwd.unflatten(values)
     x2d = a.inp.reshape(_rows(a.inp), a.weight.shape[1])
@@ -257,7 +257,7 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
     return dx.reshape(a.input_shape)
 
 
-@linear_dgrad.op.register_fake
+@linear_dgrad.register_fake
 def _(*values):
     a = linear_dgrad.unflatten(values)
     return a.grad_output.new_empty(a.input_shape, dtype=a.dgrad_dtype)
@@ -294,7 +294,7 @@ def _wgrad_operands(a: LinearBwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return g_t, g_t_scale_inv, x_t, spec.input.scale_2d(a.inp_scale_inv, x_t)
 
 
-@linear_wgrad.op.register_fake
+@linear_wgrad.register_fake
 def _(*values):
     a = linear_wgrad.unflatten(values)
     if a.inp_scale_inv is None:

@@ -113,7 +113,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_checks(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
-    _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
+    _check_quantize_args(x, scale, dtype, rowwise, columnwise, dbias_dtype)
     checks.check_scale_values("quantize", {"scale": scale}, reciprocal=True)
 
 
@@ -156,7 +156,8 @@ def _quantize_op(
 torch_cuda.register_cuda_kernel(_quantize_op, _quantize_kernel, torch_cuda.quantize, _quantize_checks)
 
 
-def _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype):
+def _check_quantize_args(x, scale, dtype, rowwise, columnwise, dbias_dtype):
+    checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
     checks.check_fp8_dtype("quantize", "dtype", dtype)
     if dbias_dtype is not None:
         checks.check_hp_dtype("quantize", "dbias_dtype", dbias_dtype)
@@ -179,7 +180,7 @@ def _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype):
 
 @_quantize_op.register_fake
 def _(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
-    _check_quantize_args(dtype, rowwise, columnwise, dbias_dtype)
+    _check_quantize_args(x, scale, dtype, rowwise, columnwise, dbias_dtype)
     return _quantize_outputs(x, dtype, rowwise, columnwise, dbias_dtype)
 
 
@@ -253,8 +254,13 @@ def quantize_current(
 # ---------------------------------------------------------------------------
 
 
-def _dequantize_checks(q, scale_inv, out_dtype):
+def _check_dequantize_args(q, scale_inv, out_dtype):
+    checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
     checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+
+
+def _dequantize_checks(q, scale_inv, out_dtype):
+    _check_dequantize_args(q, scale_inv, out_dtype)
     checks.check_scale_values("dequantize", {"scale_inv": scale_inv})
 
 
@@ -276,14 +282,13 @@ torch_cuda.register_cuda_kernel(_dequantize_op, _dequantize_kernel, torch_cuda.d
 
 @_dequantize_op.register_fake
 def _(q, scale_inv, out_dtype):
-    checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    _check_dequantize_args(q, scale_inv, out_dtype)
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
-    checks.check_same_device("dequantize", {"input": q, "scale_inv": scale_inv})
-    checks.check_hp_dtype("dequantize", "out_dtype", out_dtype)
+    _check_dequantize_args(q, scale_inv, out_dtype)
     return eager.call(_dequantize_op, q, scale_inv, out_dtype)
 
 
@@ -313,8 +318,21 @@ def _run_gemm(a, a_scale_inv, b, b_scale_inv, bias, out, accumulate, use_split_a
     )
 
 
-def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+def _check_gemm_devices(op, a, a_scale_inv, b, b_scale_inv, last_name, last):
+    """One device for the GEMM's operands and its bias or output (``last``: None for no bias)."""
+    checks.check_same_device(
+        op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, last_name: last},
+        optional=("bias",),
+    )
+
+
+def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    _check_gemm_devices("fp8_gemm", a, a_scale_inv, b, b_scale_inv, "bias", bias)
     checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+
+
+def _fp8_gemm_checks(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
+    _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     _check_gemm_scales(a_scale_inv, b_scale_inv)
 
 
@@ -344,11 +362,12 @@ torch_cuda.register_cuda_kernel(_fp8_gemm_op, _fp8_gemm_kernel, torch_cuda.fp8_g
 
 @_fp8_gemm_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator):
-    checks.check_hp_dtype("fp8_gemm", "out_dtype", out_dtype)
+    _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     return a.new_empty(checks.gemm_out_shape(a, b), dtype=out_dtype)
 
 
 def _fp8_gemm_accumulate_checks(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
+    _check_gemm_devices("fp8_gemm_accumulate", a, a_scale_inv, b, b_scale_inv, "out", out)
     _check_gemm_scales(a_scale_inv, b_scale_inv)
 
 
@@ -377,7 +396,7 @@ torch_cuda.register_cuda_kernel(
 
 @_fp8_gemm_accumulate_op.register_fake
 def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator):
-    return None
+    _check_gemm_devices("fp8_gemm_accumulate", a, a_scale_inv, b, b_scale_inv, "out", out)
 
 
 def _is_nvfp4(a: object, a_scale_inv: object, b: object, b_scale_inv: object) -> bool:
@@ -428,11 +447,7 @@ def fp8_gemm(
             :func:`fp8_gemm_scalings`; on the CPU, a scale that is not
             positive and finite.
     """
-    checks.check_same_device(
-        "fp8_gemm",
-        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "bias": bias},
-        optional=("bias",),
-    )
+    _check_gemm_devices("fp8_gemm", a, a_scale_inv, b, b_scale_inv, "bias", bias)
     if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
         return nvfp4.nvfp4_gemm_packed(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
@@ -462,10 +477,7 @@ def fp8_gemm_accumulate_(
         ValueError: besides :func:`fp8_gemm`'s errors, when ``out`` shares
             memory with an operand (the message names it output 'd').
     """
-    checks.check_same_device(
-        "fp8_gemm_accumulate",
-        {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "out": out},
-    )
+    _check_gemm_devices("fp8_gemm_accumulate", a, a_scale_inv, b, b_scale_inv, "out", out)
     if _is_nvfp4(a, a_scale_inv, b, b_scale_inv):
         if out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(

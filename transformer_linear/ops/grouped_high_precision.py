@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from transformer_linear.formats.checks import check_same_device
+from transformer_linear.formats.grouped_scaling import check_offs
+
 __all__ = ["group_ends", "grouped_mm_dgrad", "grouped_mm_wgrad"]
 
 
@@ -34,6 +37,14 @@ def group_ends(op: str, offs: torch.Tensor, total_tokens: int) -> list[int]:
     return ends
 
 
+def _check_args(op: str, grad: torch.Tensor, other_name: str, other: torch.Tensor, offs: torch.Tensor,
+                groups: int) -> None:
+    """One device (a meta argument would route the call to the fake implementation) and an int32 ``offs``
+    of one entry per group; the values of ``offs`` are :func:`group_ends`' to check."""
+    check_same_device(op, {"grad": grad, other_name: other, "offs": offs})
+    check_offs(op, offs, groups)
+
+
 @torch.library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
 def grouped_mm_dgrad(
     grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
@@ -46,6 +57,7 @@ def grouped_mm_dgrad(
         offs: (num_gemms,) int32 cumulative row ends.
         out_dtype: the result's dtype.
     """
+    _check_args("grouped_mm_dgrad", grad, "weight", weight, offs, weight.shape[0])
     ends = group_ends("grouped_mm_dgrad", offs, grad.shape[0])
     out = grad.new_zeros((grad.shape[0], weight.shape[2]), dtype=out_dtype)
     for g in range(weight.shape[0]):
@@ -55,6 +67,7 @@ def grouped_mm_dgrad(
 
 @grouped_mm_dgrad.register_fake
 def _(grad, weight, offs, out_dtype):
+    _check_args("grouped_mm_dgrad", grad, "weight", weight, offs, weight.shape[0])
     return grad.new_empty((grad.shape[0], weight.shape[2]), dtype=out_dtype)
 
 
@@ -70,6 +83,7 @@ def grouped_mm_wgrad(
         offs: (num_gemms,) int32 cumulative row ends.
         out_dtype: the result's dtype.
     """
+    _check_args("grouped_mm_wgrad", grad, "inp", inp, offs, offs.numel())
     ends = group_ends("grouped_mm_wgrad", offs, grad.shape[0])
     out = grad.new_empty((offs.shape[0], grad.shape[1], inp.shape[1]), dtype=out_dtype)
     for g in range(offs.shape[0]):
@@ -80,4 +94,5 @@ def grouped_mm_wgrad(
 
 @grouped_mm_wgrad.register_fake
 def _(grad, inp, offs, out_dtype):
+    _check_args("grouped_mm_wgrad", grad, "inp", inp, offs, offs.numel())
     return grad.new_empty((offs.shape[0], grad.shape[1], inp.shape[1]), dtype=out_dtype)

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from transformer_linear import _C
-from transformer_linear.formats.checks import check_hp_dtype
-from transformer_linear.formats.nvfp4 import BLOCK
+from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device
+from transformer_linear.formats.nvfp4 import BLOCK, padded_rows
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
 
@@ -187,6 +187,7 @@ def nvfp4_grouped_gemm(
             [0, M] (the NVFP4 GEMM checks the rest).
     """
     op = "nvfp4_grouped_gemm"
+    _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias)
     _check(op, "a", a, torch.uint8, 2)
     _check(op, "b", b, torch.uint8, 3)
     _check(op, "b_scale_inv", b_scale_inv, torch.float8_e4m3fn, 2)
@@ -211,8 +212,14 @@ def _masked_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias=N
     return out
 
 
+def _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias) -> None:
+    check_same_device(op, {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv, "offs": offs,
+                           "bias": bias}, optional=("bias",))
+
+
 def _check_grouped_op(op, a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias) -> None:
     """What the custom op checks itself (it can be called through torch.ops); the kernel checks the rest."""
+    _check_grouped_devices(op, a, a_scale_inv, b, b_scale_inv, offs, bias)
     _check(op, "a", a, torch.uint8, 2)
     _check(op, "a_scale_inv", a_scale_inv, torch.float8_e4m3fn, 1)
     _check(op, "b", b, torch.uint8, 3)
@@ -271,7 +278,8 @@ def nvfp4_grouped_gemm_wgrad(
     of each masked copy's NVFP4 GEMM over all the tokens, from the group's bands only.
 
     Args:
-        grad_t: (N, C/2) uint8: the compact copies of grad_output, C = compact_tokens(M, G).
+        grad_t: (N, C/2) uint8: the compact copies of grad_output, C = compact_tokens(T, G) (T: the tokens
+            padded to a multiple of 16, :func:`quantize_nvfp4_grouped_columnwise`).
         grad_t_scale_inv: (8 G + N * C/16) their scales (each group's packed global scale, the block scales).
         x_t: (K, C/2) uint8: the same of the input.
         x_t_scale_inv: (8 G + K * C/16) their scales.
@@ -308,6 +316,8 @@ def _looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype) -> Te
 
 
 def _check_wgrad_shapes(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs) -> None:
+    check_same_device(op, {"grad_t": grad_t, "grad_t_scale_inv": grad_t_scale_inv, "x_t": x_t,
+                           "x_t_scale_inv": x_t_scale_inv, "offs": offs})
     for name, t in (("grad_t", grad_t), ("x_t", x_t)):
         _check(op, name, t, torch.uint8, 2)
     for name, t in (("grad_t_scale_inv", grad_t_scale_inv), ("x_t_scale_inv", x_t_scale_inv)):
@@ -368,7 +378,8 @@ def quantize_nvfp4_grouped_columnwise(
     of the stacked masked copies; :func:`expand_columnwise` gives them back).
 
     Args:
-        x: (M, K) float32, bfloat16 or float16, M % 16 == 0.
+        x: (M, K) float32, bfloat16 or float16; any M: the tokens are x's rows padded with zero rows to T, the
+            next multiple of 16 (formats.nvfp4.pad_rows; rows past offs[-1] belong to no group anyway).
         offs: (G,) int32 cumulative row ends; on the CPU read by the extension only, never on the host
             from Python; elsewhere never read on the host (every group masks and quantizes all the tokens).
         rht: the random Hadamard transform of each block (its global amax that of the transformed copy).
@@ -377,11 +388,11 @@ def quantize_nvfp4_grouped_columnwise(
 
     Returns:
         (data_t (K, C/2) uint8, scales (8 G + K * C/16) float8_e4m3fn: each group's packed global decode scale,
-        then the (K, C/16) block scales), C = compact_tokens(M, G) tokens.
+        then the (K, C/16) block scales), C = compact_tokens(T, G) tokens.
 
     Raises:
         TypeError: a wrong dtype or rank.
-        ValueError: M not a multiple of 16, a missing seed, ``offs`` not nondecreasing within [0, M] (CPU),
+        ValueError: a missing seed, ``offs`` not nondecreasing within [0, M] (CPU),
             or a non-finite global amax.
     """
     op = "quantize_nvfp4_grouped_columnwise"
@@ -395,15 +406,16 @@ def quantize_nvfp4_grouped_columnwise(
 
 def _masked_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple[Tensor, Tensor]:
     """Each group's masked copy of all the tokens quantized, stacked (no host read of offs):
-    (G, K, M/2), (G, 8 + K * M/16)."""
+    (G, K, T/2), (G, 8 + K * T/16), T the tokens padded to a multiple of 16."""
     group = group_of_rows(x.shape[0], offs).unsqueeze(1)
+    # Each copy's tokens padded to T (the packed quantize pads them): no group holds the padding rows.
     copies = [
         nvfp4.quantize_nvfp4_packed(torch.where(group == g, x, torch.zeros((), dtype=x.dtype, device=x.device)),
                                     rowwise=False, columnwise=True, rht=rht, stochastic_rounding=stochastic_rounding,
                                     seed=seeds[g] if stochastic_rounding else None)
         for g in range(offs.shape[0])
     ]
-    m, k = x.shape
+    m, k = padded_rows(x.shape[0]), x.shape[1]
     data_t = x.new_empty((offs.shape[0], k, m // 2), dtype=torch.uint8)
     scale_t = x.new_empty((offs.shape[0], nvfp4.packed_scale_numel(k, m)), dtype=torch.float8_e4m3fn)
     for g, copy in enumerate(copies):  # copied rather than stacked: torch.autocast's stack rejects FP8 scales
@@ -418,18 +430,18 @@ def _compact_grouped_quantize(x, offs, rht, stochastic_rounding, seeds) -> tuple
 
 
 def _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds) -> None:
+    check_same_device(op, {"x": x, "offs": offs})
+    if seeds is not None:
+        check_host_tensor(op, "seeds", seeds, x, "x")  # sr_seed's draws, read on the host
     check_hp_dtype(op, "x", x.dtype)
     _check(op, "offs", offs, torch.int32, 1)
-    if x.shape[0] % BLOCK:
-        raise ValueError(f"{op}: the rows of 'x' ({x.shape[0]}) must be a multiple of {BLOCK} for the "
-                         f"columnwise copy")
     if stochastic_rounding and (seeds is None or seeds.dtype != torch.int64 or list(seeds.shape) != [offs.shape[0]]):
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seeds', ({offs.shape[0]},) int64, got {seeds!r:.80}")
 
 
 def _grouped_quantize_outputs(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
-    m, k = x.shape
-    capacity = compact_tokens(m, groups)
+    k = x.shape[1]
+    capacity = compact_tokens(padded_rows(x.shape[0]), groups)
     return (x.new_empty((k, capacity // 2), dtype=torch.uint8),
             x.new_empty((_GLOBAL_ELEMENTS * groups + k * (capacity // BLOCK),), dtype=torch.float8_e4m3fn))
 
@@ -441,7 +453,7 @@ def _grouped_quantize_op(
     op = "quantize_nvfp4_grouped_columnwise"
     _check_grouped_quantize(op, x, offs, stochastic_rounding, seeds)
     data_t, scale_t = _grouped_quantize_outputs(x, offs.shape[0])
-    x, offs = x.contiguous(), offs.contiguous()
+    x, offs = x.contiguous(), offs.contiguous()  # the extension pads the rows to T (and checks offs against M)
     seeds = seeds.contiguous() if stochastic_rounding else None
     _C.quantize_nvfp4_grouped_columnwise(
         desc(x, op, "x"), desc(offs, op, "offs"), desc(seeds, op, "seeds"), desc(data_t, op, "output_t"),

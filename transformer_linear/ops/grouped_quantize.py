@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from transformer_linear import _C
-from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype
+from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_same_device
 from transformer_linear.formats.dtypes import E8M0_DTYPE, fp8_max
 from transformer_linear.formats.grouped_scaling import TOKEN_BLOCKS, WHOLE, check_offs, token_scale_cols
 from transformer_linear.ops.descriptors import desc, stream_for
@@ -125,12 +125,11 @@ def quantize_grouped_columnwise(
         raise ValueError(f"{op}: argument 'token_block' must be 128, 32 or 0 (the whole group), got {token_block!r}")
     if e8m0_rounding not in ("ceil", "floor"):
         raise ValueError(f"{op}: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
+    check_same_device(op, {"x": x, "offs": offs})
     check_hp_dtype(op, "x", x.dtype)
     check_fp8_dtype(op, "dtype", dtype)
     if x.dim() != 2:
         raise ValueError(f"{op}: argument 'x' must be 2-D (total_tokens, C), got shape {list(x.shape)}")
-    if offs.device != x.device:
-        raise TypeError(f"{op}: argument 'offs' is on {offs.device}, expected {x.device} (that of 'x')")
     check_offs(op, offs, offs.shape[0])
     total, groups = x.shape[0], offs.shape[0]
     width = token_scale_cols(total, groups, token_block)

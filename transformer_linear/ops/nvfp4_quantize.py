@@ -14,8 +14,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from transformer_linear import _C
-from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
-from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE, check_quantize_shape, hadamard_amax_of_transpose
+from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device, check_tensor
+from transformer_linear.formats.nvfp4 import (
+    BLOCK,
+    FP4_DTYPE,
+    check_quantize_shape,
+    hadamard_amax_of_transpose,
+    pad_rows,
+    padded_rows,
+)
 from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.ops.nvfp4_checks import INT64_MAX, INT64_MIN, check_device_type, check_int, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import (
@@ -249,19 +256,24 @@ def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
 
 
 def _packed_outputs(x: torch.Tensor, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """The packed op's four outputs: the rowwise copy of x's M rows, the columnwise copy of its padded tokens."""
     m, k = x.shape
-    data, _, data_t, _ = _copy_shapes(m, k, rowwise, columnwise)
+    tokens = padded_rows(m)
+    data = _copy_shapes(m, k, rowwise, False)[0]
+    data_t = _copy_shapes(tokens, k, False, columnwise)[2]
     return [
         x.new_empty(data, dtype=torch.uint8),
         x.new_empty(packed_scale_numel(m, k) if rowwise else 0, dtype=torch.float8_e4m3fn),
         x.new_empty(data_t, dtype=torch.uint8),
-        x.new_empty(packed_scale_numel(k, m) if columnwise else 0, dtype=torch.float8_e4m3fn),
+        x.new_empty(packed_scale_numel(k, tokens) if columnwise else 0, dtype=torch.float8_e4m3fn),
     ]
 
 
 def _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax):
+    if seed is not None:
+        check_host_tensor(op, "seed", seed, x, "x")  # sr_seed's draw, read on the host
     check_hp_dtype(op, "x", x.dtype)
-    check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+    check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht, pad=True)
     if stochastic_rounding and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
         raise ValueError(f"{op}: 'stochastic_rounding' needs 'seed', a one-element int64 tensor, got {seed!r}")
     if amax is None:
@@ -311,6 +323,17 @@ def _quantize_packed_op(
 ) -> list[torch.Tensor]:
     op = "quantize_nvfp4_packed"
     _check_packed_quantize(op, x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
+    rows = x.shape[0]
+    if columnwise:
+        x = pad_rows(x)  # any token count: the columnwise copy's last block padded with zero tokens
+    outs = _quantize_padded(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
+    if x.shape[0] != rows and rowwise:  # the rowwise copy of the real rows: a prefix of data and of block scales
+        outs[0], outs[1] = outs[0][:rows], outs[1][: packed_scale_numel(rows, x.shape[1])]
+    return outs
+
+
+def _quantize_padded(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax) -> list[torch.Tensor]:
+    """The packed op's copies of an ``x`` whose rows (with a columnwise copy) are a multiple of 16."""
     if amax is not None:
         amax = amax_t = amax.reshape(())
     elif x.numel() == 0:
@@ -355,8 +378,9 @@ def quantize_nvfp4_packed(
     copy), or ``amax`` where given; the rest is :func:`quantize_nvfp4` with offset 0.
 
     Args:
-        x: (M, K) float32, bfloat16 or float16 on the CPU or a GPU (the rowwise copy needs K % 16 == 0,
-            the columnwise copy M % 16 == 0).
+        x: (M, K) float32, bfloat16 or float16 on the CPU or a GPU (the rowwise copy needs K % 16 == 0;
+            the columnwise copy takes any M: its tokens are x's rows padded with zero rows to T, the next
+            multiple of 16, formats.nvfp4.pad_rows, so two such copies contract over the tokens exactly).
         rowwise / columnwise / scaling_2d / rht / stochastic_rounding: as :func:`quantize_nvfp4`.
         seed: stochastic rounding: a one-element int64 tensor (see :func:`sr_seed`).
         amax: () or (1,) float32, finite, >= 0, on x's device: the global amax to quantize with instead of
@@ -364,8 +388,9 @@ def quantize_nvfp4_packed(
             all-gather does); None: x's. Not with an RHT columnwise copy.
 
     Returns:
-        [data (M, K/2) uint8, packed scales, data_t (K, M/2) uint8, packed scales_t] (see
-        :func:`pack_scales`); a copy not asked for has empty tensors.
+        [data (M, K/2) uint8, packed scales, data_t (K, T/2) uint8, packed scales_t] (see
+        :func:`pack_scales`); a copy not asked for has empty tensors. The rowwise copy is that of x's M rows
+        (where rows were padded, a prefix of the padded copy's: the same bits).
 
     Raises:
         TypeError: a wrong dtype or a tensor on another device than cpu or cuda (or than x's).

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
+from transformer_linear.formats.checks import check_same_device
 from transformer_linear.recipe import HistoryConfig, amax_reduction, quantization
 from transformer_linear.recipe.scaling import (
     FP8_STATE_COLUMNS,
@@ -383,6 +384,7 @@ def _delayed_scaling_update_op(
     state_handle: int = NO_HANDLE,
     direction: str = "forward",
 ) -> None:
+    _check_update_devices(amax_history, scale, amax)
     update = (first, fp8_max, margin, amax_compute_algo)
     state = _STATES.get(state_handle)  # None: blocking (no handle, or its layer is gone)
     # The flush gets the whole buffer: it applies the update to the rows this one used.
@@ -395,7 +397,14 @@ def _delayed_scaling_update_op(
 def _(
     amax_history, scale, amax, first, fp8_max, margin, amax_compute_algo, group=-1, state_handle=-1, direction="forward"
 ):
-    return None
+    _check_update_devices(amax_history, scale, amax)
+
+
+def _check_update_devices(amax_history: Tensor, scale: Tensor, amax: Optional[Tensor] = None) -> None:
+    """One device for the state and the amax (the ops' fake implementations check it too: a meta argument
+    among CPU tensors would route a call to them, a silent no-op)."""
+    check_same_device("delayed_scaling_update" if amax is not None else "delayed_scaling_flush",
+                      {"amax_history": amax_history, "scale": scale, "amax": amax}, optional=("amax",))
 
 
 def delayed_scaling_update(
@@ -433,6 +442,7 @@ def _apply_reductions(amax_history: Tensor, scale: Tensor, reductions: list[Pend
 def _delayed_scaling_flush_op(
     amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward"
 ) -> None:
+    _check_update_devices(amax_history, scale)
     state = _STATES.get(state_handle)
     if state is not None:
         _apply_reductions(amax_history, scale, state.take_reductions(direction))
@@ -440,7 +450,7 @@ def _delayed_scaling_flush_op(
 
 @_delayed_scaling_flush_op.register_fake
 def _(amax_history, scale, state_handle, direction="forward"):
-    return None
+    _check_update_devices(amax_history, scale)
 
 
 def delayed_scaling_flush(amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward") -> None:
@@ -551,6 +561,7 @@ def forward_scales(
 def _quantize_grad_output_op(
     g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    check_same_device("quantize_grad_output", {"g": g, "scale": scale})
     # A negative scale: linear_fwd saw no grad_output amax in the history yet, so just in time.
     if reads_state_on_host(g):
         if bool(scale.lt(0).item()):
@@ -562,6 +573,7 @@ def _quantize_grad_output_op(
 
 @_quantize_grad_output_op.register_fake
 def _(g, scale, dtype, margin, dbias_dtype, group):
+    check_same_device("quantize_grad_output", {"g": g, "scale": scale})
     return tuple(quantization.quantize_tensorwise(g, dtype, scale, margin, dbias_dtype=dbias_dtype))
 
 
