@@ -131,7 +131,8 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     argv += ["--out", "rep", *TINY]
     code, printed, _ = _run(capsys, *argv)
     assert code == 3
-    assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped)" in printed
+    assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped" in printed
+    assert "Suggested filter for DelayedScaling(HYBRID)" in printed
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["verdict"]["exit_code"] == 3 and report["verdict"]["filtered"]["DelayedScaling(HYBRID)"]["helped"]
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
@@ -143,6 +144,22 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     assert "KEEP_HIGH_PRECISION" in (tmp_path / "rep" / "report.md").read_text()
     code, _, _ = _run(capsys, *argv, "--max-gap", "1e9")
     assert code == 0
+
+
+def test_a_filter_that_does_not_help_beyond_the_noise_is_not_suggested(tmp_path, capsys, monkeypatch):
+    """The same risky layer, but a noise margin so wide that keeping it in high precision is no measurable
+    change: the layer is still reported, the filter run still shown, and no code to paste is printed."""
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--noise-floor", "bf16",
+            "--noise-factor", "1e9", "--out", "rep", *TINY]
+    code, printed, _ = _run(capsys, *argv)
+    assert code == 0, printed
+    assert "x underflow 6.25% > 1%" in printed and "DelayedScaling(HYBRID) +filter" in printed
+    assert "no measurable effect" in printed and "No filter suggested" in printed
+    assert "KEEP_HIGH_PRECISION" not in printed
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["verdict"]["filter_suggested_for"] == []
+    assert "KEEP_HIGH_PRECISION" not in (tmp_path / "rep" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -249,8 +249,7 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
             f"{100 * thresholds.max_underflow:g}%.{risk_lines}",
         ]
         if risky:
-            lines += ["", "Suggested filter (its runs are the `+filter` rows above):", "", "```python",
-                      filter_source(risky), "```"]
+            lines += ["", *_filter_advice(risky, outcome.verdict, code_fence=True)]
         steps = ", ".join(str(s) for s in observed_steps(args.steps))
         lines += [
             "",
@@ -266,6 +265,24 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
             final.markdown(),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _filter_advice(risky: dict[str, list[str]], verdict: Optional[Verdict], code_fence: bool = False) -> list[str]:
+    """What to do about the risky layers: the filter to paste, only for the recipes it helped beyond the noise."""
+    code = filter_source(risky)
+    if code_fence:
+        code = f"```python\n{code}\n```"
+    if verdict is None:
+        return ["Filter under test (keeps the risky layers in high precision; its runs are the `+filter` rows):", code]
+    helped = verdict.filter_suggested_for
+    if not helped:
+        return [
+            "No filter suggested: keeping the risky layers in high precision did not narrow any recipe's loss gap "
+            f"by more than {verdict.gate.noise_factor:g} x the noise floor ({100 * verdict.resolution:.4f}%); "
+            "see the verdict."
+        ]
+    return [f"Suggested filter for {', '.join(helped)} (it narrowed the loss gap beyond the noise; the '+filter' runs):",
+            code]
 
 
 def _write(out: Path, args, workload, plan, outcome: _Outcome, thresholds, started: float) -> list[Path]:
@@ -370,7 +387,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print("\nrisky layers (their own error, worst over the observed steps):")
         for name, why in outcome.risky.items():
             print(f"  {name}: {'; '.join(why)}")
-        print("suggested filter (the '+filter' runs above):\n" + filter_source(outcome.risky))
+        print("\n".join(_filter_advice(outcome.risky, outcome.verdict)))
     print("\nverdict:")
     for line in outcome.verdict.lines():
         print(f"  {line}")
