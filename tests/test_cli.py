@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from transformer_linear import cli
+from transformer_linear.recipe import available_names
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).parent.parent
@@ -299,3 +300,11 @@ def test_report_is_written_after_each_run_and_compile_runs(tmp_path, capsys, mon
     assert "[3/3] CurrentScaling(HYBRID)" in err
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["complete"] is True and "(partial" not in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_readme_other_options_name_every_recipe_and_the_report_directory_is_ignored():
+    readme = (REPO / "README.md").read_text()
+    options = readme[readme.index("Other options (`transformer-linear compare --help`"):]
+    options = options[: options.index("\n\n")]
+    assert all(f"`{name}`" in options for name in available_names())
+    assert f"{cli.DEFAULT_OUT}/" in (REPO / ".gitignore").read_text().split()

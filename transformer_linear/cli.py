@@ -377,7 +377,8 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_plots:
         files.append(train.plot(out / "loss_curves.png", gate=gate, verdict=outcome.verdict))
         if outcome.final is not None and outcome.final.layers:
-            files.append(outcome.final.plot(out / "layer_sqnr.png", thresholds=thresholds, risky=outcome.risky))
+            files.append(outcome.final.plot(out / "layer_sqnr.png", thresholds=thresholds, risky=outcome.risky,
+                                                   verdict=outcome.verdict))
 
     print()
     print(train.summary())

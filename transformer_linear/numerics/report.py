@@ -241,15 +241,17 @@ class CompareReport:
             Path(path).write_text(text)
         return text
 
-    def plot(self, path: str | Path, thresholds: Any = None, risky: Optional[dict[str, list[str]]] = None) -> Path:
+    def plot(self, path: str | Path, thresholds: Any = None, risky: Optional[dict[str, list[str]]] = None,
+             verdict: Any = None) -> Path:
         """Bar chart of per-layer output / dgrad / wgrad SQNR for each recipe, saved as PNG.
 
         Args:
             path: the PNG.
             thresholds: a :class:`~transformer_linear.numerics.RiskThresholds` whose SQNR limits are drawn.
             risky: layer name -> reasons; those layers are marked.
+            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: PASS / FAIL per recipe in the title.
         """
-        return plots.sqnr_bars(self, Path(path), thresholds, risky or {})
+        return plots.sqnr_bars(self, Path(path), thresholds, risky or {}, verdict)
 
 
 @dataclass
@@ -332,6 +334,7 @@ class TrainReport:
         Args:
             path: the PNG.
             gate: a :class:`~transformer_linear.numerics.verdict.Gate`: its ±max-gap band is drawn.
-            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn.
+            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn and
+                PASS / FAIL per recipe is the title.
         """
         return plots.loss_curves(self, Path(path), gate, verdict)
