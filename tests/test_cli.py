@@ -137,7 +137,7 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["verdict"]["exit_code"] == 3 and report["verdict"]["filtered"]["DelayedScaling(HYBRID)"]["helped"]
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert "x underflow 6.25% > 1%" in " ".join(report["risky_layers"]["0"])
+    assert "x underflow 6.250% > 1%" in " ".join(report["risky_layers"]["0"])
     gaps = report["loss_gap"]
     assert gaps["DelayedScaling(HYBRID)"] > 1.0
     assert gaps["DelayedScaling(HYBRID) +filter"] == 0.0  # the only layer kept in high precision
@@ -155,7 +155,7 @@ def test_a_filter_that_does_not_help_beyond_the_noise_is_not_suggested(tmp_path,
             "--noise-factor", "1e9", "--out", "rep", *TINY]
     code, printed, _ = _run(capsys, *argv)
     assert code == 0, printed
-    assert "x underflow 6.25% > 1%" in printed and "DelayedScaling(HYBRID) +filter" in printed
+    assert "x underflow 6.250% > 1%" in printed and "DelayedScaling(HYBRID) +filter" in printed
     assert "no measurable effect" in printed and "No filter suggested" in printed
     assert "KEEP_HIGH_PRECISION" not in printed
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
