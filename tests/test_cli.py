@@ -102,6 +102,11 @@ MODELS = """
 
     def broken():
         raise RuntimeError("factory failed")
+
+    def odd_shapes():
+        # NVFP4 quantizes in blocks of 16 along each copy's rows: it cannot run layers 0 (in 100) and 4 (out 60).
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(100, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 60))
 """
 
 
@@ -308,3 +313,30 @@ def test_readme_other_options_name_every_recipe_and_the_report_directory_is_igno
     options = options[: options.index("\n\n")]
     assert all(f"`{name}`" in options for name in available_names())
     assert f"{cli.DEFAULT_OUT}/" in (REPO / ".gitignore").read_text().split()
+
+
+def test_layers_a_recipe_cannot_run_are_found_before_training_and_kept_in_high_precision(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:odd_shapes", "--input-shape", "16,100", "--recipes", "nvfp4,block,mxfp8",
+            "--max-gap", "1e9", "--out", "rep", *TINY]
+    code, printed, err = _run(capsys, *argv)
+    assert code == 0, printed + err
+    header = printed[: printed.index("run ")]
+    nvfp4 = "NVFP4BlockScaling(E2M1)"
+    assert f"high precision under {nvfp4} only: 0: quantize_nvfp4_packed: the columns of 'x' (100)" in header
+    assert f"high precision under {nvfp4} only: 4: " in header
+    assert "under Float8BlockScaling" not in header and "under MXFP8BlockScaling" not in header
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert set(report["refused_by_recipe"]) == {nvfp4} and set(report["refused_by_recipe"][nvfp4]) == {"0", "4"}
+    rows = {(s["recipe"], s["name"]) for s in report["final_compare"]["layers"]}
+    assert {name for recipe, name in rows if recipe == nvfp4} == {"2"}
+    assert {name for recipe, name in rows if recipe.startswith("MXFP8")} == {"0", "2", "4"}
+    assert "`0`, under NVFP4BlockScaling(E2M1) only" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_a_recipe_that_can_run_no_layer_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:mlp", "--input-shape", "4,8", "--recipes", "current,nvfp4", "--out", "rep", *TINY]
+    code, printed, err = _run(capsys, *argv)
+    assert code == 2 and "run " not in printed
+    assert "--recipes: NVFP4BlockScaling(E2M1) cannot run any of the model's layers (0: " in err

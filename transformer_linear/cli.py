@@ -19,6 +19,7 @@ that fails passes with the suggested filter, 1 otherwise, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import re
@@ -31,15 +32,16 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from transformer_linear.modules.convert import ConversionPlan, conversion_plan
+from transformer_linear.modules.convert import ConversionPlan, conversion_plan, convert_to_fp8
 from transformer_linear.numerics import monitor_report
 from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
+from transformer_linear.numerics.limits import refused_layers
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, TrainReport
 from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
 from transformer_linear.numerics.sources import Workload, hf_workload, parse_shape, user_workload
 from transformer_linear.numerics.verdict import FILTERED, NOISE_FLOOR_CHOICES, Gate, Verdict, floor_runs, judge
-from transformer_linear.recipe import available_names, from_name
+from transformer_linear.recipe import Recipe, available_names, from_name
 
 DEFAULT_OUT = "fp8_compare_report"
 
@@ -210,12 +212,16 @@ class _Outcome:
     risky: dict[str, list[str]] = field(default_factory=dict)
     verdict: Optional[Verdict] = None
     complete: bool = False
+    refused: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Recipe label -> the layers it cannot run (left in high precision in its runs), with the reason."""
 
 
 def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, thresholds: RiskThresholds, seconds: float) -> str:
     train, final, risky = outcome.train, outcome.final, outcome.risky
     left = plan.left_in_high_precision()
     kept = "".join(f"\n- `{n}`: {why}" for n, why in left.items()) or " none"
+    kept += "".join(f"\n- `{n}`, under {label} only: {why}" for label, refused in outcome.refused.items()
+                    for n, why in refused.items())
     risk_lines = "".join(f"\n- `{n}`: " + "; ".join(why) for n, why in risky.items()) or "\nnone"
     state = "" if outcome.complete else " (partial: runs still to come)"
     lines = [
@@ -294,7 +300,7 @@ def _write(out: Path, args, workload, plan, outcome: _Outcome, thresholds, start
     payload["final_compare"] = outcome.final.to_dict() if outcome.final is not None else None
     payload.update(
         complete=outcome.complete, seconds=seconds, converted=plan.converted + plan.existing, skipped=plan.skipped,
-        high_precision=plan.high_precision, risky_layers=outcome.risky, thresholds=thresholds.__dict__,
+        high_precision=plan.high_precision, refused_by_recipe=outcome.refused, risky_layers=outcome.risky, thresholds=thresholds.__dict__,
         max_gap_percent=args.max_gap, verdict=outcome.verdict.to_dict() if outcome.verdict else None,
     )
     (out / "report.json").write_text(json.dumps(payload, indent=2))
@@ -321,6 +327,22 @@ def _check_args(args: argparse.Namespace) -> tuple[Optional[re.Pattern], list[st
     return pattern, recipes
 
 
+def _refused_by_recipe(model: torch.nn.Module, plan: ConversionPlan, recipes: dict[str, Recipe]) -> dict[str, dict[str, str]]:
+    """Each recipe's layers it cannot run (numerics/limits.py), found before any run; a recipe that can run none
+    of them is bad input."""
+    converted = convert_to_fp8(copy.deepcopy(model))
+    out = {}
+    for label, recipe in recipes.items():
+        refused = refused_layers(converted, recipe)
+        layers = len(plan.converted) + len(plan.existing) + 2 * len(plan.experts)
+        if refused and len(refused) == layers:
+            first = next(iter(refused.items()))
+            raise UsageError(f"--recipes: {label} cannot run any of the model's layers ({first[0]}: {first[1]})")
+        if refused:
+            out[label] = refused
+    return out
+
+
 def run_compare(args: argparse.Namespace) -> int:
     pattern, recipe_names = _check_args(args)
     device = torch.device(args.device)
@@ -335,6 +357,7 @@ def run_compare(args: argparse.Namespace) -> int:
     floors, note = floor_runs(args.noise_floor, args.seeds, device)
     recipes = [(name, from_name(name)) for name in recipe_names]
     labels = [recipe_label(r) for _, r in recipes]
+    refused = _refused_by_recipe(workload.model, plan, dict(zip(labels, (r for _, r in recipes))))
     runs = 1 + len(floors) + len(recipes)
     n_params = sum(p.numel() for p in workload.model.parameters())
     left = plan.left_in_high_precision()
@@ -345,6 +368,9 @@ def run_compare(args: argparse.Namespace) -> int:
           f"+1 per recipe with the suggested filter if a layer is risky) on {device}; {note}")
     for name, why in left.items():
         print(f"  high precision {name}: {why}")
+    for label, layers in refused.items():
+        for name, why in layers.items():
+            print(f"  high precision under {label} only: {name}: {why}")
 
     thresholds = RiskThresholds()
     gate = Gate(args.max_gap / 100, args.noise_factor)
@@ -352,7 +378,7 @@ def run_compare(args: argparse.Namespace) -> int:
     batches = [workload.make_batch(i) for i in range(args.steps)]
     train = TrainReport(args.steps, {}, floor_runs=[f.label for f in floors], floor_note=note,
                         window=min(args.window, args.steps))
-    outcome = _Outcome(train)
+    outcome = _Outcome(train, refused=refused)
     bars = _Bars(runs)
 
     def finished(report: TrainReport) -> None:

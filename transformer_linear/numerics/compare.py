@@ -15,10 +15,9 @@ from torch import nn
 
 from transformer_linear.modules.autocast import autocast
 from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
-from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
-from transformer_linear.modules.hf_experts import ExpertsFP8State, is_hf_experts
+from transformer_linear.modules.hf_experts import ExpertsFP8State, experts_projections, is_hf_experts
 from transformer_linear.modules.linear import Linear
-from transformer_linear.numerics import blame, experts, verdict
+from transformer_linear.numerics import blame, experts, limits, verdict
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, LayerStats, TrainReport
 from transformer_linear.recipe import Recipe, available_names, from_name
 
@@ -118,23 +117,25 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
 
     ``transformers`` experts modules (mixture of experts) run their
     projections as grouped GEMMs under ``recipe`` (``convert_to_fp8``'s
-    ExpertsFP8State); under a recipe the grouped GEMMs do not take (block
-    scales) they stay in high precision.
+    ExpertsFP8State). A layer or projection ``recipe`` cannot run (a
+    shape its quantizers refuse, a recipe the grouped GEMMs do not take:
+    numerics/limits.py) stays in high precision;
+    ``limits.refused_layers`` names them.
     """
     copied = convert_to_fp8(copy.deepcopy(model))
-    grouped = recipe is not None and _grouped_gemms_take(recipe)
     for fqn, module in copied.named_modules():
+        chosen = recipe is not None and (module_filter_fn is None or module_filter_fn(module, fqn))
         if isinstance(module, Linear):
-            keep = recipe is not None and (module_filter_fn is None or module_filter_fn(module, fqn))
-            module.recipe = recipe if keep else None
+            module.recipe = recipe if chosen and limits.linear_refusal(module, recipe) is None else None
             module.delay_wgrad_compute = False
             module.fuse_wgrad_accumulation = False
             module.reset_fp8_state()
         elif is_hf_experts(module):
-            keep = grouped and (module_filter_fn is None or module_filter_fn(module, fqn))
-            for state in module.children():
+            for projection in experts_projections(module):
+                state = getattr(module, f"fp8_{projection}", None)
                 if isinstance(state, ExpertsFP8State):
-                    state.recipe = recipe if keep else None
+                    takes = chosen and limits.experts_refusal(module, projection, recipe) is None
+                    state.recipe = recipe if takes else None
                     state.reset_fp8_state()
     return copied
 
@@ -142,14 +143,6 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
 def _check_min_expert_tokens(where: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{where}: 'min_expert_tokens' must be a non-negative integer, got {value!r}")
-
-
-def _grouped_gemms_take(recipe: Recipe) -> bool:
-    try:
-        check_grouped_quantization("compare", recipe)
-    except NotImplementedError:
-        return False
-    return True
 
 
 def _linear_names(model: nn.Module) -> list[str]:
