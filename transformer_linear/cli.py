@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from transformer_linear.modules.convert import ConversionPlan, conversion_plan, convert_to_fp8
 from transformer_linear.numerics import monitor_report
-from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
+from transformer_linear.numerics.compare import FIRST_TRAINING_STEP, RunSpec, observed_steps, recipe_label, run_into
 from transformer_linear.numerics.limits import refused_layers
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, TrainReport
@@ -249,28 +249,36 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
             "",
             "## Risky layers",
             "",
-            "Judged on each layer's own (isolated) error, worst over the observed steps of each recipe's run. "
+            f"Judged on each layer's own (isolated) error, worst over steps {_summarised(args.steps)} of each "
+            "recipe's run. "
             f"Thresholds: output SQNR < {thresholds.min_output_sqnr_db:g} dB, dX/dW SQNR < "
             f"{thresholds.min_grad_sqnr_db:g} dB, saturation > {100 * thresholds.max_saturation:g}%, underflow > "
             f"{100 * thresholds.max_underflow:g}%.{risk_lines}",
         ]
         if risky:
             lines += ["", *_filter_advice(risky, outcome.verdict, code_fence=True)]
-        steps = ", ".join(str(s) for s in observed_steps(args.steps))
         lines += [
             "",
             "## Per-layer comparison, observed during each recipe's own run",
             "",
-            f"Worst over steps {steps} of each run. SQNR in dB (higher is better) of each layer's output, input",
-            "gradient (dX) and weight gradient (dW): the FP8 layer against the high-precision layer on the same input",
-            "and grad_output (the layer's own error); `e2e out`: against the whole model in high precision on the same",
-            "weights and batch (upstream FP8 layers included). amax of input (x), weight (w) and grad_output (dy);",
-            "percent of elements flushed to zero (uflow) or clamped at the format's max (sat), under the scales the",
-            "run used.",
+            f"Steps {_summarised(args.steps)} of each run (step 0, the random init, is in report.json only). SQNR in dB",
+            "(higher is better) of each layer's output, input gradient (dX) and weight gradient (dW), median (med) and",
+            "worst (min) over those steps: the FP8 layer against the high-precision layer on the same input and",
+            "grad_output (the layer's own error). `stale dB` (delayed scaling): the most dB a result lost to scales",
+            "from the amax history against the scales the same tensors' own amaxes give, and where (`dX@30`: dX at",
+            "step 30). `e2e out` (worst): against the whole model in high precision on the same weights and batch",
+            "(upstream FP8 layers included). amax of input (x), weight (w) and grad_output (dy); percent of elements",
+            "flushed to zero (uflow) or clamped at the format's max (sat), under the scales the run used (worst).",
             "",
             final.markdown(),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _summarised(steps: int) -> str:
+    """The observed steps the per-layer summary describes, as a list."""
+    observed = observed_steps(steps)
+    return ", ".join(str(s) for s in [s for s in observed if s >= FIRST_TRAINING_STEP] or observed)
 
 
 def _filter_advice(risky: dict[str, list[str]], verdict: Optional[Verdict], code_fence: bool = False) -> list[str]:
@@ -411,7 +419,7 @@ def run_compare(args: argparse.Namespace) -> int:
     print()
     print(outcome.final.table())
     if outcome.risky:
-        print("\nrisky layers (their own error, worst over the observed steps):")
+        print(f"\nrisky layers (their own error, worst over steps {_summarised(args.steps)}):")
         for name, why in outcome.risky.items():
             print(f"  {name}: {'; '.join(why)}")
         print("\n".join(_filter_advice(outcome.risky, outcome.verdict)))

@@ -332,11 +332,26 @@ class RunResult(typing.NamedTuple):
     model: nn.Module
 
 
+FIRST_TRAINING_STEP = 1
+"""The first step the summaries describe. Step 0 runs on the random init, and delayed scaling quantizes it
+with just-in-time scales (as current scaling does); it is observed, kept in ``observations``, and left out of
+the per-layer summary unless nothing else was observed."""
+
+
 def observed_steps(steps: int, every: Optional[int] = None) -> list[int]:
-    """The steps a run observes its layers at: 0, every, 2*every, ... and the last (default: 5 evenly spaced)."""
+    """The steps a run observes its layers at: 0, every, 2*every, ... and the last; by default 0, 1 (delayed
+    scaling's first step on a scale from the history) and 5 evenly spaced over the run, the last included."""
     if every is None:
-        return sorted({round(i * (steps - 1) / 4) for i in range(5)})
+        spaced = {round(i * (steps - 1) / 5) for i in range(1, 6)}
+        return sorted({0, FIRST_TRAINING_STEP} & set(range(steps)) | spaced)
     return sorted(set(range(0, steps, every)) | {steps - 1})
+
+
+def training_observations(observations: Sequence[LayerStats]) -> list[LayerStats]:
+    """The observations the summaries describe: those from :data:`FIRST_TRAINING_STEP` on (all of them when
+    there are no others, a one-step run)."""
+    training = [s for s in observations if s.steps and s.steps[0] >= FIRST_TRAINING_STEP]
+    return training or list(observations)
 
 
 def _perturb(model: nn.Module, seed: int) -> None:
@@ -401,9 +416,10 @@ def _progress_tick(progress: Callable[[str, int, int, float], None], label: str,
 
 
 def _summarise(report: TrainReport, recipes: list[str], min_expert_tokens: int = MIN_EXPERT_TOKENS) -> CompareReport:
-    """The worst figures of each recipe's layers over its observed steps, with the final losses."""
+    """The worst (and median) figures of each recipe's layers over its observed training steps, with the final
+    losses."""
     labels = [r for r in recipes if r in report.observations]
-    rows = blame.worst_over_steps([s for r in labels for s in report.observations[r]])
+    rows = blame.worst_over_steps([s for r in labels for s in training_observations(report.observations[r])])
     return CompareReport(
         labels,
         rows,
@@ -477,7 +493,7 @@ def train_compare(
         recipes: as in :func:`compare`.
         lr: AdamW learning rate.
         stats_every: observe the layers at steps 0, stats_every, ... and the
-            last; default 5 evenly spaced steps.
+            last; default steps 0, 1 and 5 evenly spaced (:func:`observed_steps`).
         progress: called as ``progress(run_label, step, steps, loss)`` after each step.
         module_filter_fn: ``fn(layer, fqn) -> bool``; layers where it is False
             stay in high precision in the FP8 runs.
@@ -492,7 +508,8 @@ def train_compare(
 
     Returns:
         A :class:`TrainReport`; its ``final`` holds each recipe's layers' worst
-        figures over the observed steps.
+        and median figures over the observed steps from
+        :data:`FIRST_TRAINING_STEP` on (``observations``: every step observed).
     """
     _check_min_expert_tokens("train_compare", min_expert_tokens)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -68,7 +68,7 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    title = "each layer's own FP8 error (worst over the observed steps)"
+    title = "each layer's own FP8 error (worst over the observed training steps)"
     if risky:
         title += f"; ! = risky ({len(risky)})"
     if verdict is not None:

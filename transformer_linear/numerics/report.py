@@ -126,6 +126,11 @@ class LayerStats:
     worst figure of each). A mixture-of-experts projection (``<experts
     module>.gate_up_proj``, ...) is one row over all its experts, with one
     :class:`ExpertStats` per expert in ``experts`` (empty for Linear layers).
+    ``stale_loss_db`` (delayed scaling only): per result (``output``,
+    ``dgrad``, ``wgrad``) the dB its SQNR lost to scales from the amax
+    history, against the scales the tensors' own amaxes give (positive:
+    the stale scale was worse). A summary row also holds the ``median`` of
+    each SQNR over its steps and the ``stale_step`` of the largest loss.
     """
 
     name: str
@@ -144,9 +149,26 @@ class LayerStats:
     e2e_wgrad_sqnr: float = math.nan
     steps: list[int] = field(default_factory=list)
     experts: list[ExpertStats] = field(default_factory=list)
+    stale_loss_db: dict[str, float] = field(default_factory=dict)
+    median: dict[str, float] = field(default_factory=dict)
+    stale_step: Optional[int] = None
 
     SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr", "e2e_output_sqnr", "e2e_dgrad_sqnr", "e2e_wgrad_sqnr")
     MAX_REL_FIELDS = ("output_max_rel", "dgrad_max_rel", "wgrad_max_rel")
+
+
+_RESULT_LABELS = {"output": "out", "dgrad": "dX", "wgrad": "dW"}
+
+
+def _stale_cell(s: LayerStats) -> str:
+    """The most dB a result lost to delayed scaling's stale scales, which result and at which step
+    (``12.3 dX@30``); ``-`` where the recipe keeps no history."""
+    losses = {k: v for k, v in s.stale_loss_db.items() if not math.isnan(v)}
+    if not losses:
+        return "-"
+    key = max(losses, key=losses.get)
+    where = "" if s.stale_step is None else f"@{s.stale_step}"
+    return f"{losses[key]:.{SQNR_DIGITS}f} {_RESULT_LABELS.get(key, key)}{where}"
 
 
 @dataclass
@@ -174,16 +196,19 @@ class CompareReport:
     def for_recipe(self, recipe: str) -> list[LayerStats]:
         return [s for s in self.layers if s.recipe == recipe]
 
-    _COLUMNS = ("recipe", "layer", "out dB", "dX dB", "dW dB", "e2e out dB", "out maxrel", "x amax", "w amax",
-                "dy amax", "x uflow%", "dy uflow%", "sat%")
+    _COLUMNS = ("recipe", "layer", "out med", "out min", "dX med", "dX min", "dW med", "dW min", "stale dB",
+                "e2e out dB", "out maxrel", "x amax", "w amax", "dy amax", "x uflow%", "dy uflow%", "sat%")
 
     def _rows(self) -> list[list[str]]:
         """The table's cells: one row per (recipe, layer)."""
         rows = []
         for s in self.layers:
             sat = max(s.input.get("saturation", 0.0), s.weight.get("saturation", 0.0), s.grad_output.get("saturation", 0.0))
+            sqnrs = []
+            for f in ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr"):
+                sqnrs += [_fmt(s.median.get(f, getattr(s, f)), SQNR_DIGITS), _fmt(getattr(s, f), SQNR_DIGITS)]
             rows.append([
-                s.recipe, s.name, _fmt(s.output_sqnr), _fmt(s.dgrad_sqnr), _fmt(s.wgrad_sqnr), _fmt(s.e2e_output_sqnr),
+                s.recipe, s.name, *sqnrs, _stale_cell(s), _fmt(s.e2e_output_sqnr, SQNR_DIGITS),
                 _fmt(s.output_max_rel, 4),
                 f"{s.input.get('amax', 0):.3g}", f"{s.weight.get('amax', 0):.3g}", f"{s.grad_output.get('amax', 0):.3g}",
                 f"{100 * s.input.get('underflow', 0):.{UNDERFLOW_DIGITS}f}",
