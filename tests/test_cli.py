@@ -34,6 +34,7 @@ def test_hf_model_from_config_with_text_data(tmp_path, capsys, config, layer):
     code, printed, _ = _run(capsys, *argv, "--input-shape", "2,16", "--lr", "1e-3", "--out", str(out), "--steps", "2")
     assert code == 0, printed
     assert "UTF-8 bytes as ids" in printed and "verdict:" in printed
+    assert "experts" not in printed.splitlines()[0]  # a dense model: no "0 experts modules"
     report = json.loads((out / "report.json").read_text())
     assert layer in report["converted"] and report["skipped"] == {}  # GPT-2's Conv1D layers are converted too
     assert {s["name"] for s in report["final_compare"]["layers"]} == set(report["converted"])

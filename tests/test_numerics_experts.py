@@ -200,7 +200,7 @@ def test_cli_hf_mixtral_reports_the_experts(tmp_path, capsys):
                      "--out", str(out)])
     printed = capsys.readouterr().out
     assert code in (0, 1, 3), printed
-    assert "2 experts modules to FP8" in printed
+    assert "; 9 layers and 2 experts modules (4 grouped projections) to FP8," in printed
     report = json.loads((out / "report.json").read_text())
     final = report["final_compare"]
     assert final["min_expert_tokens"] == 12

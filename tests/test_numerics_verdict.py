@@ -23,6 +23,9 @@ MEASURED = [
     pytest.param(-0.000147, -0.000054, 0.000065, verdict.FilterEffect.WITHIN_NOISE, 0, id="gpt2-compile-noise"),
     # Qwen2 tiny config (seed 0, 40 steps): -0.99% -> -0.55% against a perturbed-init floor of 1.17%.
     pytest.param(-0.0099, -0.0055, 0.0117, verdict.FilterEffect.WITHIN_NOISE, 0, id="qwen2-40-steps-noise"),
+    # Qwen3-MoE tiny config (seed 0, 40 steps), current scaling: +0.57% PASS -> +1.07% FAIL against a floor of
+    # 0.09%; the old rule printed this filter as the suggested one.
+    pytest.param(0.0057, 0.0107, 0.0009, verdict.FilterEffect.HURT, 0, id="qwen3-moe-filter-hurts"),
     # GPT-2 tiny config (seed 0, 40 steps), current scaling: +3.09% FAIL -> +0.23% PASS, floor 0.11%.
     pytest.param(0.0309, 0.0023, 0.0011, verdict.FilterEffect.HELPED, 3, id="gpt2-current-helped"),
     # A failing recipe that passes with the filter only by noise is not fixed by it: exit 1, not 3.

@@ -275,6 +275,17 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
     return "\n".join(lines) + "\n"
 
 
+def _to_fp8(plan: ConversionPlan) -> str:
+    """What the conversion runs in FP8, in words: the layers, and the experts modules where there are any (each
+    with its two grouped projections)."""
+    layers = len(plan.converted) + len(plan.existing)
+    words = f"{layers} layer{'s' if layers != 1 else ''}"
+    if plan.experts:
+        n = len(plan.experts)
+        words += f" and {n} experts module{'s' if n != 1 else ''} ({2 * n} grouped projections)"
+    return words
+
+
 def _summarised(steps: int) -> str:
     """The observed steps the per-layer summary describes, as a list."""
     observed = observed_steps(steps)
@@ -370,7 +381,7 @@ def run_compare(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in workload.model.parameters())
     left = plan.left_in_high_precision()
     print(f"transformer_linear compare: {workload.description}; {n_params:,} params; "
-          f"{len(plan.converted) + len(plan.existing)} layers and {len(plan.experts)} experts modules to FP8, "
+          f"{_to_fp8(plan)} to FP8, "
           f"{len(left)} left in high precision; "
           f"{args.steps} steps x {runs} runs (reference, {len(floors)} noise floor, {len(recipes)} FP8; "
           f"+1 per recipe with the suggested filter if a layer is risky) on {device}; {note}")
