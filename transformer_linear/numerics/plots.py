@@ -56,10 +56,8 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
         if limit is not None:
             # Each panel names its own line: the output's limit and the gradients' differ.
             ax.axvline(limit, color="red", linestyle="--", linewidth=1.0)
-            title += f" SQNR, dB; risky below {limit:g} dB"
-        else:
-            title += " SQNR, dB"
-        ax.set_title(f"{title} (higher is better)", fontsize="medium")
+        title += " SQNR, dB (higher is better)" + ("" if limit is None else f"\nrisky below {limit:g} dB (red line)")
+        ax.set_title(title, fontsize="medium")
         ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))])
         ax.set_yticklabels([f"! {n}" if n in risky else n for n in names])
         for label in ax.get_yticklabels():
