@@ -339,11 +339,10 @@ the per-layer summary unless nothing else was observed."""
 
 
 def observed_steps(steps: int, every: Optional[int] = None) -> list[int]:
-    """The steps a run observes its layers at: 0, every, 2*every, ... and the last; by default 0, 1 (delayed
-    scaling's first step on a scale from the history) and 5 evenly spaced over the run, the last included."""
+    """The steps a run observes its layers at: 0, every, 2*every, ... and the last; by default 0 and 5 evenly
+    spaced over the rest of the run (1/5, 2/5, 3/5, 4/5 and the last), past the first steps' transients."""
     if every is None:
-        spaced = {round(i * (steps - 1) / 5) for i in range(1, 6)}
-        return sorted({0, FIRST_TRAINING_STEP} & set(range(steps)) | spaced)
+        return sorted({0} | {round(i * (steps - 1) / 5) for i in range(1, 6)})
     return sorted(set(range(0, steps, every)) | {steps - 1})
 
 
