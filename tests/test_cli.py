@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from transformer_linear import cli
+from transformer_linear.recipe import available_names
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).parent.parent
@@ -33,6 +34,7 @@ def test_hf_model_from_config_with_text_data(tmp_path, capsys, config, layer):
     code, printed, _ = _run(capsys, *argv, "--input-shape", "2,16", "--lr", "1e-3", "--out", str(out), "--steps", "2")
     assert code == 0, printed
     assert "UTF-8 bytes as ids" in printed and "verdict:" in printed
+    assert "experts" not in printed.splitlines()[0]  # a dense model: no "0 experts modules"
     report = json.loads((out / "report.json").read_text())
     assert layer in report["converted"] and report["skipped"] == {}  # GPT-2's Conv1D layers are converted too
     assert {s["name"] for s in report["final_compare"]["layers"]} == set(report["converted"])
@@ -101,6 +103,11 @@ MODELS = """
 
     def broken():
         raise RuntimeError("factory failed")
+
+    def odd_shapes():
+        # NVFP4 quantizes in blocks of 16 along each copy's rows: it cannot run layers 0 (in 100) and 4 (out 60).
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(100, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 60))
 """
 
 
@@ -131,11 +138,12 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     argv += ["--out", "rep", *TINY]
     code, printed, _ = _run(capsys, *argv)
     assert code == 3
-    assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped)" in printed
+    assert "DelayedScaling(HYBRID): gap" in printed and "FAIL; with the filter +0.00% PASS (the filter helped" in printed
+    assert "Suggested filter for DelayedScaling(HYBRID)" in printed
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["verdict"]["exit_code"] == 3 and report["verdict"]["filtered"]["DelayedScaling(HYBRID)"]["helped"]
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert "x underflow 6.25% > 1%" in " ".join(report["risky_layers"]["0"])
+    assert "x underflow 6.250% > 1%" in " ".join(report["risky_layers"]["0"])
     gaps = report["loss_gap"]
     assert gaps["DelayedScaling(HYBRID)"] > 1.0
     assert gaps["DelayedScaling(HYBRID) +filter"] == 0.0  # the only layer kept in high precision
@@ -143,6 +151,22 @@ def test_exit_status_3_when_the_gap_exceeds_max_gap_and_the_filter_closes_it(tmp
     assert "KEEP_HIGH_PRECISION" in (tmp_path / "rep" / "report.md").read_text()
     code, _, _ = _run(capsys, *argv, "--max-gap", "1e9")
     assert code == 0
+
+
+def test_a_filter_that_does_not_help_beyond_the_noise_is_not_suggested(tmp_path, capsys, monkeypatch):
+    """The same risky layer, but a noise margin so wide that keeping it in high precision is no measurable
+    change: the layer is still reported, the filter run still shown, and no code to paste is printed."""
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:precise", "--recipes", "delayed", "--lr", "1e-7", "--noise-floor", "bf16",
+            "--noise-factor", "1e9", "--out", "rep", *TINY]
+    code, printed, _ = _run(capsys, *argv)
+    assert code == 0, printed
+    assert "x underflow 6.250% > 1%" in printed and "DelayedScaling(HYBRID) +filter" in printed
+    assert "no measurable effect" in printed and "No filter suggested" in printed
+    assert "KEEP_HIGH_PRECISION" not in printed
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["verdict"]["filter_suggested_for"] == []
+    assert "KEEP_HIGH_PRECISION" not in (tmp_path / "rep" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -282,3 +306,38 @@ def test_report_is_written_after_each_run_and_compile_runs(tmp_path, capsys, mon
     assert "[3/3] CurrentScaling(HYBRID)" in err
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["complete"] is True and "(partial" not in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_readme_other_options_name_every_recipe_and_the_report_directory_is_ignored():
+    readme = (REPO / "README.md").read_text()
+    options = readme[readme.index("Other options (`transformer-linear compare --help`"):]
+    options = options[: options.index("\n\n")]
+    assert all(f"`{name}`" in options for name in available_names())
+    assert f"{cli.DEFAULT_OUT}/" in (REPO / ".gitignore").read_text().split()
+
+
+def test_layers_a_recipe_cannot_run_are_found_before_training_and_kept_in_high_precision(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:odd_shapes", "--input-shape", "16,100", "--recipes", "nvfp4,block,mxfp8",
+            "--max-gap", "1e9", "--out", "rep", *TINY]
+    code, printed, err = _run(capsys, *argv)
+    assert code == 0, printed + err
+    header = printed[: printed.index("run ")]
+    nvfp4 = "NVFP4BlockScaling(E2M1)"
+    assert f"high precision under {nvfp4} only: 0: quantize_nvfp4_packed: the columns of 'x' (100)" in header
+    assert f"high precision under {nvfp4} only: 4: " in header
+    assert "under Float8BlockScaling" not in header and "under MXFP8BlockScaling" not in header
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert set(report["refused_by_recipe"]) == {nvfp4} and set(report["refused_by_recipe"][nvfp4]) == {"0", "4"}
+    rows = {(s["recipe"], s["name"]) for s in report["final_compare"]["layers"]}
+    assert {name for recipe, name in rows if recipe == nvfp4} == {"2"}
+    assert {name for recipe, name in rows if recipe.startswith("MXFP8")} == {"0", "2", "4"}
+    assert "`0`, under NVFP4BlockScaling(E2M1) only" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_a_recipe_that_can_run_no_layer_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    _write_module(tmp_path, monkeypatch, MODELS)
+    argv = ["--model", "usermodels:mlp", "--input-shape", "4,8", "--recipes", "current,nvfp4", "--out", "rep", *TINY]
+    code, printed, err = _run(capsys, *argv)
+    assert code == 2 and "run " not in printed
+    assert "--recipes: NVFP4BlockScaling(E2M1) cannot run any of the model's layers (0: " in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import transformer_linear as tl
 from transformer_linear import cli
 from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.numerics import experts
-from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, ExpertStats, worst_experts
+from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, ExpertStats, LayerStats, worst_experts
 from transformer_linear.numerics.risk import keep_high_precision
 
 transformers = pytest.importorskip("transformers")
@@ -58,6 +59,9 @@ def test_compare_reports_each_expert(report, recipe):
     assert list(rows) == PROJECTIONS
     for name, row in rows.items():
         assert [e.expert for e in row.experts] == list(range(EXPERTS))
+        # Delayed scaling's projections are replayed with fresh scales too: the dB its history's scales cost.
+        stale = {"output", "dgrad", "wgrad"} if recipe.startswith("Delayed") else set()
+        assert set(row.stale_loss_db) == stale and all(math.isfinite(v) for v in row.stale_loss_db.values())
         # Every token's top-k choices land on some expert.
         assert sum(e.tokens for e in row.experts) == BATCH * SEQ * TOP_K, name
         for e in row.experts:
@@ -99,7 +103,7 @@ def test_markdown_table_and_json(report):
     rows = [s for s in data["layers"] if s["experts"]]
     assert len(rows) == 4 * len(PROJECTIONS)  # current, delayed, mxfp8 and nvfp4
     assert set(rows[0]["experts"][0]) == {"expert", "tokens", "output_sqnr", "dgrad_sqnr", "wgrad_sqnr",
-                                          "too_few_tokens"}
+                                          "too_few_tokens", "steps", "judged_steps"}
 
 
 def test_min_expert_tokens_is_the_threshold():
@@ -141,10 +145,25 @@ def test_worst_over_steps_judges_experts_only_where_they_had_enough_tokens():
     step1 = [ExpertStats(0, 20, 28.0, 27.0, 24.0), ExpertStats(1, 30, 29.0, 26.0, 25.0)]
     step2 = [ExpertStats(0, 2, 1.0, 1.0, 1.0, too_few_tokens=True), ExpertStats(1, 5, 9.0, 9.0, 9.0, too_few_tokens=True)]
     worst = worst_experts([step0, step1, step2])
-    assert worst == [ExpertStats(0, 2, 28.0, 25.0, 24.0, False), ExpertStats(1, 3, 29.0, 26.0, 25.0, False)]
+    # tokens: the median per step, not the fewest (2 and 3 would sit beside figures from steps with 20-40).
+    assert worst == [ExpertStats(0, 20, 28.0, 25.0, 24.0, False, steps=3, judged_steps=2),
+                     ExpertStats(1, 5, 29.0, 26.0, 25.0, False, steps=3, judged_steps=1)]
     only_few = worst_experts([[ExpertStats(0, 3, 10.0, 5.0, 4.0, True)], [ExpertStats(0, 0, math.nan, math.nan,
                                                                                        math.nan, True)]])
-    assert only_few == [ExpertStats(0, 0, 10.0, 5.0, 4.0, True)]
+    assert only_few == [ExpertStats(0, 0, 10.0, 5.0, 4.0, True, steps=2, judged_steps=0)]
+
+
+@pytest.mark.parametrize("expert, judged", [
+    (ExpertStats(0, 20, 28.0, 25.0, 24.0, False, steps=3, judged_steps=2), "yes: 2/3 steps"),
+    (ExpertStats(0, 0, 10.0, 5.0, 4.0, True, steps=2, judged_steps=0), "no: < 16 tokens in every step"),
+    (ExpertStats(0, 40, 30.0, 25.0, 26.0), "yes"),
+])
+def test_the_expert_table_says_on_how_many_steps_an_expert_was_judged(expert, judged):
+    row = LayerStats("m.experts.down_proj", "R", 28.0, 0.1, 25.0, 0.1, 24.0, 0.1, experts=[expert])
+    table = CompareReport(["R"], [row], 1.0, {"R": 1.0}).table()
+    line = next(line for line in table.splitlines() if line.startswith("R ") and "down_proj" in line and
+                line.rstrip().endswith(judged))
+    assert f" {expert.tokens} " in line
 
 
 def test_train_compare_summarises_the_experts():
@@ -157,10 +176,11 @@ def test_train_compare_summarises_the_experts():
     final = {s.name: s for s in train.final.layers if s.experts}
     assert list(final) == PROJECTIONS
     for name, row in final.items():
-        steps = [s for s in observed if s.name == name]
-        assert row.steps == [0, 1, 2]
+        steps = [s for s in observed if s.name == name and s.steps != [0]]  # step 0, the init, is not summarised
+        assert row.steps == [1, 2]
         for e in row.experts:
-            assert e.tokens == min(s.experts[e.expert].tokens for s in steps)
+            assert e.tokens == statistics.median_low(s.experts[e.expert].tokens for s in steps)
+            assert e.steps == 2 and e.judged_steps == sum(not s.experts[e.expert].too_few_tokens for s in steps)
 
 
 def test_suggested_filter_keeps_a_risky_projections_experts_module_in_high_precision():
@@ -180,7 +200,7 @@ def test_cli_hf_mixtral_reports_the_experts(tmp_path, capsys):
                      "--out", str(out)])
     printed = capsys.readouterr().out
     assert code in (0, 1, 3), printed
-    assert "2 experts modules to FP8" in printed
+    assert "; 9 layers and 2 experts modules (4 grouped projections) to FP8," in printed
     report = json.loads((out / "report.json").read_text())
     final = report["final_compare"]
     assert final["min_expert_tokens"] == 12

@@ -19,6 +19,7 @@ that fails passes with the suggested filter, 1 otherwise, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import re
@@ -31,15 +32,16 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from transformer_linear.modules.convert import ConversionPlan, conversion_plan
+from transformer_linear.modules.convert import ConversionPlan, conversion_plan, convert_to_fp8
 from transformer_linear.numerics import monitor_report
-from transformer_linear.numerics.compare import RunSpec, observed_steps, recipe_label, run_into
+from transformer_linear.numerics.compare import FIRST_TRAINING_STEP, RunSpec, observed_steps, recipe_label, run_into
+from transformer_linear.numerics.limits import refused_layers
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, TrainReport
 from transformer_linear.numerics.risk import RiskThresholds, filter_source, keep_high_precision, risky_layers
 from transformer_linear.numerics.sources import Workload, hf_workload, parse_shape, user_workload
 from transformer_linear.numerics.verdict import FILTERED, NOISE_FLOOR_CHOICES, Gate, Verdict, floor_runs, judge
-from transformer_linear.recipe import available_names, from_name
+from transformer_linear.recipe import Recipe, available_names, from_name
 
 DEFAULT_OUT = "fp8_compare_report"
 
@@ -210,12 +212,16 @@ class _Outcome:
     risky: dict[str, list[str]] = field(default_factory=dict)
     verdict: Optional[Verdict] = None
     complete: bool = False
+    refused: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Recipe label -> the layers it cannot run (left in high precision in its runs), with the reason."""
 
 
 def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, thresholds: RiskThresholds, seconds: float) -> str:
     train, final, risky = outcome.train, outcome.final, outcome.risky
     left = plan.left_in_high_precision()
     kept = "".join(f"\n- `{n}`: {why}" for n, why in left.items()) or " none"
+    kept += "".join(f"\n- `{n}`, under {label} only: {why}" for label, refused in outcome.refused.items()
+                    for n, why in refused.items())
     risk_lines = "".join(f"\n- `{n}`: " + "; ".join(why) for n, why in risky.items()) or "\nnone"
     state = "" if outcome.complete else " (partial: runs still to come)"
     lines = [
@@ -243,29 +249,65 @@ def _markdown(args, workload, plan: ConversionPlan, outcome: _Outcome, threshold
             "",
             "## Risky layers",
             "",
-            "Judged on each layer's own (isolated) error, worst over the observed steps of each recipe's run. "
+            f"Judged on each layer's own (isolated) error, worst over steps {_summarised(args.steps)} of each "
+            "recipe's run. "
             f"Thresholds: output SQNR < {thresholds.min_output_sqnr_db:g} dB, dX/dW SQNR < "
             f"{thresholds.min_grad_sqnr_db:g} dB, saturation > {100 * thresholds.max_saturation:g}%, underflow > "
             f"{100 * thresholds.max_underflow:g}%.{risk_lines}",
         ]
         if risky:
-            lines += ["", "Suggested filter (its runs are the `+filter` rows above):", "", "```python",
-                      filter_source(risky), "```"]
-        steps = ", ".join(str(s) for s in observed_steps(args.steps))
+            lines += ["", *_filter_advice(risky, outcome.verdict, code_fence=True)]
         lines += [
             "",
             "## Per-layer comparison, observed during each recipe's own run",
             "",
-            f"Worst over steps {steps} of each run. SQNR in dB (higher is better) of each layer's output, input",
-            "gradient (dX) and weight gradient (dW): the FP8 layer against the high-precision layer on the same input",
-            "and grad_output (the layer's own error); `e2e out`: against the whole model in high precision on the same",
-            "weights and batch (upstream FP8 layers included). amax of input (x), weight (w) and grad_output (dy);",
-            "percent of elements flushed to zero (uflow) or clamped at the format's max (sat), under the scales the",
-            "run used.",
+            f"Steps {_summarised(args.steps)} of each run (step 0, the random init, is in report.json only). SQNR in dB",
+            "(higher is better) of each layer's output, input gradient (dX) and weight gradient (dW), median (med) and",
+            "worst (min) over those steps: the FP8 layer against the high-precision layer on the same input and",
+            "grad_output (the layer's own error). `stale dB` (delayed scaling): the most dB a result lost to scales",
+            "from the amax history against the scales the same tensors' own amaxes give, and where (`dX@30`: dX at",
+            "step 30). `e2e out` (worst): against the whole model in high precision on the same weights and batch",
+            "(upstream FP8 layers included). amax of input (x), weight (w) and grad_output (dy); percent of elements",
+            "flushed to zero (uflow) or clamped at the format's max (sat), under the scales the run used (worst).",
             "",
             final.markdown(),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _to_fp8(plan: ConversionPlan) -> str:
+    """What the conversion runs in FP8, in words: the layers, and the experts modules where there are any (each
+    with its two grouped projections)."""
+    layers = len(plan.converted) + len(plan.existing)
+    words = f"{layers} layer{'s' if layers != 1 else ''}"
+    if plan.experts:
+        n = len(plan.experts)
+        words += f" and {n} experts module{'s' if n != 1 else ''} ({2 * n} grouped projections)"
+    return words
+
+
+def _summarised(steps: int) -> str:
+    """The observed steps the per-layer summary describes, as a list."""
+    observed = observed_steps(steps)
+    return ", ".join(str(s) for s in [s for s in observed if s >= FIRST_TRAINING_STEP] or observed)
+
+
+def _filter_advice(risky: dict[str, list[str]], verdict: Optional[Verdict], code_fence: bool = False) -> list[str]:
+    """What to do about the risky layers: the filter to paste, only for the recipes it helped beyond the noise."""
+    code = filter_source(risky)
+    if code_fence:
+        code = f"```python\n{code}\n```"
+    if verdict is None:
+        return ["Filter under test (keeps the risky layers in high precision; its runs are the `+filter` rows):", code]
+    helped = verdict.filter_suggested_for
+    if not helped:
+        return [
+            "No filter suggested: keeping the risky layers in high precision did not narrow any recipe's loss gap "
+            f"by more than {verdict.gate.noise_factor:g} x the noise floor ({100 * verdict.resolution:.4f}%); "
+            "see the verdict."
+        ]
+    return [f"Suggested filter for {', '.join(helped)} (it narrowed the loss gap beyond the noise; the '+filter' runs):",
+            code]
 
 
 def _write(out: Path, args, workload, plan, outcome: _Outcome, thresholds, started: float) -> list[Path]:
@@ -277,7 +319,7 @@ def _write(out: Path, args, workload, plan, outcome: _Outcome, thresholds, start
     payload["final_compare"] = outcome.final.to_dict() if outcome.final is not None else None
     payload.update(
         complete=outcome.complete, seconds=seconds, converted=plan.converted + plan.existing, skipped=plan.skipped,
-        high_precision=plan.high_precision, risky_layers=outcome.risky, thresholds=thresholds.__dict__,
+        high_precision=plan.high_precision, refused_by_recipe=outcome.refused, risky_layers=outcome.risky, thresholds=thresholds.__dict__,
         max_gap_percent=args.max_gap, verdict=outcome.verdict.to_dict() if outcome.verdict else None,
     )
     (out / "report.json").write_text(json.dumps(payload, indent=2))
@@ -304,6 +346,22 @@ def _check_args(args: argparse.Namespace) -> tuple[Optional[re.Pattern], list[st
     return pattern, recipes
 
 
+def _refused_by_recipe(model: torch.nn.Module, plan: ConversionPlan, recipes: dict[str, Recipe]) -> dict[str, dict[str, str]]:
+    """Each recipe's layers it cannot run (numerics/limits.py), found before any run; a recipe that can run none
+    of them is bad input."""
+    converted = convert_to_fp8(copy.deepcopy(model))
+    out = {}
+    for label, recipe in recipes.items():
+        refused = refused_layers(converted, recipe)
+        layers = len(plan.converted) + len(plan.existing) + 2 * len(plan.experts)
+        if refused and len(refused) == layers:
+            first = next(iter(refused.items()))
+            raise UsageError(f"--recipes: {label} cannot run any of the model's layers ({first[0]}: {first[1]})")
+        if refused:
+            out[label] = refused
+    return out
+
+
 def run_compare(args: argparse.Namespace) -> int:
     pattern, recipe_names = _check_args(args)
     device = torch.device(args.device)
@@ -318,16 +376,20 @@ def run_compare(args: argparse.Namespace) -> int:
     floors, note = floor_runs(args.noise_floor, args.seeds, device)
     recipes = [(name, from_name(name)) for name in recipe_names]
     labels = [recipe_label(r) for _, r in recipes]
+    refused = _refused_by_recipe(workload.model, plan, dict(zip(labels, (r for _, r in recipes))))
     runs = 1 + len(floors) + len(recipes)
     n_params = sum(p.numel() for p in workload.model.parameters())
     left = plan.left_in_high_precision()
     print(f"transformer_linear compare: {workload.description}; {n_params:,} params; "
-          f"{len(plan.converted) + len(plan.existing)} layers and {len(plan.experts)} experts modules to FP8, "
+          f"{_to_fp8(plan)} to FP8, "
           f"{len(left)} left in high precision; "
           f"{args.steps} steps x {runs} runs (reference, {len(floors)} noise floor, {len(recipes)} FP8; "
           f"+1 per recipe with the suggested filter if a layer is risky) on {device}; {note}")
     for name, why in left.items():
         print(f"  high precision {name}: {why}")
+    for label, layers in refused.items():
+        for name, why in layers.items():
+            print(f"  high precision under {label} only: {name}: {why}")
 
     thresholds = RiskThresholds()
     gate = Gate(args.max_gap / 100, args.noise_factor)
@@ -335,7 +397,7 @@ def run_compare(args: argparse.Namespace) -> int:
     batches = [workload.make_batch(i) for i in range(args.steps)]
     train = TrainReport(args.steps, {}, floor_runs=[f.label for f in floors], floor_note=note,
                         window=min(args.window, args.steps))
-    outcome = _Outcome(train)
+    outcome = _Outcome(train, refused=refused)
     bars = _Bars(runs)
 
     def finished(report: TrainReport) -> None:
@@ -360,17 +422,18 @@ def run_compare(args: argparse.Namespace) -> int:
     if not args.no_plots:
         files.append(train.plot(out / "loss_curves.png", gate=gate, verdict=outcome.verdict))
         if outcome.final is not None and outcome.final.layers:
-            files.append(outcome.final.plot(out / "layer_sqnr.png", thresholds=thresholds, risky=outcome.risky))
+            files.append(outcome.final.plot(out / "layer_sqnr.png", thresholds=thresholds, risky=outcome.risky,
+                                                   verdict=outcome.verdict))
 
     print()
     print(train.summary())
     print()
     print(outcome.final.table())
     if outcome.risky:
-        print("\nrisky layers (their own error, worst over the observed steps):")
+        print(f"\nrisky layers (their own error, worst over steps {_summarised(args.steps)}):")
         for name, why in outcome.risky.items():
             print(f"  {name}: {'; '.join(why)}")
-        print("suggested filter (the '+filter' runs above):\n" + filter_source(outcome.risky))
+        print("\n".join(_filter_advice(outcome.risky, outcome.verdict)))
     print("\nverdict:")
     for line in outcome.verdict.lines():
         print(f"  {line}")

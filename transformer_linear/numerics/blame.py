@@ -11,11 +11,17 @@ free of what the layers before it did (TE's debug tools and torchao's
 runs the same batch once more with every layer in high precision; comparing
 the FP8 layer's results with that pass gives the end-to-end effect (every
 FP8 layer upstream included) as a separate figure.
+
+Under delayed scaling a third replay runs the same call with the scales
+current scaling would give its tensors (each from its own amax): what the
+call lost to scales from a stale amax history is the difference
+(``stale_loss_db``).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,7 +38,9 @@ from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
 from transformer_linear.recipe.quantization import quantization_spec
 from transformer_linear.recipe.scaling import FP8_STATES, no_amax_yet
 
-__all__ = ["LayerCall", "Recorder", "err_or_nan", "layer_stats", "observe_layers", "worst_over_steps"]
+__all__ = [
+    "LayerCall", "Recorder", "err_or_nan", "fresh_state", "layer_stats", "observe_layers", "worst_over_steps",
+]
 
 
 @dataclass
@@ -163,6 +171,11 @@ def scales_in_state(state: Optional[dict[str, torch.Tensor]], recipe: Any) -> di
     return used
 
 
+def _own_scale(x: torch.Tensor, quantizer: Any) -> torch.Tensor:
+    """The tensorwise scale of ``x`` from its own amax (current scaling's; delayed scaling's first step)."""
+    return reference.compute_scale(reference.amax(x), reference.fp8_max(quantizer.dtype), quantizer.margin, 1.0)
+
+
 def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -> dict[str, dict[str, float]]:
     """amax, scale, underflow and saturation of input, weight and grad_output as ``recipe`` quantizes them."""
     spec = quantization_spec(recipe)
@@ -174,10 +187,31 @@ def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -
         quantizer = getattr(spec, key)
         scale = used.get(key)
         if scale is None and not quantizer.blockwise:  # one scale per tensor, from its own amax
-            fp8_max = reference.fp8_max(quantizer.dtype)
-            scale = reference.compute_scale(reference.amax(x), fp8_max, quantizer.margin, 1.0)
+            scale = _own_scale(x, quantizer)
         out[key] = quantizer_range_stats(x, quantizer, scale)
     return out
+
+
+def fresh_state(state: Optional[dict[str, torch.Tensor]], recipe: Any,
+                tensors: dict[str, Optional[torch.Tensor]]) -> Optional[dict[str, torch.Tensor]]:
+    """A recorded delayed-scaling ``state`` with each scale replaced by the one its tensor's own amax gives:
+    the call as it would have run had the amax history been up to date. None where ``recipe`` keeps no
+    history (its scales are fresh already) or no state was recorded."""
+    spec = quantization_spec(recipe)
+    if spec.history is None or state is None:
+        return None
+    fresh = {k: v.clone() for k, v in state.items()}
+    for fp8_state in FP8_STATES.values():
+        for c, role in enumerate(fp8_state.columns):
+            x = tensors.get(role)
+            if x is not None:
+                fresh[fp8_state.scale_key][c] = _own_scale(x, getattr(spec, role)).to(fresh[fp8_state.scale_key].dtype)
+    return fresh
+
+
+def _db_lost(fresh: float, actual: float) -> float:
+    """dB lost to stale scales: the fresh replay's SQNR minus the run's (NaN where either is not finite)."""
+    return fresh - actual if math.isfinite(fresh) and math.isfinite(actual) else math.nan
 
 
 def err_or_nan(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
@@ -185,21 +219,33 @@ def err_or_nan(fn, actual: Optional[torch.Tensor], expected: Optional[torch.Tens
     return math.nan if actual is None or expected is None else fn(actual, expected)
 
 
+def _sqnrs(fp8: Any, exact: Any) -> dict[str, float]:
+    return {
+        "output": sqnr(fp8.output, exact.output),
+        "dgrad": err_or_nan(sqnr, fp8.dgrad, exact.dgrad),
+        "wgrad": err_or_nan(sqnr, fp8.wgrad, exact.wgrad),
+    }
+
+
 def layer_stats(
     name: str, label: str, fp8: Any, exact: Any, e2e: Optional[Any], ranges: dict[str, dict[str, float]],
-    step: Optional[int], **extra: Any,
+    step: Optional[int], fresh: Optional[Any] = None, **extra: Any,
 ) -> LayerStats:
     """One LayerStats row from the FP8 replay, the high-precision replay of the same call and, where
-    given, the end-to-end high-precision run's call (each with ``output``, ``dgrad``, ``wgrad``)."""
+    given, the end-to-end high-precision run's call and the replay with fresh scales (:func:`fresh_state`;
+    each with ``output``, ``dgrad``, ``wgrad``)."""
+    own = _sqnrs(fp8, exact)
+    stale = {} if fresh is None else {k: _db_lost(v, own[k]) for k, v in _sqnrs(fresh, exact).items()}
     return LayerStats(
         name=name,
         recipe=label,
-        output_sqnr=sqnr(fp8.output, exact.output),
+        output_sqnr=own["output"],
         output_max_rel=max_relative_error(fp8.output, exact.output),
-        dgrad_sqnr=err_or_nan(sqnr, fp8.dgrad, exact.dgrad),
+        dgrad_sqnr=own["dgrad"],
         dgrad_max_rel=err_or_nan(max_relative_error, fp8.dgrad, exact.dgrad),
-        wgrad_sqnr=err_or_nan(sqnr, fp8.wgrad, exact.wgrad),
+        wgrad_sqnr=own["wgrad"],
         wgrad_max_rel=err_or_nan(max_relative_error, fp8.wgrad, exact.wgrad),
+        stale_loss_db=stale,
         input=ranges.get("input", {}),
         weight=ranges.get("weight", {}),
         grad_output=ranges.get("grad_output", {}),
@@ -239,10 +285,11 @@ def observe_layers(
         exact = _replay_high_precision(layer, call)
         hp_call = (high_precision_calls or {}).get(name)
         e2e = _replay_high_precision(layer, hp_call) if hp_call is not None and hp_call.input is not None else None
-        w = linear_weight(layer).detach()
-        ranges = range_stats_for(recipe, {"input": call.input, "weight": w, "grad_output": call.grad_output},
-                                 scales_in_state(call.state, recipe))
-        out.append(layer_stats(name, label, fp8, exact, e2e, ranges, step))
+        tensors = {"input": call.input, "weight": linear_weight(layer).detach(), "grad_output": call.grad_output}
+        ranges = range_stats_for(recipe, tensors, scales_in_state(call.state, recipe))
+        state = fresh_state(call.state, recipe, tensors)
+        fresh = None if state is None else _replay_fp8(layer, recipe, LayerCall(call.input, call.grad_output, state))
+        out.append(layer_stats(name, label, fp8, exact, e2e, ranges, step, fresh))
     return out
 
 
@@ -254,6 +301,11 @@ def _nanmin(values: Sequence[float]) -> float:
 def _nanmax(values: Sequence[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return max(finite) if finite else math.nan
+
+
+def _nanmedian(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
 
 
 def _worst_ranges(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -268,18 +320,30 @@ def _worst_ranges(dicts: Sequence[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def _worst_stale(group: Sequence[LayerStats]) -> tuple[dict[str, float], Optional[int]]:
+    """Per result, the most dB lost to stale scales over the steps, and the step of the largest loss."""
+    rows = [s for s in group if s.stale_loss_db]
+    if not rows:
+        return {}, None
+    worst = {k: _nanmax([s.stale_loss_db.get(k, math.nan) for s in rows]) for k in rows[0].stale_loss_db}
+    losses = [(v, s.steps[0] if s.steps else None) for s in rows for v in s.stale_loss_db.values() if not math.isnan(v)]
+    return worst, (max(losses, key=lambda t: t[0])[1] if losses else None)
+
+
 def worst_over_steps(observations: Sequence[LayerStats]) -> list[LayerStats]:
     """One row per (recipe, layer), in first-seen order: the worst of each figure over the observed steps.
 
-    SQNRs take their minimum, relative errors, amax, underflow and
-    saturation their maximum, scales their minimum; ``steps`` lists the
-    steps observed.
+    SQNRs take their minimum (``median`` holds their median), relative
+    errors, amax, underflow and saturation their maximum, scales their
+    minimum, ``stale_loss_db`` its maximum (``stale_step``: where the largest
+    was); ``steps`` lists the steps observed.
     """
     groups: dict[tuple[str, str], list[LayerStats]] = {}
     for s in observations:
         groups.setdefault((s.recipe, s.name), []).append(s)
     rows = []
     for (label, name), group in groups.items():
+        stale, stale_step = _worst_stale(group)
         rows.append(
             LayerStats(
                 name=name,
@@ -291,7 +355,9 @@ def worst_over_steps(observations: Sequence[LayerStats]) -> list[LayerStats]:
                 grad_output=_worst_ranges([s.grad_output for s in group]),
                 steps=sorted({step for s in group for step in s.steps}),
                 experts=worst_experts([s.experts for s in group if s.experts]),
+                median={f: _nanmedian([getattr(s, f) for s in group]) for f in LayerStats.SQNR_FIELDS},
+                stale_loss_db=stale,
+                stale_step=stale_step,
             )
         )
     return rows
-

@@ -15,10 +15,9 @@ from torch import nn
 
 from transformer_linear.modules.autocast import outside_autocast
 from transformer_linear.modules.convert import conversion_plan, convert_to_fp8
-from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
-from transformer_linear.modules.hf_experts import ExpertsFP8State, is_hf_experts
+from transformer_linear.modules.hf_experts import ExpertsFP8State, experts_projections, is_hf_experts
 from transformer_linear.modules.linear import Linear
-from transformer_linear.numerics import blame, experts, verdict
+from transformer_linear.numerics import blame, experts, limits, verdict
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, LayerStats, TrainReport
 from transformer_linear.recipe import Recipe, available_names, from_name
 
@@ -118,23 +117,25 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
 
     ``transformers`` experts modules (mixture of experts) run their
     projections as grouped GEMMs under ``recipe`` (``convert_to_fp8``'s
-    ExpertsFP8State); under a recipe the grouped GEMMs do not take (block
-    scales) they stay in high precision.
+    ExpertsFP8State). A layer or projection ``recipe`` cannot run (a
+    shape its quantizers refuse, a recipe the grouped GEMMs do not take:
+    numerics/limits.py) stays in high precision;
+    ``limits.refused_layers`` names them.
     """
     copied = convert_to_fp8(copy.deepcopy(model))
-    grouped = recipe is not None and _grouped_gemms_take(recipe)
     for fqn, module in copied.named_modules():
+        chosen = recipe is not None and (module_filter_fn is None or module_filter_fn(module, fqn))
         if isinstance(module, Linear):
-            keep = recipe is not None and (module_filter_fn is None or module_filter_fn(module, fqn))
-            module.recipe = recipe if keep else None
+            module.recipe = recipe if chosen and limits.linear_refusal(module, recipe) is None else None
             module.delay_wgrad_compute = False
             module.fuse_wgrad_accumulation = False
             module.reset_fp8_state()
         elif is_hf_experts(module):
-            keep = grouped and (module_filter_fn is None or module_filter_fn(module, fqn))
-            for state in module.children():
+            for projection in experts_projections(module):
+                state = getattr(module, f"fp8_{projection}", None)
                 if isinstance(state, ExpertsFP8State):
-                    state.recipe = recipe if keep else None
+                    takes = chosen and limits.experts_refusal(module, projection, recipe) is None
+                    state.recipe = recipe if takes else None
                     state.reset_fp8_state()
     return copied
 
@@ -142,14 +143,6 @@ def with_recipe(model: nn.Module, recipe: Optional[Any], module_filter_fn: Optio
 def _check_min_expert_tokens(where: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{where}: 'min_expert_tokens' must be a non-negative integer, got {value!r}")
-
-
-def _grouped_gemms_take(recipe: Recipe) -> bool:
-    try:
-        check_grouped_quantization("compare", recipe)
-    except NotImplementedError:
-        return False
-    return True
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -339,11 +332,25 @@ class RunResult(typing.NamedTuple):
     model: nn.Module
 
 
+FIRST_TRAINING_STEP = 1
+"""The first step the summaries describe. Step 0 runs on the random init, and delayed scaling quantizes it
+with just-in-time scales (as current scaling does); it is observed, kept in ``observations``, and left out of
+the per-layer summary unless nothing else was observed."""
+
+
 def observed_steps(steps: int, every: Optional[int] = None) -> list[int]:
-    """The steps a run observes its layers at: 0, every, 2*every, ... and the last (default: 5 evenly spaced)."""
+    """The steps a run observes its layers at: 0, every, 2*every, ... and the last; by default 0 and 5 evenly
+    spaced over the rest of the run (1/5, 2/5, 3/5, 4/5 and the last), past the first steps' transients."""
     if every is None:
-        return sorted({round(i * (steps - 1) / 4) for i in range(5)})
+        return sorted({0} | {round(i * (steps - 1) / 5) for i in range(1, 6)})
     return sorted(set(range(0, steps, every)) | {steps - 1})
+
+
+def training_observations(observations: Sequence[LayerStats]) -> list[LayerStats]:
+    """The observations the summaries describe: those from :data:`FIRST_TRAINING_STEP` on (all of them when
+    there are no others, a one-step run)."""
+    training = [s for s in observations if s.steps and s.steps[0] >= FIRST_TRAINING_STEP]
+    return training or list(observations)
 
 
 def _perturb(model: nn.Module, seed: int) -> None:
@@ -408,9 +415,10 @@ def _progress_tick(progress: Callable[[str, int, int, float], None], label: str,
 
 
 def _summarise(report: TrainReport, recipes: list[str], min_expert_tokens: int = MIN_EXPERT_TOKENS) -> CompareReport:
-    """The worst figures of each recipe's layers over its observed steps, with the final losses."""
+    """The worst (and median) figures of each recipe's layers over its observed training steps, with the final
+    losses."""
     labels = [r for r in recipes if r in report.observations]
-    rows = blame.worst_over_steps([s for r in labels for s in report.observations[r]])
+    rows = blame.worst_over_steps([s for r in labels for s in training_observations(report.observations[r])])
     return CompareReport(
         labels,
         rows,
@@ -484,7 +492,7 @@ def train_compare(
         recipes: as in :func:`compare`.
         lr: AdamW learning rate.
         stats_every: observe the layers at steps 0, stats_every, ... and the
-            last; default 5 evenly spaced steps.
+            last; default steps 0, 1 and 5 evenly spaced (:func:`observed_steps`).
         progress: called as ``progress(run_label, step, steps, loss)`` after each step.
         module_filter_fn: ``fn(layer, fqn) -> bool``; layers where it is False
             stay in high precision in the FP8 runs.
@@ -499,7 +507,8 @@ def train_compare(
 
     Returns:
         A :class:`TrainReport`; its ``final`` holds each recipe's layers' worst
-        figures over the observed steps.
+        and median figures over the observed steps from
+        :data:`FIRST_TRAINING_STEP` on (``observations``: every step observed).
     """
     _check_min_expert_tokens("train_compare", min_expert_tokens)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -16,6 +16,7 @@ batch, and such an expert's dW is a sum of that many outer products); one with n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,7 +25,14 @@ import torch
 
 from transformer_linear.modules.grouped_linear_functional import high_precision_grouped_linear
 from transformer_linear.modules.hf_experts import ExpertsFP8State
-from transformer_linear.numerics.blame import Recorder, err_or_nan, layer_stats, range_stats_for, scales_in_state
+from transformer_linear.numerics.blame import (
+    Recorder,
+    err_or_nan,
+    fresh_state,
+    layer_stats,
+    range_stats_for,
+    scales_in_state,
+)
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, ExpertStats, LayerStats
 from transformer_linear.numerics.stats import sqnr
 from transformer_linear.recipe.delayed_scaling import FWD_SCALE_KEY, STATE_KEYS
@@ -153,8 +161,10 @@ def observe_experts(
         # routed as the FP8 pass did (a token sent elsewhere shifts every row after it).
         same_routing = hp_call is not None and hp_call.input is not None and torch.equal(hp_call.offs, call.offs)
         e2e = _replay_high_precision(hp_call) if same_routing else None
-        ranges = range_stats_for(recipe, {"input": call.input, "weight": call.weight, "grad_output": call.grad_output},
-                                 scales_in_state(call.state, recipe))
-        out.append(layer_stats(projection_name(name), label, fp8, exact, e2e, ranges, step,
+        tensors = {"input": call.input, "weight": call.weight, "grad_output": call.grad_output}
+        ranges = range_stats_for(recipe, tensors, scales_in_state(call.state, recipe))
+        state = fresh_state(call.state, recipe, tensors)
+        fresh = None if state is None else _replay_fp8(module, recipe, dataclasses.replace(call, state=state))
+        out.append(layer_stats(projection_name(name), label, fp8, exact, e2e, ranges, step, fresh,
                                experts=_per_expert(fp8, exact, call.offs, min_expert_tokens)))
     return out

@@ -26,8 +26,17 @@ def _colors(names: list[str]) -> dict[str, str]:
     return {n: ("black" if i == 0 else palette[(i - 1) % len(palette)]) for i, n in enumerate(names)}
 
 
-def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optional[dict] = None) -> Path:
-    """Per-layer SQNR bars of each recipe (isolated error); threshold lines; risky layers in red with a '!'."""
+def verdict_text(verdict) -> str:
+    """The verdict in one line for a plot's title: each recipe PASS or FAIL with its gap, and the allowed gap."""
+    if verdict is None:
+        return ""
+    runs = ", ".join(f"{r} {'PASS' if v.passed else 'FAIL'} ({100 * v.gap:+.2f}%)" for r, v in verdict.recipes.items())
+    return f"verdict: {runs}; allowed |gap| {100 * verdict.allowed:.2f}%"
+
+
+def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optional[dict] = None, verdict=None) -> Path:
+    """Per-layer SQNR bars of each recipe (isolated error); each panel's own threshold line; risky layers in red
+    with a '!'; the verdict (when given) in the title."""
     plt = _pyplot()
     risky = risky or {}
     names = [s.name for s in report.for_recipe(report.recipes[0])]
@@ -45,8 +54,10 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
             values = [min(getattr(by_name[n], attr), _CAP_DB) if n in by_name else 0.0 for n in names]
             ax.barh([j + i * height for j in range(len(names))], values, height=height, label=recipe, color=colors[recipe])
         if limit is not None:
-            ax.axvline(limit, color="red", linestyle="--", linewidth=1.0, label=f"risky below {limit:g} dB")
-        ax.set_title(f"{title} SQNR, dB (higher is better)", fontsize="medium")
+            # Each panel names its own line: the output's limit and the gradients' differ.
+            ax.axvline(limit, color="red", linestyle="--", linewidth=1.0)
+        title += " SQNR, dB (higher is better)" + ("" if limit is None else f"\nrisky below {limit:g} dB (red line)")
+        ax.set_title(title, fontsize="medium")
         ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))])
         ax.set_yticklabels([f"! {n}" if n in risky else n for n in names])
         for label in ax.get_yticklabels():
@@ -55,9 +66,11 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    title = "each layer's own FP8 error (worst over the observed steps)"
+    title = "each layer's own FP8 error (worst over the observed training steps)"
     if risky:
         title += f"; ! = risky ({len(risky)})"
+    if verdict is not None:
+        title = f"{verdict_text(verdict)}\n{title}"
     fig.suptitle(title, fontsize="medium")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
@@ -101,6 +114,8 @@ def loss_curves(report: "TrainReport", path: Path, gate=None, verdict=None) -> P
     for a in (ax, gap_ax):
         a.grid(alpha=0.3)
     gap_ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if verdict is not None:
+        fig.suptitle(verdict_text(verdict), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from transformer_linear.numerics import plots
+
+
+SQNR_DIGITS = 1
+"""Decimals of an SQNR (dB) in the tables and the risk reasons; risk is judged on the value so shown."""
+SATURATION_DIGITS = 2
+"""Decimals of a saturation percentage in the tables and the risk reasons."""
+UNDERFLOW_DIGITS = 3
+"""Decimals of an underflow percentage in the tables and the risk reasons."""
+
+
+def shown(value: float, digits: int) -> float:
+    """``value`` as a table shows it (rounded to ``digits`` decimals), so a judgement on it never contradicts the
+    table: 9.96 dB shows as 10.0 and is not below 10."""
+    return float(f"{value:.{digits}f}") if math.isfinite(value) else value
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -42,7 +57,9 @@ class ExpertStats:
     ``output_sqnr`` and ``dgrad_sqnr`` cover the expert's rows of the grouped output and input gradient,
     ``wgrad_sqnr`` its weight's gradient, each against high precision on the same input and grad_output
     (dB; NaN for an expert without tokens). ``too_few_tokens``: fewer than the comparison's
-    ``min_expert_tokens`` (default :data:`MIN_EXPERT_TOKENS`) tokens, too few to judge.
+    ``min_expert_tokens`` (default :data:`MIN_EXPERT_TOKENS`) tokens, too few to judge. A row that sums up
+    several steps (:func:`worst_experts`) holds the median ``tokens``, the number of ``steps`` and of
+    ``judged_steps`` (those with enough tokens, where the SQNRs come from).
     """
 
     expert: int
@@ -51,8 +68,14 @@ class ExpertStats:
     dgrad_sqnr: float
     wgrad_sqnr: float
     too_few_tokens: bool = False
+    steps: int = 1
+    judged_steps: Optional[int] = None
 
     SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr")
+
+    def __post_init__(self) -> None:
+        if self.judged_steps is None:  # one observation: judged unless too few tokens
+            self.judged_steps = 0 if self.too_few_tokens else self.steps
 
 
 def _nanmin(values: Sequence[float]) -> float:
@@ -64,7 +87,8 @@ def worst_experts(observations: Sequence[Sequence[ExpertStats]]) -> list[ExpertS
     """Per expert, the worst figures over several observations of one projection (one list per step).
 
     The SQNRs are the worst over the steps in which the expert had enough tokens to judge (over all steps
-    when it never had); ``tokens`` is its fewest; ``too_few_tokens`` holds when it had too few in every step.
+    when it never had); ``tokens`` is its median over the steps (its fewest would say 0 beside figures from
+    steps where it had many); ``too_few_tokens`` holds when it had too few in every step.
     """
     by_expert: dict[int, list[ExpertStats]] = {}
     for step in observations:
@@ -72,13 +96,15 @@ def worst_experts(observations: Sequence[Sequence[ExpertStats]]) -> list[ExpertS
             by_expert.setdefault(e.expert, []).append(e)
     out = []
     for expert, group in sorted(by_expert.items()):
-        judged = [e for e in group if not e.too_few_tokens] or group
+        enough = [e for e in group if not e.too_few_tokens]
         out.append(
             ExpertStats(
                 expert,
-                min(e.tokens for e in group),
-                *(_nanmin([getattr(e, f) for e in judged]) for f in ExpertStats.SQNR_FIELDS),
-                too_few_tokens=all(e.too_few_tokens for e in group),
+                statistics.median_low(e.tokens for e in group),
+                *(_nanmin([getattr(e, f) for e in enough or group]) for f in ExpertStats.SQNR_FIELDS),
+                too_few_tokens=not enough,
+                steps=sum(e.steps for e in group),
+                judged_steps=sum(e.judged_steps for e in group),
             )
         )
     return out
@@ -100,6 +126,11 @@ class LayerStats:
     worst figure of each). A mixture-of-experts projection (``<experts
     module>.gate_up_proj``, ...) is one row over all its experts, with one
     :class:`ExpertStats` per expert in ``experts`` (empty for Linear layers).
+    ``stale_loss_db`` (delayed scaling only): per result (``output``,
+    ``dgrad``, ``wgrad``) the dB its SQNR lost to scales from the amax
+    history, against the scales the tensors' own amaxes give (positive:
+    the stale scale was worse). A summary row also holds the ``median`` of
+    each SQNR over its steps and the ``stale_step`` of the largest loss.
     """
 
     name: str
@@ -118,9 +149,26 @@ class LayerStats:
     e2e_wgrad_sqnr: float = math.nan
     steps: list[int] = field(default_factory=list)
     experts: list[ExpertStats] = field(default_factory=list)
+    stale_loss_db: dict[str, float] = field(default_factory=dict)
+    median: dict[str, float] = field(default_factory=dict)
+    stale_step: Optional[int] = None
 
     SQNR_FIELDS = ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr", "e2e_output_sqnr", "e2e_dgrad_sqnr", "e2e_wgrad_sqnr")
     MAX_REL_FIELDS = ("output_max_rel", "dgrad_max_rel", "wgrad_max_rel")
+
+
+_RESULT_LABELS = {"output": "out", "dgrad": "dX", "wgrad": "dW"}
+
+
+def _stale_cell(s: LayerStats) -> str:
+    """The most dB a result lost to delayed scaling's stale scales, which result and at which step
+    (``12.3 dX@30``); ``-`` where the recipe keeps no history."""
+    losses = {k: v for k, v in s.stale_loss_db.items() if not math.isnan(v)}
+    if not losses:
+        return "-"
+    key = max(losses, key=losses.get)
+    where = "" if s.stale_step is None else f"@{s.stale_step}"
+    return f"{losses[key]:.{SQNR_DIGITS}f} {_RESULT_LABELS.get(key, key)}{where}"
 
 
 @dataclass
@@ -148,20 +196,24 @@ class CompareReport:
     def for_recipe(self, recipe: str) -> list[LayerStats]:
         return [s for s in self.layers if s.recipe == recipe]
 
-    _COLUMNS = ("recipe", "layer", "out dB", "dX dB", "dW dB", "e2e out dB", "out maxrel", "x amax", "w amax",
-                "dy amax", "x uflow%", "dy uflow%", "sat%")
+    _COLUMNS = ("recipe", "layer", "out med", "out min", "dX med", "dX min", "dW med", "dW min", "stale dB",
+                "e2e out dB", "out maxrel", "x amax", "w amax", "dy amax", "x uflow%", "dy uflow%", "sat%")
 
     def _rows(self) -> list[list[str]]:
         """The table's cells: one row per (recipe, layer)."""
         rows = []
         for s in self.layers:
             sat = max(s.input.get("saturation", 0.0), s.weight.get("saturation", 0.0), s.grad_output.get("saturation", 0.0))
+            sqnrs = []
+            for f in ("output_sqnr", "dgrad_sqnr", "wgrad_sqnr"):
+                sqnrs += [_fmt(s.median.get(f, getattr(s, f)), SQNR_DIGITS), _fmt(getattr(s, f), SQNR_DIGITS)]
             rows.append([
-                s.recipe, s.name, _fmt(s.output_sqnr), _fmt(s.dgrad_sqnr), _fmt(s.wgrad_sqnr), _fmt(s.e2e_output_sqnr),
+                s.recipe, s.name, *sqnrs, _stale_cell(s), _fmt(s.e2e_output_sqnr, SQNR_DIGITS),
                 _fmt(s.output_max_rel, 4),
                 f"{s.input.get('amax', 0):.3g}", f"{s.weight.get('amax', 0):.3g}", f"{s.grad_output.get('amax', 0):.3g}",
-                f"{100 * s.input.get('underflow', 0):.3f}", f"{100 * s.grad_output.get('underflow', 0):.3f}",
-                f"{100 * sat:.2f}",
+                f"{100 * s.input.get('underflow', 0):.{UNDERFLOW_DIGITS}f}",
+                f"{100 * s.grad_output.get('underflow', 0):.{UNDERFLOW_DIGITS}f}",
+                f"{100 * sat:.{SATURATION_DIGITS}f}",
             ])
         return rows
 
@@ -172,15 +224,19 @@ class CompareReport:
         rows = []
         for s in self.layers:
             for e in s.experts:
-                judged = f"no: < {self.min_expert_tokens} tokens" if e.too_few_tokens else "yes"
-                rows.append([s.recipe, s.name, str(e.expert), str(e.tokens), _fmt(e.output_sqnr), _fmt(e.dgrad_sqnr),
-                             _fmt(e.wgrad_sqnr), judged])
+                if e.too_few_tokens:
+                    judged = f"no: < {self.min_expert_tokens} tokens" + (" in every step" if e.steps > 1 else "")
+                else:
+                    judged = "yes" + (f": {e.judged_steps}/{e.steps} steps" if e.steps > 1 else "")
+                rows.append([s.recipe, s.name, str(e.expert), str(e.tokens), _fmt(e.output_sqnr, SQNR_DIGITS),
+                             _fmt(e.dgrad_sqnr, SQNR_DIGITS), _fmt(e.wgrad_sqnr, SQNR_DIGITS), judged])
         return rows
 
     def _experts_note(self) -> str:
         return (
             "Per expert of each mixture-of-experts projection: SQNR (dB) of its rows of the output and dX and of "
-            f"its dW; experts with fewer than {self.min_expert_tokens} tokens are not judged (too few rows)."
+            f"its dW; experts with fewer than {self.min_expert_tokens} tokens are not judged (too few rows). Over "
+            "several steps: tokens is the median per step, the SQNRs the worst over the steps judged."
         )
 
     def _loss_line(self) -> str:
@@ -241,15 +297,17 @@ class CompareReport:
             Path(path).write_text(text)
         return text
 
-    def plot(self, path: str | Path, thresholds: Any = None, risky: Optional[dict[str, list[str]]] = None) -> Path:
+    def plot(self, path: str | Path, thresholds: Any = None, risky: Optional[dict[str, list[str]]] = None,
+             verdict: Any = None) -> Path:
         """Bar chart of per-layer output / dgrad / wgrad SQNR for each recipe, saved as PNG.
 
         Args:
             path: the PNG.
             thresholds: a :class:`~transformer_linear.numerics.RiskThresholds` whose SQNR limits are drawn.
             risky: layer name -> reasons; those layers are marked.
+            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: PASS / FAIL per recipe in the title.
         """
-        return plots.sqnr_bars(self, Path(path), thresholds, risky or {})
+        return plots.sqnr_bars(self, Path(path), thresholds, risky or {}, verdict)
 
 
 @dataclass
@@ -332,6 +390,7 @@ class TrainReport:
         Args:
             path: the PNG.
             gate: a :class:`~transformer_linear.numerics.verdict.Gate`: its ±max-gap band is drawn.
-            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn.
+            verdict: a :class:`~transformer_linear.numerics.verdict.Verdict`: its ±allowed band is drawn and
+                PASS / FAIL per recipe is the title.
         """
         return plots.loss_curves(self, Path(path), gate, verdict)

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 from torch import nn
 
-from transformer_linear.numerics.report import CompareReport, LayerStats
+from transformer_linear.numerics.report import SATURATION_DIGITS, SQNR_DIGITS, UNDERFLOW_DIGITS, CompareReport, LayerStats, shown
 
 __all__ = ["RiskThresholds", "keep_high_precision", "risky_layers", "filter_source"]
 
@@ -45,18 +45,21 @@ class RiskThresholds:
 
     def reasons(self, s: LayerStats) -> list[str]:
         """Why ``s`` is risky (empty when it is not). NaN SQNR (no gradient recorded) counts as no evidence."""
+        # Each figure is judged as the tables show it (report.shown), so no reason reads "10.0 dB < 10".
         out = []
-        if s.output_sqnr < self.min_output_sqnr_db:
-            out.append(f"output SQNR {s.output_sqnr:.1f} dB < {self.min_output_sqnr_db:g}")
-        for label, value in (("dX", s.dgrad_sqnr), ("dW", s.wgrad_sqnr)):
-            if value < self.min_grad_sqnr_db:
-                out.append(f"{label} SQNR {value:.1f} dB < {self.min_grad_sqnr_db:g}")
-        for label, stats in (("x", s.input), ("w", s.weight), ("dy", s.grad_output)):
-            if stats.get("saturation", 0.0) > self.max_saturation:
-                out.append(f"{label} saturation {100 * stats['saturation']:.2f}% > {100 * self.max_saturation:g}%")
-        for label, stats in (("x", s.input), ("dy", s.grad_output)):
-            if stats.get("underflow", 0.0) > self.max_underflow:
-                out.append(f"{label} underflow {100 * stats['underflow']:.2f}% > {100 * self.max_underflow:g}%")
+        for label, value, limit in (("output", s.output_sqnr, self.min_output_sqnr_db),
+                                    ("dX", s.dgrad_sqnr, self.min_grad_sqnr_db),
+                                    ("dW", s.wgrad_sqnr, self.min_grad_sqnr_db)):
+            if shown(value, SQNR_DIGITS) < limit:
+                out.append(f"{label} SQNR {value:.{SQNR_DIGITS}f} dB < {limit:g}")
+        for kind, digits, limit, tensors in (
+            ("saturation", SATURATION_DIGITS, self.max_saturation, (("x", s.input), ("w", s.weight), ("dy", s.grad_output))),
+            ("underflow", UNDERFLOW_DIGITS, self.max_underflow, (("x", s.input), ("dy", s.grad_output))),
+        ):
+            for label, stats in tensors:
+                percent = 100 * stats.get(kind, 0.0)
+                if shown(percent, digits) > 100 * limit:
+                    out.append(f"{label} {kind} {percent:.{digits}f}% > {100 * limit:g}%")
         return out
 
 

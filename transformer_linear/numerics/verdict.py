@@ -11,10 +11,18 @@ FP8 run passes when
 
 so a noisy comparison (a short run, a small batch) does not fail FP8 for
 noise that high precision shows too, and a quiet one is held to ``max_gap``.
+
+A ``+filter`` run (the risky layers kept in high precision) is judged the
+same way, and its effect by the same margin: it helped when its |gap| is
+smaller than the recipe's by more than ``noise_factor * floor`` (the
+comparison's resolution), it hurt when larger by more than that, and
+otherwise the two runs are indistinguishable from noise. Only a filter that
+helped is suggested.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from dataclasses import dataclass, field
@@ -25,7 +33,7 @@ import torch
 
 from transformer_linear.numerics.report import TrainReport
 
-__all__ = ["FILTERED", "Gate", "RunVerdict", "Verdict", "bf16_is_fast", "floor_runs", "judge"]
+__all__ = ["FILTERED", "FilterEffect", "Gate", "RunVerdict", "Verdict", "bf16_is_fast", "floor_runs", "judge"]
 
 FILTERED = " +filter"
 """Suffix of the runs that keep the risky layers in high precision."""
@@ -108,6 +116,14 @@ class Gate:
                 raise ValueError(f"Gate: '{name}' must be a finite non-negative number, got {value!r}")
 
 
+class FilterEffect(str, enum.Enum):
+    """What keeping the risky layers in high precision did to a recipe's |gap|, judged against the noise."""
+
+    HELPED = "helped"
+    HURT = "hurt"
+    WITHIN_NOISE = "within noise"
+
+
 @dataclass(frozen=True)
 class RunVerdict:
     """One FP8 run judged: its gap, and whether it passes."""
@@ -128,8 +144,9 @@ class Verdict:
         recipes: each recipe as converted.
         filtered: each recipe with its risky layers kept in high precision (its ``+filter`` run), when there is one.
         exit_code: 0 every recipe passes as converted; 3 each failing recipe
-            passes with its suggested filter (apply it); 1 some recipe fails
-            (with its filter too, or has none).
+            passes with the filter, which helped it beyond the noise (apply
+            it); 1 some recipe fails (with its filter too, or the filter did
+            not measurably help, or there is none).
     """
 
     gate: Gate
@@ -140,17 +157,51 @@ class Verdict:
     filtered: dict[str, RunVerdict] = field(default_factory=dict)
 
     @property
+    def resolution(self) -> float:
+        """The smallest change of |gap| this comparison resolves: ``noise_factor x floor`` (the gate's margin)."""
+        return self.gate.noise_factor * self.floor
+
+    @property
     def exit_code(self) -> int:
         failing = [r for r, v in self.recipes.items() if not v.passed]
         if not failing:
             return 0
-        return 3 if all(r in self.filtered and self.filtered[r].passed for r in failing) else 1
+        fixed = all(r in self.filtered and self.filtered[r].passed and self.filter_helped(r) for r in failing)
+        return 3 if fixed else 1
 
-    def filter_helped(self, recipe: str) -> Optional[bool]:
-        """Whether the +filter run's |gap| is smaller than the recipe's (None without a +filter run)."""
+    def filter_effect(self, recipe: str) -> Optional[FilterEffect]:
+        """What the ``+filter`` run did to ``recipe``'s |gap|, beyond :attr:`resolution` (None without a +filter run)."""
         if recipe not in self.filtered:
             return None
-        return abs(self.filtered[recipe].gap) < abs(self.recipes[recipe].gap)
+        before, after = abs(self.recipes[recipe].gap), abs(self.filtered[recipe].gap)
+        if not math.isfinite(after):
+            return FilterEffect.HURT if math.isfinite(before) else FilterEffect.WITHIN_NOISE
+        if not math.isfinite(before) or before - after > self.resolution:
+            return FilterEffect.HELPED
+        if after - before > self.resolution:
+            return FilterEffect.HURT
+        return FilterEffect.WITHIN_NOISE
+
+    def filter_helped(self, recipe: str) -> Optional[bool]:
+        """Whether the +filter run's |gap| is smaller than the recipe's by more than the noise resolves
+        (None without a +filter run)."""
+        effect = self.filter_effect(recipe)
+        return None if effect is None else effect is FilterEffect.HELPED
+
+    @property
+    def filter_suggested_for(self) -> list[str]:
+        """The recipes whose +filter run helped: the filter is suggested for these (and only these)."""
+        return [r for r in self.filtered if self.filter_helped(r)]
+
+    def _effect_words(self, recipe: str) -> str:
+        effect = self.filter_effect(recipe)
+        change = abs(self.filtered[recipe].gap) - abs(self.recipes[recipe].gap)
+        margin = f"{self.gate.noise_factor:g} x noise floor = {100 * self.resolution:.4f}%"
+        if effect is FilterEffect.HELPED:
+            return f"the filter helped: |gap| {100 * change:+.4f}%, beyond {margin}"
+        if effect is FilterEffect.HURT:
+            return f"the filter made it worse: |gap| {100 * change:+.4f}%, beyond {margin}; not suggested"
+        return f"no measurable effect: |gap| {100 * change:+.4f}%, within {margin}; not suggested"
 
     def lines(self) -> list[str]:
         """The verdict in words, one line per recipe, then the rule."""
@@ -159,8 +210,7 @@ class Verdict:
             line = f"{recipe}: gap {100 * v.gap:+.2f}% {'PASS' if v.passed else 'FAIL'}"
             if recipe in self.filtered:
                 f = self.filtered[recipe]
-                helped = "helped" if self.filter_helped(recipe) else "did not help"
-                line += f"; with the filter {100 * f.gap:+.2f}% {'PASS' if f.passed else 'FAIL'} (the filter {helped})"
+                line += f"; with the filter {100 * f.gap:+.2f}% {'PASS' if f.passed else 'FAIL'} ({self._effect_words(recipe)})"
             out.append(line)
         floor = ", ".join(f"{n} {100 * g:+.2f}%" for n, g in self.floor_gaps.items()) or "none"
         out.append(
@@ -183,9 +233,12 @@ class Verdict:
             "floor_gaps": self.floor_gaps,
             "allowed": self.allowed,
             "recipes": {r: {"gap": v.gap, "passed": v.passed} for r, v in self.recipes.items()},
+            "resolution": self.resolution,
             "filtered": {
-                r: {"gap": v.gap, "passed": v.passed, "helped": self.filter_helped(r)} for r, v in self.filtered.items()
+                r: {"gap": v.gap, "passed": v.passed, "helped": self.filter_helped(r), "effect": self.filter_effect(r).value}
+                for r, v in self.filtered.items()
             },
+            "filter_suggested_for": self.filter_suggested_for,
             "exit_code": self.exit_code,
         }
 
