@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from transformer_linear.modules.autocast import autocast
+from transformer_linear.modules.autocast import outside_autocast
 from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.hf_experts import ExpertsFP8State, experts_projections, is_hf_experts
 from transformer_linear.modules.linear import Linear
@@ -43,7 +43,7 @@ def _refusal(build: Any, in_features: int, device: torch.device, dtype: torch.dt
     what it raises, else None. The global random state is left as it was (the runs that follow draw from it)."""
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
-                autocast(enabled=False):
+                outside_autocast():
             torch.manual_seed(0)
             x = torch.randn(PROBE_ROWS, in_features, device=device, dtype=dtype, requires_grad=True)
             build()(x).float().sum().backward()
