@@ -14,7 +14,6 @@ weight a scale of its own.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Sequence, Union
 
@@ -24,6 +23,7 @@ from torch import Tensor, nn
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules import fp8_all_gather, quantized_init
 from transformer_linear.modules.autocast import layer_recipe
+from transformer_linear.modules.delayed_scaling_module import DelayedScalingModule
 from transformer_linear.modules.grouped_linear_functional import (
     HighPrecisionGroupedLinear,
     check_grouped_linear_args,
@@ -34,13 +34,12 @@ from transformer_linear.modules.grouped_linear_ops import compute_grouped_wgrad
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.modules.linear_ops import WgradQueue
-from transformer_linear.recipe import Recipe, amax_reduction
-from transformer_linear.recipe.delayed_scaling import DelayedScalingState
+from transformer_linear.recipe import Recipe
 
 __all__ = ["GroupedLinear"]
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(DelayedScalingModule):
     """``num_gemms`` Linear layers (experts) applied to consecutive row groups of one input.
 
     Args:
@@ -95,20 +94,17 @@ class GroupedLinear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((num_gemms, out_features, in_features), **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty((num_gemms, out_features), **factory))
         else:
             self.register_parameter("bias", None)
-        self.delayed_scaling_state = DelayedScalingState()
-        """The module's delayed-scaling state: one history per role for every expert."""
         # Not a state: the experts' FP8 weights of the current microbatch group.
         self._weight_cache: Optional[CachedWeight] = None
         self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
-        self.reset_fp8_state()
+        self._init_delayed_scaling()  # one history per role for every expert
         # Under tl.quantized_model_init the experts' weights are kept quantized (quantized_init.py).
         quantized_init.init_layer(self)
         if self.quantized_init is not None:
@@ -139,27 +135,16 @@ class GroupedLinear(nn.Module):
     # delayed-scaling state and checkpoints
     # ------------------------------------------------------------------
 
-    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
-        """Start the delayed-scaling state fresh (as ``tl.Linear.reset_fp8_state``)."""
-        self.delayed_scaling_state.reset(self, amax_history_len)
-
-    def finish_amax_reductions(self) -> None:
-        """Apply the amax reductions still in flight to the delayed-scaling state."""
-        self.delayed_scaling_state.finish_reductions(self)
-
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         _stack_per_expert_keys(state_dict, prefix, self.num_gemms)
-        load_module = functools.partial(
-            super()._load_from_state_dict, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-            error_msgs,
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        self.delayed_scaling_state.load(self, state_dict, prefix, missing_keys, load_module)
 
     def _apply(self, fn, recurse=True):
-        with self.delayed_scaling_state.float32_buffers(self):
-            super()._apply(fn, recurse)
+        super()._apply(fn, recurse)
         self._weight_cache = None
         return self
 

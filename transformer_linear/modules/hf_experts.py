@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer_linear.modules.autocast import layer_recipe
+from transformer_linear.modules.delayed_scaling_module import DelayedScalingModule
 from transformer_linear.modules.grouped_linear_functional import (
     check_grouped_linear_args,
     grouped_linear,
@@ -34,8 +35,7 @@ from transformer_linear.modules.grouped_linear_functional import (
     run_grouped_linear,
 )
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
-from transformer_linear.recipe import Recipe, amax_reduction
-from transformer_linear.recipe.delayed_scaling import DelayedScalingState
+from transformer_linear.recipe import Recipe
 
 __all__ = [
     "DEFAULT_EXPERTS_IMPLEMENTATION",
@@ -67,7 +67,7 @@ def experts_projections(module: nn.Module) -> tuple[str, str]:
     return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
-class ExpertsFP8State(nn.Module):
+class ExpertsFP8State(DelayedScalingModule):
     """The FP8 recipe and delayed-scaling state of one projection of a transformers experts module.
 
     It holds no weight: the experts module's 3-D Parameter is passed to each call, so the weights stay
@@ -88,11 +88,9 @@ class ExpertsFP8State(nn.Module):
         if recipe is not None:
             check_grouped_quantization("ExpertsFP8State", recipe)
         self.recipe = recipe
-        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         # The state follows this (empty) tensor's device: DelayedScalingState reads ``owner.weight.device``.
         self.register_buffer("_device_anchor", torch.empty(0, device=device), persistent=False)
-        self.delayed_scaling_state = DelayedScalingState()
-        self.reset_fp8_state()
+        self._init_delayed_scaling()
 
     @property
     def weight(self) -> Tensor:
@@ -101,28 +99,6 @@ class ExpertsFP8State(nn.Module):
 
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}"
-
-    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
-        """Start the delayed-scaling state fresh (as ``tl.Linear.reset_fp8_state``)."""
-        self.delayed_scaling_state.reset(self, amax_history_len)
-
-    def finish_amax_reductions(self) -> None:
-        """Apply the amax reductions still in flight to the delayed-scaling state."""
-        self.delayed_scaling_state.finish_reductions(self)
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        load_module = functools.partial(
-            super()._load_from_state_dict, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-            error_msgs,
-        )
-        self.delayed_scaling_state.load(self, state_dict, prefix, missing_keys, load_module)
-
-    def _apply(self, fn, recurse=True):
-        with self.delayed_scaling_state.float32_buffers(self):
-            super()._apply(fn, recurse)
-        return self
 
     def forward(self, inp: Tensor, weight: Tensor, offs: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """The grouped Linear of ``inp`` (tokens sorted by expert) with ``weight`` (E, out, in) under this

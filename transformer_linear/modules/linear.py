@@ -24,20 +24,16 @@ from transformer_linear._handles import NO_HANDLE
 from transformer_linear.formats.checks import check_linear_devices
 from transformer_linear.modules import fp8_all_gather, quantized_init, tensor_parallel
 from transformer_linear.modules.autocast import layer_recipe
+from transformer_linear.modules.delayed_scaling_module import DelayedScalingModule
 from transformer_linear.modules.linear_args import CachedWeight, LinearFwdArgs
 from transformer_linear.modules.linear_ops import WgradQueue, compute_wgrad, linear_fwd
-from transformer_linear.recipe import Recipe, amax_reduction
-from transformer_linear.recipe.delayed_scaling import DelayedScalingState
+from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.quantization import NO_QUANTIZATION, check_recipe, quantization_spec
 
 __all__ = ["Linear"]
 
 
-def _finish_amax_reductions_hook(module: "Linear", prefix: str, keep_vars: bool) -> None:
-    module.finish_amax_reductions()  # module level, so a Linear pickles
-
-
-class Linear(nn.Module):
+class Linear(DelayedScalingModule):
     """y = x Wᵀ + b, with FP8 GEMMs under a recipe.
 
     Args:
@@ -73,10 +69,6 @@ class Linear(nn.Module):
         self.recipe = recipe
         self.delay_wgrad_compute = delay_wgrad_compute
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        # Delayed scaling's amax all-reduce group, as an amax_reduction.py key
-        # (an int, so torch.compile guards on it cheaply): set it with
-        # tl.distributed.set_amax_reduction_group.
-        self.amax_reduction_group = amax_reduction.DEFAULT_GROUP
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         if bias:
@@ -85,18 +77,13 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         # Not a state: the FP8 weight of the current microbatch group.
         self._weight_cache: Optional[CachedWeight] = None
-        self.delayed_scaling_state = DelayedScalingState()
-        """The delayed-scaling state (delayed_scaling.py); its buffers are this layer's."""
         self._wgrad_queue = WgradQueue()  # delay_wgrad_compute: what backward_dw() computes
         self.reset_parameters()
-        self.reset_fp8_state()
+        self._init_delayed_scaling()
         # Under tl.quantized_model_init the weight is kept quantized too (quantized_init.py).
         quantized_init.init_layer(self)
         if self.quantized_init is not None:
             self.register_load_state_dict_post_hook(quantized_init.load_state_dict_post_hook)
-        # A checkpoint holds the scales as of the last step, not lagging behind
-        # reductions still in flight (tl.distributed).
-        self.register_state_dict_pre_hook(_finish_amax_reductions_hook)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization, drawing the same random numbers."""
@@ -108,42 +95,8 @@ class Linear(nn.Module):
             f", recipe={self.recipe}"
         )
 
-    # ------------------------------------------------------------------
-    # delayed-scaling state
-    # ------------------------------------------------------------------
-
-    def reset_fp8_state(self, amax_history_len: Optional[int] = None) -> None:
-        """Start the delayed-scaling state fresh (empty history, scales 1), on the weight's device.
-
-        Args:
-            amax_history_len: rows of the new history; default: the layer's
-                own recipe's ``amax_history_len``, else ``DelayedScaling``'s
-                default. A ``tl.autocast`` recipe with a longer history than
-                the layer holds needs this before ``torch.compile`` /
-                ``torch.export`` (eagerly the history grows by itself).
-        """
-        self.delayed_scaling_state.reset(self, amax_history_len)
-
-    def finish_amax_reductions(self) -> None:
-        """Apply the amax reductions still in flight to the delayed-scaling state (see tl.distributed)."""
-        self.delayed_scaling_state.finish_reductions(self)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        load_module = functools.partial(
-            super()._load_from_state_dict,
-            state_dict,
-            prefix,
-            local_metadata,
-            strict,
-            missing_keys,
-            unexpected_keys,
-            error_msgs,
-        )
-        self.delayed_scaling_state.load(self, state_dict, prefix, missing_keys, load_module)
-
     def _apply(self, fn, recurse=True):
-        with self.delayed_scaling_state.float32_buffers(self):
-            super()._apply(fn, recurse)
+        super()._apply(fn, recurse)
         self._weight_cache = None
         quantized_init.requantize(self)
         return self
