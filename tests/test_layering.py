@@ -1,7 +1,7 @@
 """The package's layers, read from its sources: each module imports only its own layer and the ones below
 it, no modules import each other in a circle, and no function imports the package's own modules.
 
-The layers, bottom to top (the README's architecture section):
+The layers, bottom to top (the docs/architecture.md):
 
 - ``formats``: dtypes, GEMM scalings and scale layouts, operand layouts, argument checks;
 - ``reference``: the pure-PyTorch oracle of every numeric op;
@@ -42,15 +42,10 @@ def _module_name(rel: str) -> str:
     return ".".join(["transformer_linear", *parts])
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 class _Imports(ast.NodeVisitor):
-    """The package modules a source imports at run time, split into module-level and function-local."""
+    """The package modules a source imports, split into module-level and function-local (imports under
+    ``if TYPE_CHECKING:``, for annotations only, count as module-level: a layer's annotations name only its
+    layer and those below too)."""
 
     def __init__(self, module: str, is_package: bool) -> None:
         self.module, self.is_package = module, is_package
@@ -61,10 +56,6 @@ class _Imports(ast.NodeVisitor):
     def _add(self, names: list[str]) -> None:
         found = {n for n in names if n == "transformer_linear" or n.startswith("transformer_linear.")}
         (self.local if self._depth else self.top).update(found)
-
-    def visit_If(self, node: ast.If) -> None:
-        if not _is_type_checking(node):  # annotations only: not a run-time dependency
-            self.generic_visit(node)
 
     def _visit_scope(self, node: ast.AST) -> None:
         self._depth += 1
@@ -98,7 +89,7 @@ def _existing(name: str) -> str | None:
 
 
 def imports_of(rel: str) -> tuple[set[str], set[str]]:
-    """(module-level, function-local) package modules that ``rel`` imports at run time."""
+    """(module-level, function-local) package modules that ``rel`` imports (annotation-only ones included)."""
     visitor = _Imports(_module_name(rel), rel.endswith("__init__.py"))
     visitor.visit(ast.parse((PACKAGE / rel).read_text()))
 

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Collection, Mapping, Optional, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from transformer_linear.numerics.report import CompareReport, TrainReport
+
+class LayerSQNRs(Protocol):
+    """What :func:`sqnr_bars` reads of a report (``CompareReport``): the recipes and each one's layer rows."""
+
+    recipes: Sequence[str]
+
+    def for_recipe(self, recipe: str) -> Sequence[Any]: ...
+
+
+class LossCurves(Protocol):
+    """What :func:`loss_curves` reads of a report (``TrainReport``): each run's losses and which runs are
+    the reference and the noise floor."""
+
+    loss_curves: Mapping[str, Sequence[float]]
+    reference: str
+    floor_runs: Collection[str]
+    window: int
 
 _CAP_DB = 120.0  # identical results have infinite SQNR; draw them at the cap
 
@@ -34,7 +49,7 @@ def verdict_text(verdict) -> str:
     return f"verdict: {runs}; allowed |gap| {100 * verdict.allowed:.2f}%"
 
 
-def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optional[dict] = None, verdict=None) -> Path:
+def sqnr_bars(report: LayerSQNRs, path: Path, thresholds=None, risky: Optional[dict] = None, verdict=None) -> Path:
     """Per-layer SQNR bars of each recipe (isolated error); each panel's own threshold line; risky layers in red
     with a '!'; the verdict (when given) in the title."""
     plt = _pyplot()
@@ -79,7 +94,7 @@ def sqnr_bars(report: "CompareReport", path: Path, thresholds=None, risky: Optio
     return path
 
 
-def loss_curves(report: "TrainReport", path: Path, gate=None, verdict=None) -> Path:
+def loss_curves(report: LossCurves, path: Path, gate=None, verdict=None) -> Path:
     """Left: every run's loss, the reference drawn on top. Right: each run's gap to the reference in percent,
     with the ±max-gap band, the ±allowed band (noise floor included) and the window the verdict averages."""
     plt = _pyplot()
