@@ -13,6 +13,7 @@ from torch import nn
 
 import transformer_linear as tl
 from transformer_linear import recipe
+from transformer_linear.modules.hf_experts import ExpertsFP8State
 
 
 def _model():
@@ -63,3 +64,15 @@ def test_grouped_linear_takes_the_recipe():
     model = nn.ModuleDict({"experts": tl.GroupedLinear(2, 32, 16)})
     tl.convert_to_fp8(model, recipe=recipe.from_name("mxfp8"))
     assert model["experts"].recipe == recipe.from_name("mxfp8")
+
+
+def test_experts_converted_without_a_recipe_take_it():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = tl.convert_to_fp8(transformers.MixtralForCausalLM(config))
+    states = [m for m in model.modules() if isinstance(m, ExpertsFP8State)]
+    assert states and all(m.recipe is None for m in states)
+    tl.convert_to_fp8(model, recipe=recipe.from_name("current"))
+    assert all(m.recipe == recipe.from_name("current") for m in states)

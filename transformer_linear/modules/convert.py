@@ -405,18 +405,20 @@ def _tied_weights(model: nn.Module) -> set[int]:
 
 
 def _give_recipe_to_existing_layers(model: nn.Module, recipe: Recipe, module_filter_fn: Optional[FilterFn]) -> None:
-    """``tl.Linear`` / ``tl.GroupedLinear`` layers already in ``model`` without a recipe take ``recipe``.
+    """``tl.Linear`` / ``tl.GroupedLinear`` layers (and experts' FP8 states of an earlier conversion) already in
+    ``model`` without a recipe take ``recipe``.
 
     Left without one they would follow ``tl.autocast`` alone, and outside it
     run in high precision although the model was converted with a recipe.
     Layers with another recipe of their own keep it, with a warning naming them.
     """
+    grouped = (GroupedLinear, ExpertsFP8State)
     layers = [
         (fqn, m)
         for fqn, m in model.named_modules()
-        if isinstance(m, (Linear, GroupedLinear)) and (module_filter_fn is None or module_filter_fn(m, fqn))
+        if isinstance(m, (Linear, *grouped)) and (module_filter_fn is None or module_filter_fn(m, fqn))
     ]
-    if any(isinstance(m, GroupedLinear) and m.recipe is None for _, m in layers):
+    if any(isinstance(m, grouped) and m.recipe is None for _, m in layers):
         check_grouped_quantization("convert_to_fp8", recipe)  # before any layer changes
     kept = []
     for fqn, layer in layers:
