@@ -197,19 +197,20 @@ def _transposed(t: Tensor) -> Tensor:
     return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
-def transposed_weight(quantizer: TensorQuantizer, cached: CachedWeight) -> CachedWeight:
+def transposed_weight(cached: CachedWeight) -> CachedWeight:
     """The quantized form of the 2-D weight ``cached`` represents, transposed: its rowwise copy is
     ``cached``'s columnwise copy and the other way round (each copy is the quantization of one GEMM operand,
     whatever the blocks). ``cached`` holds both copies (``QuantizedWeight.cached_weight``), or (one scale
     per tensor, no columnwise copy needed here) the rowwise one alone, whose transpose is made now."""
-    if cached.weight_fp8_t is None:
-        return dataclasses.replace(cached, weight_fp8=_transposed(cached.weight_fp8), weight_fp8_t=cached.weight_fp8)
+    data_t = cached.weight_fp8_t if cached.weight_fp8_t is not None else _transposed(cached.weight_fp8)
+    if cached.weight_scale_inv_t is None:  # one scale for both copies
+        return dataclasses.replace(cached, weight_fp8=data_t, weight_fp8_t=cached.weight_fp8)
     return dataclasses.replace(
         cached,
-        weight_fp8=cached.weight_fp8_t,
+        weight_fp8=data_t,
         weight_fp8_t=cached.weight_fp8,
-        weight_scale_inv=cached.weight_scale_inv if not quantizer.blockwise else cached.weight_scale_inv_t,
-        weight_scale_inv_t=cached.weight_scale_inv_t if not quantizer.blockwise else cached.weight_scale_inv,
+        weight_scale_inv=cached.weight_scale_inv_t,
+        weight_scale_inv_t=cached.weight_scale_inv,
     )
 
 
@@ -357,7 +358,7 @@ class _Transposed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: QuantizedWeight) -> QuantizedWeight:
-        return QuantizedWeight(transposed_weight(weight.quantizer, weight.cached_weight), weight.quantizer, weight.dtype)
+        return QuantizedWeight(transposed_weight(weight.cached_weight), weight.quantizer, weight.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
