@@ -20,7 +20,7 @@ from tolerances import assert_bitwise_equal
 import transformer_linear as tl
 from transformer_linear import _C
 from transformer_linear.formats.nvfp4 import hadamard_amax_of_transpose
-from transformer_linear.modules import grouped_linear_ops, grouped_linear_quantize
+from transformer_linear.recipe import kind_nvfp4
 from transformer_linear.ops import grouped_nvfp4, nvfp4
 from transformer_linear.reference import grouped as reference_grouped
 from transformer_linear.reference import nvfp4 as ref
@@ -374,16 +374,16 @@ def test_opcheck_grouped_quantize():
 def _old_masked_path(monkeypatch):
     """The GroupedLinear's NVFP4 path as it was: masked copies quantized one by one, every expert on all tokens."""
     def masked_columnwise(q, t, offs):
-        qt = grouped_linear_quantize._stacked_nvfp4(q, grouped_linear_quantize.masked_to_groups(t, offs),
-                                                    rowwise=False, columnwise=True)
+        copies = [q.quantize(masked, rowwise=False, columnwise=True) for masked in kind_nvfp4.masked_to_groups(t, offs)]
+        qt = tl.recipe.stack_experts(copies, rowwise=False, columnwise=True)
         return qt.data_t, qt.scale_inv_t
 
     def wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype, offs=None):
         return grouped_nvfp4._looped_wgrad(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, out_dtype)
 
-    monkeypatch.setattr(grouped_linear_ops, "masked_columnwise_nvfp4", masked_columnwise)
-    monkeypatch.setattr(grouped_linear_ops, "nvfp4_grouped_gemm", grouped_nvfp4._masked_grouped_gemm)
-    monkeypatch.setattr(grouped_linear_ops, "nvfp4_grouped_gemm_wgrad", wgrad)
+    monkeypatch.setattr(kind_nvfp4, "masked_columnwise", masked_columnwise)
+    monkeypatch.setattr(kind_nvfp4, "nvfp4_grouped_gemm", grouped_nvfp4._masked_grouped_gemm)
+    monkeypatch.setattr(kind_nvfp4, "nvfp4_grouped_gemm_wgrad", wgrad)
 
 
 @pytest.mark.parametrize("routing", ["uneven", "empty_groups", "leftovers"])

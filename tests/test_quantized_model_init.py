@@ -25,10 +25,16 @@ from transformer_linear.modules.quantized_init import QuantizedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 
 NAMES = recipe.available_names()
+
+
+def _weight_quantizer(name):
+    return recipe.quantization.quantization_spec(recipe.from_name(name)).weight
+
+
 # Recipes whose columnwise weight usage is the rowwise one transposed: one stored copy.
-ONE_COPY = ["delayed", "current", "delayed-e4m3", "current-e4m3", "block", "nvfp4"]
+ONE_COPY = [name for name in NAMES if _weight_quantizer(name).columnwise_is_transpose]
 # Recipes whose columnwise weight copy has blocks of its own (two copies unless rowwise_only).
-TWO_COPIES = ["mxfp8", "rowwise", "nvfp4"]
+TWO_COPIES = [name for name in NAMES if name not in ONE_COPY]
 
 
 def _mlp(width=64, hidden=128):
@@ -79,12 +85,13 @@ class TestStorage:
         fp32_bytes = 256 * 256 * 4
         ratio = tl.quantized_weight_bytes(layer) / fp32_bytes
         quantizer = recipe.quantization.quantization_spec(rec).weight
-        if name in ONE_COPY and not quantizer.is_nvfp4:
+        if quantizer.is_nvfp4:
+            # Half a byte per element, one E4M3 scale per 16: the rowwise copy of 16x16 tiles alone.
+            assert layer.weight.weight_fp8_t is None
+            assert ratio == pytest.approx((0.5 + 1 / 16) / 4, abs=1e-3), ratio
+        elif name in ONE_COPY:
             assert layer.weight.weight_fp8_t is None
             assert 0.25 <= ratio <= 0.3, ratio
-        elif quantizer.is_nvfp4:
-            # Half a byte per element per usage, one E4M3 scale per 16: both usages (RHT, 1x16 blocks).
-            assert ratio == pytest.approx(2 * (0.5 + 1 / 16) / 4, abs=1e-3) and ratio <= 0.3, ratio
         else:
             assert 0.5 <= ratio <= 0.5 * (1 + 1 / 32) + 1e-3, ratio
         # Nothing else of the weight's size is held by the layer.

@@ -165,7 +165,7 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             without a block straddling two ranks (each rank's rows must be a whole number of the blocks'
             rows: a 128x128 block needs rows a multiple of 128 x world size, NVFP4's 16x16 tiles 16 x
             world size), or it is NVFP4 with 1x16 weight blocks or stochastic rounding of the weight
-            (modules/fsdp_gather_nvfp4.py); or a GroupedLinear's experts cannot be gathered in FP8
+            (recipe/kind_nvfp4.py); or a GroupedLinear's experts cannot be gathered in FP8
             (num_gemms not a multiple of the ranks, delayed scaling, NVFP4, ``backward_override=
             "high_precision"``: :func:`check_grouped_gatherable`); shard that layer with
             ``fp8_all_gather=False`` first.

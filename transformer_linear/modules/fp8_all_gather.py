@@ -9,27 +9,30 @@ quantizer when FSDP2 gathers it. The unsharded parameter is a :class:`GatheredFP
 weight's shape and dtype holding only the quantized weight (a ``CachedWeight``: data and scale_inv of
 every usage backward reads), which ``tl.Linear`` hands to its GEMMs as it is, without casting again.
 
-Nothing here branches on the recipe; the quantizer says what one weight is made of:
+Nothing here branches on the recipe or the format; the weight quantizer's scaling kind (recipe/kind.py)
+says what one weight is made of and how it is gathered:
 
-* One scale per tensor (``block_shape == []``): the scale must be the one the whole weight gets, so the
-  amax of each shard is all-reduced (MAX) over the shard group and the scale computed from it, or, where
-  the quantizer takes its scale from the layer's delayed-scaling history, read from the layer's state
-  (identical on all ranks). The gathered data is then bitwise the whole weight quantized. Only the data
-  is gathered (1 byte per element); the scale travels as FSDP2 metadata; the transposed copy a GPU GEMM
-  wants is made after the gather (a transpose of FP8 data with one scale is exact).
-* Block scales: each shard's blocks are the whole weight's only where no block straddles a shard
-  boundary. FSDP2 shards dim 0, so the rows per shard must be a multiple of the rows a block spans (in
-  either usage the quantizer produces); otherwise ``fsdp_pre_all_gather`` raises (see
-  :func:`check_shardable`). Data and block scales are gathered; a square block's columnwise copy is
-  the rowwise one transposed (made after the gather). A non-square block's (MXFP8's 1x32) columnwise copy
-  has its own blocks: it cannot be made from the gathered rowwise copy without quantizing twice, so it is
-  gathered too, but only by the pass that reads it where FSDP2 gathers again before backward (see
-  below).
-* NVFP4 (FP4 data, E4M3 scales of 16x16 blocks, a float32 global scale): both of the above. The global
-  scale is the whole weight's (each shard's amax all-reduced, MAX), the FP4 data (uint8, two codes a byte)
-  and the block scales are gathered, the global scale travels as metadata, and the packed scales and the
-  columnwise copy (the rowwise one transposed) are made after the gather
-  (:mod:`transformer_linear.modules.fsdp_gather_nvfp4`, which also says what is not gathered in FP4).
+* Scales that span the whole weight (``ScalingKind.whole_tensor_amax``: one scale per tensor, NVFP4's
+  global scale) must be the ones the whole weight gets, so the amax of each shard is all-reduced (MAX) over
+  the shard group and each shard quantized with it, or, where the quantizer takes its scale from the
+  layer's delayed-scaling history, with the scale read from the layer's state (identical on all ranks).
+  The gathered copy is then bitwise the whole weight quantized.
+* What is gathered and what travels as FSDP2 metadata (``ScalingKind.gather_form``): one scale per
+  tensor gathers its FP8 data alone (1 byte per element), the scale is metadata; block scales gather data
+  and scales; NVFP4 gathers the FP4 data (uint8, two codes a byte) and the E4M3 block scales, and its global
+  decode scale is metadata. The whole weight's copies are made from them after the gather
+  (``ScalingKind.from_gathered``: NVFP4 packs its scales there).
+* Blocks may not straddle a shard boundary (``ScalingKind.shard_problem``): FSDP2 shards dim 0, so the rows
+  per shard must be a multiple of the rows a block spans, in either usage; otherwise
+  ``fsdp_pre_all_gather`` raises (see :func:`check_shardable`; NVFP4 also refuses 1x16 weight blocks and
+  stochastic rounding of the weight).
+* Where the columnwise copy is the rowwise one transposed (``TensorQuantizer.columnwise_is_transpose``:
+  one scale per tensor, square blocks, NVFP4's 16x16 tiles) only the rowwise copy is gathered and the
+  columnwise one is made after the gather (``TensorQuantizer.transpose_copy``; one scale per tensor only
+  where the backend's GEMM wants it materialized). Otherwise (MXFP8's 1x32, rowwise scaling) the
+  columnwise copy has its own blocks: it cannot be made from the gathered rowwise copy without quantizing
+  twice, so it is gathered too, but only by the pass that reads it where FSDP2 gathers again before
+  backward (see below).
 
 Gathering each usage in its own pass. FSDP2 (torch 2.13) allocates a parameter's all-gather outputs once,
 at its first gather, from the numels and dtypes ``fsdp_pre_all_gather`` returned
@@ -70,15 +73,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.formats import layout
-from transformer_linear.modules.fsdp_gather_nvfp4 import (
-    check_nvfp4_shardable,
-    nvfp4_cached_weight,
-    quantize_nvfp4_shard,
-    refill_nvfp4_cached_weight,
-)
 from transformer_linear.modules.fsdp_gather_usages import (
     BOTH,
     COLUMNWISE,
@@ -87,7 +82,6 @@ from transformer_linear.modules.fsdp_gather_usages import (
     RowwiseSource,
     gather_rowwise_if_missing,
     rowwise_source_handle,
-    separate_columnwise_copy,
     usages_to_gather,
 )
 from transformer_linear.modules.linear_args import CachedWeight
@@ -109,6 +103,7 @@ __all__ = [
     "gathered_weight",
     "is_fp8_all_gathered",
     "weight_for_op",
+    "whole_weight_of_gathered",
 ]
 
 _WEIGHT_COLUMN = FP8_STATE_COLUMNS["weight"]
@@ -137,37 +132,28 @@ def _in_backward() -> bool:
 
 
 def check_shardable(quantizer: TensorQuantizer, rows: int, world_size: int, where: str = "fully_shard") -> None:
-    """Raise unless ``quantizer``'s blocks of a weight of ``rows`` rows never straddle an FSDP2 shard.
-
-    FSDP2 gives each of ``world_size`` ranks ceil(rows / world_size) rows (dim 0). One scale per tensor
-    shards anywhere (the scale is made whole-tensor by an amax all-reduce). A block spans ``bm`` rows of
-    the rowwise usage, and a non-square block's columnwise copy (blocks along the weight's rows) ``bk``
-    rows, the whole column (``bk == 0``) never fitting a shard. NVFP4 is gathered with 16x16 blocks and
-    rounding to nearest only (:func:`check_nvfp4_shardable`).
+    """Raise unless ``quantizer``'s weight of ``rows`` rows can be all-gathered quantized over ``world_size``
+    ranks, each quantizing its dim-0 shard of ceil(rows / world_size) rows: its scaling kind says what
+    prevents it (ScalingKind.shard_problem: a block straddling two shards, NVFP4's 1x16 blocks, ...).
 
     Raises:
-        ValueError: naming the weight's rows, the block and the world size.
+        ValueError: naming the weight's rows, the world size and what prevents it.
     """
-    if not quantizer.blockwise or world_size == 1:
+    if world_size == 1:
         return
-    if quantizer.is_nvfp4:
-        check_nvfp4_shardable(quantizer, rows, world_size, where)
-    bm, bk = quantizer.block_shape
-    spans = [bm] if bm == bk else [bm, bk]
-    per_shard, even = -(-rows // world_size), rows % world_size == 0
-    if 0 in spans or not even or any(per_shard % span for span in spans):
+    problem = quantizer.scaling_kind.shard_problem(quantizer, rows, world_size)
+    if problem is not None:
         raise ValueError(
-            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with "
-            f"{list(quantizer.block_shape)} blocks: each rank's rows must be a whole number of the blocks' rows "
-            f"({'the whole column' if 0 in spans else max(spans)}) so that no block straddles two shards; "
+            f"{where}: fp8_all_gather cannot shard a weight of {rows} rows over {world_size} ranks with {problem}; "
             "use fp8_all_gather=False for this layer (its weight is then gathered in high precision)"
         )
 
 
 class _ShardQuantization(NamedTuple):
-    """The per-tensor scale a forward's all-gather used, which backward's all-gather reuses."""
+    """The whole weight's amax (all-reduced) and, from a delayed-scaling history, the scale a forward's
+    all-gather used, which backward's all-gather reuses (the weight has not changed since)."""
 
-    scale: Tensor
+    scale: Optional[Tensor]
     amax: Tensor
 
 
@@ -181,10 +167,10 @@ class _GatherMetadata(NamedTuple):
     group: Any
     """The shard group (a forward after a columnwise-only gather gathers the rowwise copy over it)."""
     scale_inv: Optional[Tensor]
-    """One scale per tensor: its scale_inv (the same on all ranks); NVFP4: the global decode scale; None for
-    other block scales (gathered)."""
+    """The scale the ranks share, which travels as metadata (GatheredShard.scale_inv): one scale per tensor's
+    scale_inv, NVFP4's global decode scale; None where the scales are gathered."""
     amax: Optional[Tensor]
-    """One scale per tensor (delayed scaling records it) and NVFP4: the whole weight's amax."""
+    """The whole weight's amax, where the kind's results carry one (delayed scaling records it)."""
 
 
 class FP8AllGatherWeight(torch.Tensor):
@@ -266,16 +252,12 @@ class FP8AllGatherWeight(torch.Tensor):
         quantizer = self.quantizer
         group = mesh.get_group(mesh.ndim - 1)
         world_size = dist.get_world_size(group)
-        rows, cols = int(outer_size[0]), int(outer_size[1])
+        rows = int(outer_size[0])
         check_shardable(quantizer, rows, world_size, "fsdp_pre_all_gather")
         shard = self._shard_to_quantize(mp_policy)
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
-            if quantizer.is_nvfp4:
-                q4 = quantize_nvfp4_shard(quantizer, shard, module, group, _in_backward())
-                metadata = _GatherMetadata(rows, ROWWISE, group, q4.global_scale, q4.amax)
-                return (q4.data, q4.block_scale), metadata
-            if quantizer.blockwise:
+            if not quantizer.columnwise_is_transpose:
                 usages = usages_to_gather(quantizer, module)
                 q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
                 gathered = [q.data, q.scale_inv] if usages.rowwise else []
@@ -284,17 +266,14 @@ class FP8AllGatherWeight(torch.Tensor):
                     # the rowwise copy's shape (the numel and dtypes of FSDP2's buffers either way).
                     gathered += [q.data_t.t().contiguous(), q.scale_inv_t.t().contiguous()]
                 return tuple(gathered), _GatherMetadata(rows, usages, group, None, None)
-            scaling = _shard_scale(quantizer, self.history, shard, module, group)
-            q = quantizer.quantize(shard, rowwise=True, columnwise=False, scale=scaling.scale)
-            data = q.data
-            if data.shape[0] != padded_rows:
-                # An uneven shard is padded to the first shard's rows, as FSDP2 pads the high-precision one.
-                data = torch.cat([data, data.new_zeros(padded_rows - data.shape[0], cols)])
-            # As bytes: FSDP2 all-gathers a group whose tensors share one dtype in that dtype (here the FP8 data
-            # alone, when the layer has no bias), and gloo takes no 8-bit float; a byte copy is one on NCCL too.
-            return (data.view(torch.uint8),), _GatherMetadata(
-                rows, ROWWISE, group, q.scale_inv.reshape(1), scaling.amax.reshape(())
-            )
+            # The rowwise copy alone (the columnwise one is its transpose, made after the gather), quantized as
+            # part of the whole weight where the kind's scales span it (an amax all-reduce).
+            whole = _whole_weight_quantization(quantizer, self.history, shard, module, group)
+            amax = None if whole is None else whole.amax.reshape(())
+            q = quantizer.quantize(shard, rowwise=True, columnwise=False, scale=whole and whole.scale, global_amax=amax)
+            form = quantizer.scaling_kind.gather_form(quantizer, q, padded_rows)
+            recorded = amax if q.amax is not None else None
+            return form.tensors, _GatherMetadata(rows, ROWWISE, group, form.scale_inv, recorded)
 
     def fsdp_post_all_gather(
         self,
@@ -308,50 +287,21 @@ class FP8AllGatherWeight(torch.Tensor):
         (the transposed usages, the per-tensor scale), which FSDP2 frees on reshard and
         reallocates before the next gather (``out`` given: refilled in place)."""
         quantizer = self.quantizer
-        if quantizer.is_nvfp4:
-            # The FP4 data and block scales gathered, the global decode scale in the metadata.
-            data, block_scale = all_gather_outputs[0][: metadata.rows], all_gather_outputs[1]
-            if out is not None:
-                cached = _gathered_of(out).cached_weight
-                refill_nvfp4_cached_weight(cached, data, block_scale, metadata.scale_inv, _refill)
-                return None
-            cached = nvfp4_cached_weight(data, block_scale, metadata.scale_inv)
-            owned = (cached.weight_scale_inv, cached.weight_fp8_t, cached.weight_scale_inv_t)
-            return GatheredFP8Weight(cached, quantizer, param_dtype), owned
-        if quantizer.blockwise and separate_columnwise_copy(quantizer):
+        if not quantizer.columnwise_is_transpose:
             return self._post_all_gather_separate(all_gather_outputs, metadata, param_dtype, out)
-        data = all_gather_outputs[0][: metadata.rows]
-        if quantizer.blockwise:
-            scale_inv = all_gather_outputs[1]
-            data_t_src, scale_inv_t_src = data.t(), scale_inv.t()
-            amax = None
-        else:
-            data = data.view(quantizer.dtype)  # gathered as bytes (fsdp_pre_all_gather)
-            scale_inv = metadata.scale_inv
-            data_t_src = data.t() if layout.needs_columnwise(data.device) else None
-            scale_inv_t_src = None
-            amax = metadata.amax
+        whole = whole_weight_of_gathered(quantizer, all_gather_outputs, metadata.rows, metadata.scale_inv,
+                                         metadata.amax)
+        # The fields that are not views of FSDP2's buffers are the gathered weight's own: FSDP2 frees them on
+        # reshard, and (``out`` given) they are refilled in place, as FSDP2 refills its buffers.
+        owned = [name for name in _CACHED_FIELDS if getattr(whole, name) is not None and name not in _VIEW_FIELDS]
+        if metadata.scale_inv is None:
+            owned.remove("weight_scale_inv")  # gathered: a view of a buffer
         if out is not None:
             cached = _gathered_of(out).cached_weight
-            refills = [(cached.weight_fp8_t, data_t_src), (cached.weight_scale_inv_t, scale_inv_t_src)]
-            if not quantizer.blockwise:
-                refills += [(cached.weight_scale_inv, scale_inv), (cached.weight_amax, amax)]
-            for dst, src in refills:
-                if dst is not None:
-                    _refill(dst, src)
+            for name in owned:
+                _refill(getattr(cached, name), getattr(whole, name))
             return None
-
-        cached = CachedWeight(
-            weight_fp8=data,
-            weight_fp8_t=_owned_copy(data_t_src),
-            weight_scale_inv=scale_inv if quantizer.blockwise else _owned_copy(scale_inv),
-            weight_scale_inv_t=_owned_copy(scale_inv_t_src),
-            weight_amax=_owned_copy(amax),
-        )
-        owned = [cached.weight_fp8_t, cached.weight_scale_inv_t]
-        if not quantizer.blockwise:
-            owned += [cached.weight_scale_inv, cached.weight_amax]
-        return GatheredFP8Weight(cached, quantizer, param_dtype), tuple(t for t in owned if t is not None)
+        return GatheredFP8Weight(whole, quantizer, param_dtype), tuple(getattr(whole, name) for name in owned)
 
     def _post_all_gather_separate(
         self,
@@ -398,10 +348,6 @@ class FP8AllGatherWeight(torch.Tensor):
         return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
 
 
-def _owned_copy(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.clone(memory_format=torch.contiguous_format)
-
-
 def _refill(dst: Tensor, src: Tensor) -> None:
     """Refill ``dst`` (a tensor of the gathered weight FSDP2 reallocated before this gather) from ``src``.
 
@@ -417,18 +363,38 @@ def _free(t: Tensor) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _shard_scale(
+_VIEW_FIELDS = ("weight_fp8",)
+"""The CachedWeight fields of a gathered weight that view FSDP2's buffers (the rowwise data; its scales too
+where they are gathered rather than made from metadata)."""
+
+
+def whole_weight_of_gathered(
+    quantizer: TensorQuantizer, tensors: tuple[Tensor, ...], rows: int, scale_inv: Optional[Tensor],
+    amax: Optional[Tensor] = None,
+) -> CachedWeight:
+    """The whole weight's quantized copies from the all-gathered rowwise copy (ScalingKind.from_gathered) and
+    ``scale_inv`` (the shared scale that travelled as metadata, or None), the columnwise copy made from it
+    (its transpose: TensorQuantizer.transpose_copy); ``amax`` (the whole weight's, or None) copied in."""
+    data, whole_scale_inv = quantizer.scaling_kind.from_gathered(quantizer, tensors, rows, scale_inv)
+    data_t, scale_inv_t = quantizer.transpose_copy(data, whole_scale_inv)
+    return CachedWeight(data, data_t, whole_scale_inv, scale_inv_t, None if amax is None else amax.clone())
+
+
+def _whole_weight_quantization(
     quantizer: TensorQuantizer, history: Optional[HistoryConfig], shard: Tensor, module: nn.Module, group: Any
-) -> _ShardQuantization:
-    """The whole weight's per-tensor scale and amax, from this shard; what the forward's gather used, in
-    backward."""
+) -> Optional[_ShardQuantization]:
+    """The whole weight's amax (the MAX of the shards', where the kind's scales span the weight:
+    ScalingKind.whole_tensor_amax) and the scale its delayed-scaling history gives; what the forward's gather
+    used, in backward. None where each shard's scales are its own."""
     if _in_backward():
         used: Optional[_ShardQuantization] = getattr(module, "_fp8_all_gather_scale", None)
         if used is not None:
             return used
-    amax = ops.amax(shard).reshape(1).float()
+    amax = quantizer.scaling_kind.whole_tensor_amax(quantizer, shard)
+    if amax is None:
+        return None
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    fallback: Any = 1.0
+    used = _ShardQuantization(None, amax)
     if quantizer.scale_from_history:
         # The layer's delayed-scaling state: its scale for the weight, as the forward would read it
         # (reductions in flight applied), or, before any amax was recorded, one from the weight's own
@@ -438,12 +404,9 @@ def _shard_scale(
             delayed_scaling_flush(module.fp8_amax_history, state.scale, state.reduction_handle)
         fallback = state.scale[_WEIGHT_COLUMN : _WEIGHT_COLUMN + 1]
         just_in_time = state.just_in_time and bool(no_amax_yet(state.amax_history, state.scale)[_WEIGHT_COLUMN])
-        if not just_in_time:
-            used = _ShardQuantization(fallback.clone(), amax)
-            module._fp8_all_gather_scale = used
-            return used
-    scale = compute_scale(amax, fp8_max(quantizer.dtype), quantizer.margin, fallback=fallback)
-    used = _ShardQuantization(scale, amax)
+        scale = fallback.clone() if not just_in_time else compute_scale(
+            amax, fp8_max(quantizer.dtype), quantizer.margin, fallback=fallback)
+        used = _ShardQuantization(scale, amax)
     module._fp8_all_gather_scale = used
     return used
 
@@ -465,8 +428,8 @@ class GatheredFP8Weight(torch.Tensor):
         dtype: torch.dtype,
         missing_rowwise: Optional[Tensor] = None,
     ) -> "GatheredFP8Weight":
+        shape = quantizer.value_shape(tuple(cached_weight.weight_fp8.shape))  # FP4: two values a byte
         data = cached_weight.weight_fp8
-        shape = data.shape[:-1] + (data.shape[-1] * (2 if quantizer.is_nvfp4 else 1),)  # FP4: two values a byte
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
     def __init__(

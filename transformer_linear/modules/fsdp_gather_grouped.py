@@ -2,7 +2,7 @@
 
 FSDP2 shards the (num_gemms, out_features, in_features) weight along dim 0, the experts. With num_gemms a
 multiple of the shard group's size each rank holds whole experts, and the grouped forward quantizes each
-expert on its own (one scale per expert, or blocks inside one expert: ``quantize_expert_weights``), so a rank
+expert on its own (one scale per expert, or blocks inside one expert: ``TensorQuantizer.quantize_experts``), so a rank
 quantizing its experts produces bitwise the whole weight's quantized experts: no amax all-reduce, no block
 straddling two shards, whatever the recipe's blocks. :class:`GroupedFP8AllGatherWeight` is the shard
 (an :class:`FP8AllGatherWeight`: the high-precision master to every op but FSDP2's all-gather); what is
@@ -47,9 +47,8 @@ from transformer_linear.modules.fsdp_gather_usages import (
     rowwise_source_handle,
     usages_to_gather,
 )
-from transformer_linear.modules.grouped_linear_quantize import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
-from transformer_linear.modules.quantized_init import columnwise_is_transpose
+from transformer_linear.recipe.kind import stacked
 from transformer_linear.recipe.quantization import QuantizationSpec, Quantized
 
 __all__ = ["GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
@@ -101,22 +100,14 @@ def _per_pass_fits(quantizer: Any, outer_size: torch.Size) -> bool:
     return math.prod(quantizer.scale_grid(rows, cols)) == math.prod(quantizer.scale_grid(cols, rows))
 
 
-def _stacked(tensors: list[Tensor]) -> Tensor:
-    """The experts' tensors in one (experts, ...) tensor (copied: torch.autocast's stack rejects FP8)."""
-    out = tensors[0].new_empty((len(tensors), *tensors[0].shape))
-    for e, t in enumerate(tensors):
-        out[e].copy_(t)
-    return out
-
-
 def _quantize_experts(quantizer: Any, shard: Tensor, usages: GatheredUsages) -> list[Tensor]:
-    """The shard's experts quantized one by one (as ``quantize_expert_weights``), the copies ``usages`` names:
+    """The shard's experts quantized one by one (as ``TensorQuantizer.quantize_experts``), the copies ``usages`` names:
     [data, scale_inv] of the rowwise copy and / or [data_t, scale_inv_t] of the columnwise one."""
     qs = [quantizer.quantize(shard[e], rowwise=usages.rowwise, columnwise=usages.columnwise)
           for e in range(shard.shape[0])]
     fields = ["data", "scale_inv"] if usages.rowwise else []
     fields += ["data_t", "scale_inv_t"] if usages.columnwise else []
-    return [_stacked([getattr(q, f) for q in qs]) for f in fields]
+    return [stacked([getattr(q, f) for q in qs]) for f in fields]
 
 
 def _quantize_rowwise(quantizer: Any, shard: Tensor) -> Quantized:
@@ -124,21 +115,6 @@ def _quantize_rowwise(quantizer: Any, shard: Tensor) -> Quantized:
     data, scale_inv = _quantize_experts(quantizer, shard, ROWWISE)
     empty = data.new_empty(0)
     return Quantized(data, scale_inv, empty, empty, None)
-
-
-def _transposed(t: Tensor) -> Tensor:
-    """Each expert's last two dimensions swapped, contiguous (the quantizer's columnwise form of a square-block
-    or one-scale expert)."""
-    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
-
-
-def _columnwise_from_rowwise(quantizer: Any, data: Tensor, scale_inv: Tensor) -> tuple[Tensor, Tensor]:
-    """(data_t, scale_inv_t): the experts' columnwise copy made from the gathered rowwise one, as
-    ``quantize_expert_weights(columnwise=True)`` makes it: the data transposed, and the scales transposed
-    (square blocks) or the same one per expert."""
-    if quantizer.blockwise:
-        return _transposed(data), _transposed(scale_inv)
-    return _transposed(data), scale_inv.clone()
 
 
 def _refill(dst: Tensor, src: Tensor) -> None:
@@ -184,13 +160,13 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
                 "whole experts to gather them in FP8"
             )
         shard = self._shard_to_quantize(mp_policy)
-        separate = not columnwise_is_transpose(quantizer)
+        separate = not quantizer.columnwise_is_transpose
         group = mesh.get_group(mesh.ndim - 1)
         per_pass = separate and _per_pass_fits(quantizer, outer_size)
         with torch.no_grad():
             if not separate:
                 usages = ROWWISE
-                q = quantize_expert_weights(quantizer, shard, columnwise=False)
+                q = quantizer.quantize_experts(shard, columnwise=False)
                 gathered = (q.data, q.scale_inv)
             else:
                 usages = usages_to_gather(quantizer, module) if per_pass else BOTH
@@ -214,15 +190,15 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
         if out is not None:
             local = _gathered_of(out)
             if not metadata.separate_columnwise:  # the gathered copies are views of the refilled buffers
-                _refill(local.weight_fp8_t, data.transpose(-2, -1))
-                blockwise = self.quantizer.blockwise
-                _refill(local.weight_scale_inv_t, scale_inv.transpose(-2, -1) if blockwise else scale_inv)
+                data_t, scale_inv_t = self.quantizer.transpose_copy(data, scale_inv)
+                _refill(local.weight_fp8_t, data_t)
+                _refill(local.weight_scale_inv_t, scale_inv_t)
             return None
         if metadata.separate_columnwise:
             data_t, scale_inv_t = all_gather_outputs[2], all_gather_outputs[3]
             owned: tuple[Tensor, ...] = ()
         else:
-            data_t, scale_inv_t = _columnwise_from_rowwise(self.quantizer, data, scale_inv)
+            data_t, scale_inv_t = self.quantizer.transpose_copy(data, scale_inv)
             owned = (data_t, scale_inv_t)
         cached = CachedWeight(
             weight_fp8=data, weight_fp8_t=data_t, weight_scale_inv=scale_inv, weight_scale_inv_t=scale_inv_t,

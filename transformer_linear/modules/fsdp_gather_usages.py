@@ -36,15 +36,8 @@ __all__ = [
     "RowwiseSource",
     "gather_rowwise_if_missing",
     "rowwise_source_handle",
-    "separate_columnwise_copy",
     "usages_to_gather",
 ]
-
-
-def separate_columnwise_copy(quantizer: TensorQuantizer) -> bool:
-    """Whether ``quantizer``'s columnwise copy of a weight has blocks of its own (a non-square block: MXFP8's
-    1x32), so that it is gathered rather than made from the gathered rowwise copy (its transpose)."""
-    return quantizer.blockwise and quantizer.block_shape[0] != quantizer.block_shape[1]
 
 
 class GatheredUsages(NamedTuple):
@@ -101,7 +94,7 @@ def usages_to_gather(quantizer: TensorQuantizer, module: nn.Module) -> GatheredU
         RuntimeError: ``reshard_after_forward`` was turned off after the first gather gathered per pass
             (``set_reshard_after_forward(False)``): backward would then find no columnwise copy.
     """
-    if not separate_columnwise_copy(quantizer):
+    if quantizer.columnwise_is_transpose:
         return ROWWISE
     group = _param_group(module)
     reshards = group is not None and group._reshard_after_forward

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
-from transformer_linear.recipe.quantization import QuantizationSpec
+from transformer_linear.recipe.quantization import QuantizationSpec, TensorQuantizer
 
 __all__ = ["GroupedLinearFwdArgs", "GroupedLinearFwdOutputs", "GroupedWgradArgs"]
 
@@ -82,18 +82,17 @@ class GroupedWgradArgs:
     """What the grouped weight gradient reads; backward runs it, or queues it for ``backward_dw()``."""
 
     grad_output: Tensor
-    """One scale per tensor: the (total_tokens, out_features) rowwise FP8 data; block scales: its grouped
-    columnwise copy (out_features, total_tokens); no recipe: the high-precision gradient."""
+    """grad_output as the grouped weight gradient reads it (ScalingKind.grouped_columnwise: the rowwise FP8
+    data under one scale per tensor, a grouped columnwise copy under block scales, NVFP4's compact masked
+    copies); without FP8 the high-precision gradient."""
     grad_output_scale_inv: Optional[Tensor]
-    """Its scales ((1,), or the grouped copy's 2-D grid); None without FP8."""
+    """Its scales; None without FP8."""
     inp: Tensor
-    """As GroupedLinearFwdOutputs.inp_fp8 (no recipe: the high-precision input)."""
+    """As GroupedLinearFwdOutputs.inp_fp8 (without FP8: the high-precision input)."""
     inp_scale_inv: Optional[Tensor]
-    """Its scales, 2-D for block scales; None without FP8."""
+    """Its scales; None without FP8."""
     offs: Tensor
     wgrad_dtype: torch.dtype
-    token_block: Optional[int]
-    """The block scales' token block (grouped_scaling.TOKEN_BLOCKS); None for one scale per tensor."""
-    nvfp4: bool = False
-    """NVFP4: ``grad_output`` / ``inp`` are the experts' compact columnwise copies of their masked tokens,
-    (N, C/2) / (K, C/2), with their 1-D scales (ops.grouped_nvfp4)."""
+    quantizer: Optional[TensorQuantizer]
+    """grad_output's quantizer, whose scaling kind computes the gradient (ScalingKind.grouped_wgrad); None:
+    high precision."""

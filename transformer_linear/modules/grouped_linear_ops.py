@@ -11,14 +11,16 @@ gradient is the grouped weight-gradient GEMM (dY_gᵀ X_g per expert), the bias 
 column sums. No value of ``offs`` is read on the host: there is no device sync, and a routing change
 does not recompile.
 
-Quantizers with one scale per tensor (DelayedScaling, Float8CurrentScaling) run the tensorwise grouped
-GEMMs on the rowwise data. Block-scaling quantizers (Float8BlockScaling, MXFP8BlockScaling,
-Float8RowwiseScaling, a CustomRecipe of such) run the block-scaled grouped GEMMs: forward and dgrad on
-the rowwise data and each expert's columnwise weight copy, and the weight gradient on *grouped
-columnwise copies* of the input and of grad_output (ops.grouped_quantize), whose 1 x B token blocks
-restart at each group's first token (scales per (column, group) for rowwise scaling), so no block
-straddles two experts and nothing is padded (formats.grouped_scaling). ``check_grouped_quantization``
-(grouped_linear_quantize.py) names what does not fit.
+The quantizers' scaling kind (recipe/kind*.py) owns the GEMMs and their operands; nothing here asks the
+format. One scale per tensor (DelayedScaling, Float8CurrentScaling) runs the tensorwise grouped GEMMs on
+the rowwise data. Block scales (Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, a
+CustomRecipe of such) run the block-scaled grouped GEMMs: forward and dgrad on the rowwise data and each
+expert's columnwise weight copy, and the weight gradient on *grouped columnwise copies* of the input and
+of grad_output (ops.grouped_quantize), whose 1 x B token blocks restart at each group's first token
+(scales per (column, group) for rowwise scaling), so no block straddles two experts and nothing is padded
+(formats.grouped_scaling). NVFP4 runs ops.grouped_nvfp4, its weight gradient on each expert's compact
+columnwise copy of its masked tokens. ``check_grouped_quantization`` (grouped_linear_quantize.py) names
+what does not fit.
 
 The recipe's ``backward_override`` (QuantizationSpec.backward_operands) is asked, never the recipe: with
 "high_precision" autograd saves the original input and weights, with "dequantized" the rowwise copies the
@@ -36,44 +38,26 @@ import torch
 from torch import Tensor
 
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.formats.grouped_scaling import token_scale_cols
 from transformer_linear.modules.grouped_linear_args import (
     GroupedLinearFwdArgs,
     GroupedLinearFwdOutputs,
     GroupedWgradArgs,
 )
-from transformer_linear.modules.grouped_linear_quantize import (
-    masked_columnwise_nvfp4,
-    quantize_expert_weights,
-    token_block,
-)
 from transformer_linear.modules.linear_args import args_op
 from transformer_linear.modules.linear_ops import QueuedWgrad, WgradQueue
-from transformer_linear.ops.grouped import (
-    fp8_grouped_gemm,
-    fp8_grouped_gemm_wgrad,
-    fp8_grouped_gemm_wgrad_blockwise,
-)
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
-from transformer_linear.ops.grouped_nvfp4 import nvfp4_grouped_gemm, nvfp4_grouped_gemm_wgrad
-from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe.delayed_scaling import (
     DelayedScalingArgs,
     ForwardScales,
     forward_scales,
     quantize_and_record_grad_output,
 )
-from transformer_linear.recipe.quantization import QuantizationSpec, Quantized, TensorQuantizer, flat
+from transformer_linear.recipe.quantization import QuantizationSpec, flat
 
 __all__ = ["compute_grouped_wgrad", "group_sums", "grouped_linear_fwd"]
 
 
 _FwdOutputs = tuple[(Tensor,) * len(GroupedLinearFwdOutputs._fields)]
-
-
-def _grouped_columnwise(q: TensorQuantizer, t: Tensor, offs: Tensor):
-    """The grouped columnwise copy of ``t`` that the block-scaled grouped weight gradient reads."""
-    return quantize_grouped_columnwise(t, offs, q.dtype, token_block(q), q.power_2_scale, q.e8m0_rounding)
 
 
 def group_sums(g: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
@@ -108,46 +92,39 @@ def grouped_linear_fwd(a: GroupedLinearFwdArgs) -> GroupedLinearFwdOutputs:
 
 
 def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> GroupedLinearFwdOutputs:
-    """The FP8 forward; made of custom ops and metadata-only ops given the scales, so it is its own fake.
+    """The FP8 / FP4 forward; made of custom ops and metadata-only ops given the scales, so it is its own fake.
 
     ``scales``: the delayed-scaling state's (forward_scales), None where each quantizer computes its own
-    (then each expert's weight gets its own scale).
+    (then each expert's weight gets its own scale). The GEMMs and the weight gradient's operands are the
+    quantizers' scaling kind's (ScalingKind.grouped_gemm, grouped_columnwise).
     """
     spec = a.quantization
-    if spec.input.is_nvfp4:
-        return _nvfp4_fwd(a, x)
-    empty_f32 = x.new_empty(0, dtype=torch.float32)
-    blockwise = spec.input.blockwise
-    quantized_bwd = spec.backward_operands == "quantized"
-    if blockwise:
-        qx = spec.input.quantize(x, rowwise=True)
-    else:
-        qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
+    kind = spec.weight.scaling_kind
+    qx = spec.input.quantize(x, rowwise=True, scale=scales.input if scales else None)
     cached = a.cached_weight
     if cached is None:
-        qw = _quantize_experts(a, x, scales, columnwise=a.input_requires_grad and quantized_bwd)
+        columnwise = a.input_requires_grad and spec.backward_operands == "quantized"
+        qw = spec.weight.quantize_experts(a.weight, columnwise, scale=scales.weight if scales else None,
+                                          records_amax=spec.weight.records_amax and scales is not None)
         w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
     else:
         qw = cached.quantized()
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
-        no_fp8 = x.new_empty(0, dtype=spec.weight.dtype)
-        w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
+        no_data = x.new_empty(0, dtype=spec.weight.dtype)
+        no_scale = x.new_empty(0, dtype=spec.weight.scale_dtype)
+        w_outputs = (no_data, no_data.clone(), no_scale, no_scale.clone())
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
-    scalings = (spec.input.gemm_scaling, spec.weight.gemm_scaling) if blockwise else None
-    out = fp8_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias, scalings=scalings)
+    out = kind.grouped_gemm(spec.input, qx.data, qx.scale_inv, spec.weight, qw.data, qw.scale_inv, a.offs,
+                            a.out_dtype, bias)
+    empty_f32 = x.new_empty(0, dtype=torch.float32)
     if spec.backward_operands == "dequantized":
         # What the forward GEMM read, which backward dequantizes.
         inp_fp8, inp_scale_inv = qx.data, flat(qx.scale_inv)
-    elif spec.backward_operands == "high_precision":
-        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()  # backward reads inp
-    elif not blockwise:
-        inp_fp8, inp_scale_inv = qx.data, qx.scale_inv.reshape(1)
-    elif a.weight_requires_grad:
-        inp_fp8, inp_scale_inv = _grouped_columnwise(spec.input, x, a.offs)
-        inp_scale_inv = flat(inp_scale_inv)  # 1-D: no graph guard on a grid size of 1 (quantize_flat)
-    else:
-        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), empty_f32.clone()
-    records_amax = not blockwise and spec.input.records_amax and spec.weight.records_amax and scales is not None
+    elif spec.backward_operands == "quantized" and a.weight_requires_grad:
+        inp_fp8, inp_scale_inv = kind.grouped_columnwise(spec.input, x, a.offs, qx)
+    else:  # backward reads the high-precision input, or computes no weight gradient
+        inp_fp8, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), x.new_empty(0, dtype=spec.input.scale_dtype)
+    records_amax = spec.input.records_amax and spec.weight.records_amax and scales is not None
     w_fp8, w_fp8_t, w_scale_inv, w_scale_inv_t = w_outputs
     return GroupedLinearFwdOutputs(
         out,
@@ -161,54 +138,6 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
         grad_output_scale=scales.grad_output_for_backward.clone() if scales else empty_f32.clone(),
         fwd_scales=torch.cat([scales.input, scales.weight, scales.grad_output]) if scales else empty_f32.clone(),
     )
-
-
-def _nvfp4_fwd(a: GroupedLinearFwdArgs, x: Tensor) -> GroupedLinearFwdOutputs:
-    """The NVFP4 forward (ops.grouped_nvfp4): the tokens quantized rowwise once, each expert's weight rowwise
-    (and columnwise, for dgrad); for wgrad, the experts' compact columnwise copies of their masked tokens."""
-    spec = a.quantization
-    empty_f32 = x.new_empty(0, dtype=torch.float32)
-    qx = spec.input.quantize(x, rowwise=True)
-    cached = a.cached_weight
-    if cached is None:
-        columnwise = a.input_requires_grad and spec.backward_operands == "quantized"
-        qw = quantize_expert_weights(spec.weight, a.weight, columnwise)
-        w_outputs = (qw.data, qw.data_t, qw.scale_inv, qw.scale_inv_t)
-    else:
-        qw = cached.quantized()
-        no_fp4 = x.new_empty(0, dtype=spec.weight.dtype)
-        no_scale = x.new_empty(0, dtype=spec.weight.scale_dtype)
-        w_outputs = (no_fp4, no_fp4.clone(), no_scale, no_scale.clone())
-    bias = a.bias.to(a.out_dtype) if a.bias is not None else None
-    out = nvfp4_grouped_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.offs, a.out_dtype, bias)
-    if spec.backward_operands == "dequantized":
-        inp_fp4, inp_scale_inv = qx.data, qx.scale_inv  # what the forward GEMM read, which backward dequantizes
-    elif a.weight_requires_grad and spec.backward_operands == "quantized":
-        inp_fp4, inp_scale_inv = masked_columnwise_nvfp4(spec.input, x, a.offs)
-    else:
-        inp_fp4, inp_scale_inv = x.new_empty(0, dtype=spec.input.dtype), x.new_empty(0, dtype=spec.input.scale_dtype)
-    return GroupedLinearFwdOutputs(
-        out,
-        inp_fp8=inp_fp4,
-        inp_scale_inv=inp_scale_inv,
-        weight_fp8=w_outputs[0],
-        weight_fp8_t=w_outputs[1],
-        weight_scale_inv=w_outputs[2],
-        weight_scale_inv_t=w_outputs[3],
-        amax=empty_f32.clone(),
-        grad_output_scale=empty_f32.clone(),
-        fwd_scales=empty_f32.clone(),
-    )
-
-
-def _quantize_experts(
-    a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales], columnwise: bool
-) -> Quantized:
-    """Each expert's weight quantized by the weight quantizer, stacked (:func:`quantize_expert_weights`),
-    with the delayed-scaling state's weight scale where there is one (its amax then recorded)."""
-    w = a.quantization.weight
-    return quantize_expert_weights(w, a.weight, columnwise, scale=scales.weight if scales else None,
-                                   records_amax=w.records_amax and scales is not None)
 
 
 @grouped_linear_fwd.register_fake
@@ -247,16 +176,11 @@ def compute_grouped_wgrad(a: GroupedWgradArgs, main_grad: Optional[Tensor]) -> O
     """The (num_gemms, out_features, in_features) weight gradient, or None after adding it (computed in
     fp32) to ``main_grad``."""
     dtype = a.wgrad_dtype if main_grad is None else torch.float32
-    if a.nvfp4:
-        wgrad = nvfp4_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, dtype,
-                                         offs=a.offs)
-    elif a.grad_output_scale_inv is None:
+    if a.quantizer is None:
         wgrad = high_precision_grouped_wgrad(a.grad_output, a.inp, a.offs, dtype)
-    elif a.token_block is None:
-        wgrad = fp8_grouped_gemm_wgrad(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv, a.offs, dtype)
     else:
-        wgrad = fp8_grouped_gemm_wgrad_blockwise(a.grad_output, a.grad_output_scale_inv, a.inp, a.inp_scale_inv,
-                                                 a.offs, dtype, a.token_block)
+        wgrad = a.quantizer.scaling_kind.grouped_wgrad(a.quantizer, a.grad_output, a.grad_output_scale_inv, a.inp,
+                                                       a.inp_scale_inv, a.offs, dtype)
     if main_grad is None:
         return wgrad
     main_grad.add_(wgrad)
@@ -320,36 +244,23 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     dgrad = wgrad_args = None
     if c.quantization.backward_operands != "quantized":
         dgrad, wgrad_args = _high_precision_backward(c, g, x_fp8, x_scale_inv, w_fp8_t, w_scale_inv, offs)
-    elif quantizer.is_nvfp4:
-        if c.input_requires_grad:
-            qg = quantizer.quantize(g, rowwise=True)
-            dgrad = nvfp4_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
-        if c.weight_requires_grad:
-            g_t, g_scale_inv_t = masked_columnwise_nvfp4(quantizer, g, offs)
-            wgrad_args = GroupedWgradArgs(g_t, g_scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype, None,
-                                          nvfp4=True)
-    elif quantizer.blockwise:
-        # Rowwise for dgrad; the grouped columnwise copy for wgrad (blocks restart at each group).
-        if c.input_requires_grad:
-            qg = quantizer.quantize(g, rowwise=True)
-            dgrad = fp8_grouped_gemm(qg.data, qg.scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype,
-                                     scalings=(quantizer.gemm_scaling, c.quantization.weight.gemm_scaling))
-        if c.weight_requires_grad:
-            block = token_block(quantizer)
-            x_scale_t = x_scale_inv.reshape(x_fp8.shape[0], token_scale_cols(x_fp8.shape[1], offs.shape[0], block))
-            g_t, g_scale_t = _grouped_columnwise(quantizer, g, offs)
-            wgrad_args = GroupedWgradArgs(g_t, g_scale_t, x_fp8, x_scale_t, offs, c.weight_dtype, block)
     else:
-        if c.delayed is not None:
-            qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
-        else:
-            qg = quantizer.quantize(g)
-        g_scale_inv = qg.scale_inv.reshape(1)
+        kind = quantizer.scaling_kind
+        # grad_output's rowwise copy: what dgrad reads, and the weight gradient too where its columnwise
+        # usage is that copy (one scale per tensor).
+        qg = None
+        if c.input_requires_grad or not quantizer.columnwise_is_copy:
+            if c.delayed is not None:
+                qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
+            else:
+                qg = quantizer.quantize(g, rowwise=True)
         if c.input_requires_grad:
-            # Each expert's weight read columnwise: its transpose, with the expert's one scale.
-            dgrad = fp8_grouped_gemm(qg.data, g_scale_inv, w_fp8_t, w_scale_inv, offs, c.input_dtype)
+            # Each expert's weight read columnwise (its columnwise copy, or its transpose with the expert's scale).
+            dgrad = kind.grouped_gemm(quantizer, qg.data, qg.scale_inv, c.quantization.weight, w_fp8_t, w_scale_inv,
+                                      offs, c.input_dtype)
         if c.weight_requires_grad:
-            wgrad_args = GroupedWgradArgs(qg.data, g_scale_inv, x_fp8, x_scale_inv, offs, c.weight_dtype, None)
+            g_t, g_scale_inv_t = kind.grouped_columnwise(quantizer, g, offs, qg)
+            wgrad_args = GroupedWgradArgs(g_t, g_scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype, quantizer)
     dbias = group_sums(g, offs, c.bias_dtype) if c.bias_requires_grad else None
     wgrad, dbias = finish_wgrad(c.wgrad_queue, c.main_grad, wgrad_args, dbias)
     return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)

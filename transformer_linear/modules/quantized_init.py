@@ -39,14 +39,11 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from transformer_linear import ops, reference
-from transformer_linear.formats import layout
 from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered
-from transformer_linear.modules.grouped_linear_quantize import quantize_expert_weights
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
+from transformer_linear.recipe.kind_tensorwise import transposed as contiguous_transpose
 from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec
-from transformer_linear.reference import nvfp4 as reference_nvfp4
 
 __all__ = [
     "QuantizedInitConfig",
@@ -150,8 +147,7 @@ def quantize_weight(quantizer: TensorQuantizer, weight: Tensor) -> CachedWeight:
     (num_gemms, out, in) one expert by expert, stacked, as the GroupedLinear's forward quantizes it."""
     with torch.no_grad():
         if weight.dim() == 3:
-            q = quantize_expert_weights(quantizer, weight.detach(), columnwise=True,
-                                        records_amax=quantizer.records_amax)
+            q = quantizer.quantize_experts(weight.detach(), columnwise=True, records_amax=quantizer.records_amax)
         else:
             q = quantizer.quantize(weight.detach().contiguous(), rowwise=True, columnwise=True)
     return CachedWeight(
@@ -163,19 +159,10 @@ def quantize_weight(quantizer: TensorQuantizer, weight: Tensor) -> CachedWeight:
     )
 
 
-def columnwise_is_transpose(quantizer: TensorQuantizer) -> bool:
-    """Whether ``quantizer``'s columnwise usage of a weight is its rowwise data (and scales) transposed:
-    one scale per tensor, or square blocks (the same blocks either way). Such a copy is not stored: it
-    is made from the rowwise one, exactly, when a forward reads the weight."""
-    if not quantizer.blockwise:
-        return True
-    return not quantizer.is_nvfp4 and quantizer.block_shape[0] == quantizer.block_shape[1]
-
-
 def stored_form(quantizer: TensorQuantizer, cached: CachedWeight, rowwise_only: bool = False) -> CachedWeight:
     """``cached`` without the columnwise copy where it is the rowwise one transposed, or (``rowwise_only``)
     wherever it is."""
-    if not (rowwise_only or columnwise_is_transpose(quantizer)):
+    if not (rowwise_only or quantizer.columnwise_is_transpose):
         return cached
     return dataclasses.replace(cached, weight_fp8_t=None, weight_scale_inv_t=None)
 
@@ -191,18 +178,12 @@ def _columnwise_copy(quantizer: TensorQuantizer, weight: Tensor) -> tuple[Tensor
     return q.data_t, q.scale_inv_t
 
 
-def _transposed(t: Tensor) -> Tensor:
-    """A contiguous copy of ``t`` with its last two dimensions swapped (as the quantizer makes it: standard
-    strides, also for a dimension of size 1); each expert's of a stacked 3-D one."""
-    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
-
-
 def transposed_weight(cached: CachedWeight) -> CachedWeight:
     """The quantized form of the 2-D weight ``cached`` represents, transposed: its rowwise copy is
     ``cached``'s columnwise copy and the other way round (each copy is the quantization of one GEMM operand,
     whatever the blocks). ``cached`` holds both copies (``QuantizedWeight.cached_weight``), or (one scale
     per tensor, no columnwise copy needed here) the rowwise one alone, whose transpose is made now."""
-    data_t = cached.weight_fp8_t if cached.weight_fp8_t is not None else _transposed(cached.weight_fp8)
+    data_t = cached.weight_fp8_t if cached.weight_fp8_t is not None else contiguous_transpose(cached.weight_fp8)
     if cached.weight_scale_inv_t is None:  # one scale for both copies
         return dataclasses.replace(cached, weight_fp8=data_t, weight_fp8_t=cached.weight_fp8)
     return dataclasses.replace(
@@ -218,23 +199,12 @@ def dequantize_weight(quantizer: TensorQuantizer, cached: CachedWeight, dtype: t
     """The high-precision (rows, cols) weight ``cached``'s rowwise usage represents, in ``dtype``; a
     stacked (num_gemms, rows, cols) one expert by expert."""
     data, scale_inv = cached.weight_fp8, cached.weight_scale_inv
-    if data.dim() == 3:
-        experts = [
-            dataclasses.replace(cached, weight_fp8=data[e], weight_scale_inv=scale_inv[e].reshape(scale_inv.shape[1:]))
-            for e in range(data.shape[0])
-        ]
-        return torch.stack([dequantize_weight(quantizer, expert, dtype) for expert in experts]) if experts else (
-            torch.empty((0, data.shape[1], data.shape[2] * (2 if quantizer.is_nvfp4 else 1)), dtype=dtype,
-                        device=data.device))
-    if quantizer.is_nvfp4:
-        rows, cols = data.shape[0], data.shape[1] * 2
-        block_scales, global_scale = ops.nvfp4.unpack_scales(scale_inv, rows, cols)
-        return reference_nvfp4.dequantize_nvfp4(data, block_scales, global_scale, dtype)
-    if not quantizer.blockwise:
-        return reference.dequantize(data, scale_inv, dtype)
-    rows, cols = data.shape
-    scale = reference.expand_scale_inv(scale_inv, quantizer.block_for(cols), rows, cols)
-    return (data.double() * scale).to(dtype)
+    if data.dim() == 2:
+        return quantizer.dequantize(data, scale_inv, dtype)
+    experts = [quantizer.dequantize(data[e], scale_inv[e], dtype) for e in range(data.shape[0])]
+    if not experts:
+        return torch.empty(quantizer.value_shape(tuple(data.shape)), dtype=dtype, device=data.device)
+    return torch.stack(experts)
 
 
 _CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
@@ -264,8 +234,7 @@ class QuantizedWeight(GatheredFP8Weight):
     @staticmethod
     def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "QuantizedWeight":
         data = cached_weight.weight_fp8
-        # The weight's shape: FP4 data packs two values a byte.
-        shape = (*data.shape[:-1], data.shape[-1] * (2 if quantizer.is_nvfp4 else 1))
+        shape = quantizer.value_shape(tuple(data.shape))  # FP4 data packs two values a byte
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
     @classmethod
@@ -282,19 +251,11 @@ class QuantizedWeight(GatheredFP8Weight):
         stored = self._stored()
         if stored.weight_fp8_t is not None:
             return stored
-        if not columnwise_is_transpose(self.quantizer):
+        if not self.quantizer.columnwise_is_transpose:
             data_t, scale_inv_t = _columnwise_copy(self.quantizer, self.dequantize())
             return dataclasses.replace(stored, weight_fp8_t=data_t, weight_scale_inv_t=scale_inv_t)
-        data, scale_inv = stored.weight_fp8, stored.weight_scale_inv
-        if data.dim() == 3 and not self.quantizer.blockwise:
-            # The grouped dgrad reads each expert's transpose, with the expert's one scale.
-            return dataclasses.replace(stored, weight_fp8_t=_transposed(data), weight_scale_inv_t=scale_inv.clone())
-        if self.quantizer.blockwise:
-            transposed = {"weight_fp8_t": _transposed(data), "weight_scale_inv_t": _transposed(scale_inv)}
-            return dataclasses.replace(stored, **transposed)
-        if layout.needs_columnwise(data.device):
-            return dataclasses.replace(stored, weight_fp8_t=_transposed(data))
-        return stored
+        data_t, scale_inv_t = self.quantizer.transpose_copy(stored.weight_fp8, stored.weight_scale_inv)
+        return dataclasses.replace(stored, weight_fp8_t=data_t, weight_scale_inv_t=scale_inv_t)
 
     def _stored(self) -> CachedWeight:
         return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})

@@ -185,10 +185,8 @@ def range_stats_for(recipe: Any, tensors: dict[str, torch.Tensor], used: dict) -
         if x is None:
             continue
         quantizer = getattr(spec, key)
-        scale = used.get(key)
-        if scale is None and not quantizer.blockwise:  # one scale per tensor, from its own amax
-            scale = _own_scale(x, quantizer)
-        out[key] = quantizer_range_stats(x, quantizer, scale)
+        # The scale the call used (delayed scaling's), else the kind's from the tensor (its amax, or per block).
+        out[key] = quantizer_range_stats(x, quantizer, used.get(key))
     return out
 
 

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_linear import reference
 from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.convert import linear_weight
 from transformer_linear.modules.linear import Linear
@@ -164,8 +163,8 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
             return None  # the layer ran in high precision
         spec = quantization_spec(recipe)
         w = linear_weight(layer).detach()  # (out, in), Conv1DLinear included
-        x_scale = _tensor_scale(layer, spec.input, x_amax, "input")
-        w_scale = _tensor_scale(layer, spec.weight, reference.amax(w), "weight")
+        x_scale = _history_scale(layer, spec.input, "input")
+        w_scale = _history_scale(layer, spec.weight, "weight")
         xs = quantizer_range_stats(x.reshape(-1, x.shape[-1]), spec.input, x_scale)
         ws = quantizer_range_stats(w, spec.weight, w_scale)
         bias = layer.bias.detach().double() if layer.bias is not None else None
@@ -221,18 +220,14 @@ class monitor:  # noqa: N801 (used like a function / context manager, as torch.n
         self.close()
 
 
-def _tensor_scale(
-    layer: nn.Module, quantizer: TensorQuantizer, amax: torch.Tensor, column: str
-) -> Optional[torch.Tensor]:
-    """The one scale ``quantizer`` gave a tensor of ``layer`` (``column``: "input" or "weight") whose amax is
-    ``amax``: the scale the last forward used where it comes from the amax history, else the current
-    scale; None for block scales (per block, quantizer_range_stats computes them)."""
-    if quantizer.blockwise:
-        return None
+def _history_scale(layer: nn.Module, quantizer: TensorQuantizer, column: str) -> Optional[torch.Tensor]:
+    """The scale the last forward of ``layer`` used for its ``column`` ("input" or "weight") where it comes
+    from the amax history; None elsewhere: the quantizer's kind computes the scales from the tensor (one
+    from its amax, or one per block: ScalingKind.range_stats)."""
     used = getattr(layer, "fp8_fwd_scale", None)
     if quantizer.scale_from_history and used is not None:
         return used[FP8_STATE_COLUMNS[column]]  # the scales the last forward quantized with
-    return reference.compute_scale(amax.float(), reference.fp8_max(quantizer.dtype), quantizer.margin, 1.0)
+    return None
 
 
 def _tensorboard_writer(log_dir: Path):

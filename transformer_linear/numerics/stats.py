@@ -10,9 +10,10 @@ import math
 
 import torch
 
-from transformer_linear import reference
+from transformer_linear.recipe.kind_tensorwise import range_stats
 from transformer_linear.recipe.quantization import TensorQuantizer
-from transformer_linear.reference import nvfp4 as nvfp4_reference
+
+__all__ = ["max_relative_error", "quantizer_range_stats", "range_stats", "sqnr"]
 
 
 def sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,87 +52,12 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else math.inf
 
 
-def block_range_stats(
-    x: torch.Tensor, dtype: torch.dtype, block_shape: tuple[int, int], scale_dtype: torch.dtype, power_2_scale: bool
-) -> dict[str, float]:
-    """:func:`range_stats` of a 2-D tensor under block scaling (reference.quantize_blockwise_ref).
-
-    ``scale`` is the smallest block scale (the block with the largest amax); a
-    block's scale comes from its own amax and is never rounded up, so nothing
-    saturates, and underflow counts the elements flushed within their block.
-    """
-    x = x.detach().float().reshape(-1, x.shape[-1])
-    q, scale_inv = reference.quantize_blockwise_ref(x, dtype, block_shape, scale_dtype, power_2_scale)
-    scale_inv = reference.e8m0_to_float(scale_inv) if scale_inv.dtype == reference.E8M0_DTYPE else scale_inv
-    n = x.numel()
-    underflow = ((q.float() == 0) & (x != 0)).sum().item() / n if n else 0.0
-    return {
-        "amax": float(reference.amax(x)) if n else 0.0,
-        "scale": float(1 / scale_inv.max()) if n else 1.0,
-        "underflow": underflow,
-        "saturation": 0.0,
-    }
-
-
-def nvfp4_range_stats(x: torch.Tensor, scaling_2d: bool) -> dict[str, float]:
-    """:func:`range_stats` of a 2-D tensor quantized to NVFP4, rowwise (reference.nvfp4.quantize_nvfp4).
-
-    ``scale`` is the smallest effective scale, 1 / (largest block decode scale x global decode scale);
-    nothing saturates (the global scale maps the amax onto E4M3's and E2M1's maxima); underflow counts
-    the elements rounded to zero within their block.
-    """
-    x = x.detach().float().reshape(-1, x.shape[-1])
-    n = x.numel()
-    if n == 0:
-        return {"amax": 0.0, "scale": 1.0, "underflow": 0.0, "saturation": 0.0}
-    amax = reference.amax(x)
-    q = nvfp4_reference.quantize_nvfp4(x, amax, scaling_2d=scaling_2d)
-    codes = nvfp4_reference.unpack_e2m1(q.data)
-    underflow = (((codes & 7) == 0) & (x != 0)).sum().item() / n
-    return {
-        "amax": float(amax),
-        "scale": float(1 / (q.scale.float().max() * q.global_scale)),
-        "underflow": underflow,
-        "saturation": 0.0,
-    }
-
-
 def quantizer_range_stats(
     x: torch.Tensor, quantizer: TensorQuantizer, scale: torch.Tensor | float | None
 ) -> dict[str, float]:
-    """:func:`range_stats` of ``x`` as ``quantizer`` casts it: with ``scale`` when it is tensorwise,
-    else with its own block scales (:func:`block_range_stats`, the rowwise layout; ``scale`` unused)."""
-    if quantizer.is_nvfp4:
-        return nvfp4_range_stats(x, quantizer.block_shape == [16, 16])
-    if quantizer.blockwise:
-        block = quantizer.block_for(x.shape[-1])
-        return block_range_stats(x, quantizer.dtype, block, quantizer.scale_dtype, quantizer.power_2_scale)
-    return range_stats(x, quantizer.dtype, scale)
-
-
-def range_stats(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float) -> dict[str, float]:
-    """How a high-precision tensor fares when cast to ``dtype`` with ``scale``.
-
-    Returns:
-        ``{"amax", "scale", "underflow", "saturation"}``: underflow is the
-        fraction of non-zero elements that the cast flushes to zero;
-        saturation the fraction whose scaled magnitude exceeds the format's
-        max (they are clamped there).
-    """
-    x = x.detach().float()
-    scale_t = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
-    n = x.numel()
-    if n == 0:
-        return {"amax": 0.0, "scale": float(scale_t), "underflow": 0.0, "saturation": 0.0}
-    q, _ = reference.quantize(x, scale_t, dtype)
-    nonzero = x != 0
-    underflow = ((q.float() == 0) & nonzero).sum().item() / n
-    # Strictly beyond (with a float32 rounding's slack): under current scaling
-    # the amax element itself lands on max, give or take an ulp.
-    saturation = ((x * scale_t).abs() > reference.fp8_max(dtype) * (1 + 2**-20)).sum().item() / n
-    return {
-        "amax": float(reference.amax(x)),
-        "scale": float(scale_t),
-        "underflow": underflow,
-        "saturation": saturation,
-    }
+    """amax, scale, underflow and saturation of ``x`` as ``quantizer`` casts it, rowwise (its scaling kind's
+    ScalingKind.range_stats): with ``scale`` where one scale covers the tensor (None: from ``x``'s amax), else
+    with its own block scales (``scale`` unused)."""
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale))
+    return quantizer.range_stats(x, scale)

@@ -9,6 +9,9 @@ Each built-in recipe also has a short name (``"delayed"``, ``"mxfp8"``, ...):
 :func:`from_name` builds it, :func:`available_names` lists them. The CLI,
 ``numerics.compare``, the benchmarks and the tests all build recipes from that
 one table.
+
+A recipe's quantizers (recipe/quantization.py) each name a scaling kind, the behaviour of one way of
+scaling a tensor (:class:`ScalingKind`, recipe/kind.py); :func:`register_scaling_kind` adds one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
+from transformer_linear.recipe.kind import (
+    GatheredShard,
+    Quantized,
+    QuantizerFields,
+    ScalingKind,
+    register_scaling_kind,
+    scaling_kind,
+    scaling_kind_names,
+    stack_experts,
+    stacked,
+)
 
 __all__ = [
     "CUSTOM_RECIPE_ROLES",
@@ -33,13 +47,22 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8RowwiseScaling",
     "Format",
+    "GatheredShard",
     "HistoryConfig",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "BACKWARD_OVERRIDES",
+    "Quantized",
+    "QuantizerFields",
     "Recipe",
+    "ScalingKind",
     "available_names",
     "from_name",
+    "register_scaling_kind",
+    "scaling_kind",
+    "scaling_kind_names",
+    "stack_experts",
+    "stacked",
 ]
 
 
