@@ -35,8 +35,8 @@ from transformer_linear.modules.fp8_all_gather import (
     GatheredFP8Weight,
     check_shardable,
     is_fp8_all_gathered,
+    whole_weight_of_gathered,
 )
-from transformer_linear.modules.fsdp_gather_nvfp4 import nvfp4_cached_weight
 from transformer_linear.modules.fsdp_gather_usages import gather_rowwise_if_missing
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
@@ -627,7 +627,7 @@ def test_nvfp4_shards_gather_to_the_whole_weight(dtype, rows, cols, world):
         block_scales.append(block_scale)
         global_scales.add(float(global_scale))
     assert len(global_scales) == 1, f"the shards' global scales differ: {global_scales}"
-    cached = nvfp4_cached_weight(torch.cat(datas), torch.cat(block_scales), global_scale)
+    cached = whole_weight_of_gathered(quantizer, (torch.cat(datas), torch.cat(block_scales)), rows, global_scale)
     whole = quantizer.quantize(weight.contiguous(), rowwise=True, columnwise=True)
     for what, got, want in (("data", cached.weight_fp8, whole.data), ("data_t", cached.weight_fp8_t, whole.data_t),
                             ("scale_inv", cached.weight_scale_inv, whole.scale_inv),

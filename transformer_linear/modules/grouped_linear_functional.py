@@ -162,9 +162,9 @@ def run_grouped_linear(
         main_grad=main_grad if grad and weight.requires_grad else None,
         wgrad_queue=wgrad_queue,
     )
-    if args.delayed is not None:
-        return owner.delayed_scaling_state.forward(owner, args, grouped_linear_fwd)
-    return grouped_linear_fwd(args)
+    if owner is None:  # the functional form: no amax history
+        return grouped_linear_fwd(args)
+    return owner.delayed_scaling_state.forward(owner, args, grouped_linear_fwd)
 
 
 class HighPrecisionGroupedLinear(torch.autograd.Function):

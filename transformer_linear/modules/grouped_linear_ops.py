@@ -51,6 +51,7 @@ from transformer_linear.recipe.delayed_scaling import (
     ForwardScales,
     forward_scales,
     quantize_and_record_grad_output,
+    stand_in_forward_scales,
 )
 from transformer_linear.recipe.quantization import QuantizationSpec, flat
 
@@ -83,12 +84,9 @@ def group_sums(g: Tensor, offs: Tensor, dtype: torch.dtype) -> Tensor:
 def grouped_linear_fwd(a: GroupedLinearFwdArgs) -> GroupedLinearFwdOutputs:
     """out[rows of g] = x[rows of g] W_gᵀ + b_g with FP8 operands, one grouped GEMM."""
     x = a.inp.contiguous()
-    scales = None
-    if a.delayed is not None:
-        spec = a.quantization
-        weight_2d = a.weight.reshape(-1, a.weight.shape[2]) if a.cached_weight is None else None
-        scales = forward_scales(a.delayed, x, weight_2d, spec.input.dtype, spec.input.margin)
-    return _fp8_fwd(a, x, scales)
+    spec = a.quantization
+    weight_2d = a.weight.reshape(-1, a.weight.shape[2]) if a.cached_weight is None else None
+    return _fp8_fwd(a, x, forward_scales(a.delayed, x, weight_2d, spec.input.dtype, spec.input.margin))
 
 
 def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]) -> GroupedLinearFwdOutputs:
@@ -144,11 +142,7 @@ def _fp8_fwd(a: GroupedLinearFwdArgs, x: Tensor, scales: Optional[ForwardScales]
 def _(*values):
     a = grouped_linear_fwd.unflatten(values)
     x = a.inp.contiguous()
-    scales = None
-    if a.delayed is not None:
-        # The delayed-scaling state is read only where the op really runs: stand-ins here.
-        scales = ForwardScales(*(x.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
-    return tuple(_fp8_fwd(a, x, scales))
+    return tuple(_fp8_fwd(a, x, stand_in_forward_scales(a.delayed, x)))
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +214,7 @@ def _setup_context(ctx, inputs, output) -> None:
         w_saved if a.input_requires_grad else None,
         w_scale_inv,
         a.offs,
-        o.grad_output_scale if a.delayed is not None else None,
+        o.grad_output_scale,  # delayed scaling's (empty otherwise)
     )
     ctx.bwd = _BwdContext(
         input_requires_grad=a.input_requires_grad,
@@ -250,9 +244,8 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         # usage is that copy (one scale per tensor).
         qg = None
         if c.input_requires_grad or not quantizer.columnwise_is_copy:
-            if c.delayed is not None:
-                qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
-            else:
+            qg = quantize_and_record_grad_output(c.delayed, g, grad_scale, quantizer, None)
+            if qg is None:  # no amax history: the quantizer's own scales
                 qg = quantizer.quantize(g, rowwise=True)
         if c.input_requires_grad:
             # Each expert's weight read columnwise (its columnwise copy, or its transpose with the expert's scale).

@@ -145,10 +145,7 @@ class Linear(DelayedScalingModule):
             raise RuntimeError("Linear: fuse_wgrad_accumulation runs eagerly only (backward adds to "
                                "weight.main_grad in place)")
         args = self._fwd_args(inp, recipe, is_first_microbatch, weight, bias)
-        if args.delayed is not None:
-            o = self.delayed_scaling_state.forward(self, args, linear_fwd)
-        else:
-            o = linear_fwd(args)
+        o = self.delayed_scaling_state.forward(self, args, linear_fwd)
         if recipe is not None and is_first_microbatch and args.cached_weight is None:
             self._weight_cache = CachedWeight(
                 weight_fp8=o.weight_fp8.detach(),

@@ -40,7 +40,12 @@ from transformer_linear.modules.linear_args import (
     LinearFwdOutputs,
     args_op,
 )
-from transformer_linear.recipe.delayed_scaling import ForwardScales, forward_scales, quantize_and_record_grad_output
+from transformer_linear.recipe.delayed_scaling import (
+    ForwardScales,
+    forward_scales,
+    quantize_and_record_grad_output,
+    stand_in_forward_scales,
+)
 from transformer_linear.recipe.quantization import Quantized, flat
 from transformer_linear.reference import bias_grad
 
@@ -147,11 +152,9 @@ def linear_fwd(a: LinearFwdArgs) -> LinearFwdOutputs:
         out = torch.nn.functional.linear(x2d.to(a.out_dtype), weight.to(a.out_dtype), bias)
         return _hp_outputs(out)
     x2d = x2d.contiguous()
-    scales = None
-    if a.delayed is not None:
-        weight_to_quantize = a.weight if a.cached_weight is None else None
-        spec = a.quantization
-        scales = forward_scales(a.delayed, x2d, weight_to_quantize, spec.input.dtype, spec.input.margin)
+    weight_to_quantize = a.weight if a.cached_weight is None else None
+    spec = a.quantization
+    scales = forward_scales(a.delayed, x2d, weight_to_quantize, spec.input.dtype, spec.input.margin)
     return _fp8_fwd(a, x2d, bias, scales)
 
 
@@ -218,11 +221,7 @@ def _(*values):
     bias = a.bias.to(a.out_dtype) if a.bias is not None else None
     if not a.fp8:
         return tuple(_hp_outputs(x2d.new_empty((x2d.shape[0], a.weight.shape[0]), dtype=a.out_dtype)))
-    scales = None
-    if a.delayed is not None:
-        # The delayed-scaling state is read (a device sync) only where the op really runs: stand-ins here.
-        scales = ForwardScales(*(x2d.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
-    return tuple(_fp8_fwd(a, x2d, bias, scales))
+    return tuple(_fp8_fwd(a, x2d, bias, stand_in_forward_scales(a.delayed, x2d)))
 
 
 # ---------------------------------------------------------------------------
@@ -347,7 +346,7 @@ def _setup_context(ctx, inputs, output) -> None:
         x_scale_inv,
         w_saved if a.input_requires_grad else None,
         w_scale_inv,
-        o.grad_output_scale if bwd.delayed is not None else None,
+        o.grad_output_scale,  # delayed scaling's (empty otherwise)
     )
     ctx.bwd = bwd
 
@@ -369,9 +368,8 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
     if c.fp8 and c.quantization.backward_operands == "quantized":
         # dgrad reads the rowwise usage, wgrad the columnwise one, in one pass (the bias gradient fused in
         # where the quantizer fuses it).
-        if c.delayed is not None:
-            qg = quantize_and_record_grad_output(c.delayed, g2d, grad_scale, quantizer, dbias_dtype)
-        else:
+        qg = quantize_and_record_grad_output(c.delayed, g2d, grad_scale, quantizer, dbias_dtype)
+        if qg is None:  # no amax history: the quantizer's own scales
             qg = quantizer.quantize_flat(
                 g2d, rowwise=c.input_requires_grad, columnwise=c.weight_requires_grad, dbias_dtype=dbias_dtype
             )

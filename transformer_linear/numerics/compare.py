@@ -20,6 +20,7 @@ from transformer_linear.modules.linear import Linear
 from transformer_linear.numerics import blame, experts, limits, verdict
 from transformer_linear.numerics.report import MIN_EXPERT_TOKENS, CompareReport, LayerStats, TrainReport
 from transformer_linear.recipe import Recipe, available_names, from_name
+from transformer_linear.recipe.quantization import is_recipe
 
 LossFn = Callable[..., torch.Tensor]
 FilterFn = Callable[[nn.Module, str], bool]
@@ -86,7 +87,7 @@ def resolve_recipe(r: Any) -> Recipe:
     """
     if isinstance(r, str):
         return from_name(r)
-    if not isinstance(r, typing.get_args(Recipe)):
+    if not is_recipe(r):
         raise TypeError(f"recipes: expected recipe names or transformer_linear.recipe objects, got {r!r}")
     return r
 

@@ -303,8 +303,8 @@ class DelayedScalingState:
         )
 
     def forward(self, owner: nn.Module, args: _FwdArgs, run: Callable[[_FwdArgs], _FwdOutputs]) -> _FwdOutputs:
-        """One forward under delayed scaling: ``run(args)`` (linear_fwd) with the state brought up to date
-        first and updated after.
+        """One forward of the layer: ``run(args)`` (linear_fwd), under delayed scaling (``args.delayed``
+        given) with the state brought up to date first and updated after.
 
         The reductions the last forward launched are applied; the forward
         quantizes with the current scales, records its amaxes and updates
@@ -312,8 +312,8 @@ class DelayedScalingState:
         checkpointing's recompute: it quantizes with the scales the original
         forward used (``fp8_fwd_scale``) and records nothing a second time.
         """
-        if _run_by_backward():
-            return run(args)
+        if args.delayed is None or _run_by_backward():
+            return run(args)  # no amax history (current scaling, blocks), or a recompute
         d = args.delayed
         if d.reduction_handle != NO_HANDLE:
             delayed_scaling_flush(owner.fp8_amax_history, d.scale, d.reduction_handle)
@@ -519,9 +519,10 @@ def _just_in_time_scale(x: Tensor, dtype: torch.dtype, margin: int, fallback: Te
 
 
 def forward_scales(
-    d: DelayedScalingArgs, x2d: Tensor, weight: Optional[Tensor], dtype: torch.dtype, margin: int
-) -> ForwardScales:
-    """The scales a forward quantizes with, read from the state inside ``linear_fwd``.
+    d: Optional[DelayedScalingArgs], x2d: Tensor, weight: Optional[Tensor], dtype: torch.dtype, margin: int
+) -> Optional[ForwardScales]:
+    """The scales a forward quantizes with, read from the state inside ``linear_fwd``; None where the layer
+    keeps no amax history (``d`` None: each quantizer computes its own).
 
     ``d.fwd_scale`` when given (a recompute), else the state's scales, the
     grad_output one as its pending updates will leave it. Under
@@ -529,6 +530,8 @@ def forward_scales(
     from its own amax (``weight`` None: a cached FP8 weight, quantized
     already).
     """
+    if d is None:
+        return None
     # Only backward updates the grad_output state; this reads it as its pending updates will leave it.
     grad_history, grad_state_scale = flushed_state(d.grad_amax_history, d.grad_scale, d.reduction_handle, "backward")
     used = d.fwd_scale if d.fwd_scale is not None else torch.cat([d.scale, grad_state_scale])
@@ -557,6 +560,14 @@ def forward_scales(
     return ForwardScales(x_scale, w_scale, grad_scale, grad_scale_for_backward)
 
 
+def stand_in_forward_scales(d: Optional[DelayedScalingArgs], like: Tensor) -> Optional[ForwardScales]:
+    """What a fake implementation uses for :func:`forward_scales`: the state is read (a device sync) only
+    where the op really runs, so stand-ins of its shapes; None where there is no state."""
+    if d is None:
+        return None
+    return ForwardScales(*(like.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
+
+
 @torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
 def _quantize_grad_output_op(
     g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
@@ -578,15 +589,18 @@ def _(g, scale, dtype, margin, dbias_dtype, group):
 
 
 def quantize_and_record_grad_output(
-    d: DelayedScalingArgs,
+    d: Optional[DelayedScalingArgs],
     g: Tensor,
     scale: Tensor,
     quantizer: quantization.TensorQuantizer,
     dbias_dtype: Optional[torch.dtype],
-) -> quantization.Quantized:
+) -> Optional[quantization.Quantized]:
     """One backward under delayed scaling: apply the reductions the layer's last backward launched,
     quantize grad_output ``g`` with ``quantizer`` and ``scale`` (linear_fwd's ``grad_output_scale``;
-    negative asks for a just-in-time one), record its amax and update the backward state."""
+    negative asks for a just-in-time one), record its amax and update the backward state. None where the
+    layer keeps no amax history (``d`` None): the quantizer then computes its own scales."""
+    if d is None:
+        return None
     dtype, margin = quantizer.dtype, quantizer.margin
     if d.reduction_handle != NO_HANDLE:
         delayed_scaling_flush(d.grad_amax_history, d.grad_scale, d.reduction_handle, "backward")

@@ -58,6 +58,7 @@ __all__ = [
     "Quantized",
     "TensorQuantizer",
     "check_recipe",
+    "is_recipe",
     "flat",
     "quantization_spec",
     "quantize_tensorwise",
@@ -233,6 +234,11 @@ def _builder(recipe: object) -> Optional[Callable[..., QuantizationSpec]]:
 def _unknown_recipe(where: str, recipe: object) -> TypeError:
     names = ", ".join(t.__name__ for t in _SPEC_BUILDERS)
     return TypeError(f"{where}: 'recipe' must be one of {names} (or a subclass) or None, got {recipe!r}")
+
+
+def is_recipe(obj: object) -> bool:
+    """Whether ``obj`` is a recipe this module builds quantizers for (a subclass of one included)."""
+    return obj is not None and _builder(obj) is not None
 
 
 def check_recipe(where: str, recipe: object) -> None:
