@@ -184,7 +184,9 @@ def _fp8_fwd(
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
         w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
-    out = ops.fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, a.out_dtype, bias)
+    # Each operand's scales in the form its quantizer's kind gives the GEMM (TensorQuantizer.scale_2d).
+    x_scale_inv, w_scale_inv = spec.input.scale_2d(qx.scale_inv, qx.data), spec.weight.scale_2d(qw.scale_inv, qw.data)
+    out = ops.fp8_gemm(qx.data, x_scale_inv, qw.data, w_scale_inv, a.out_dtype, bias)
     x_saved, x_saved_scale_inv = _saved_usage(spec.backward_operands, spec.input, qx)
     # The amaxes delayed scaling records (and a cached weight keeps): where both quantizers measure one.
     records_amax = spec.input.records_amax and spec.weight.records_amax
@@ -252,7 +254,8 @@ def linear_dgrad(a: LinearBwdArgs) -> Tensor:
         # Gradients take the split (fp32-promoted) accumulator, as TE does; the
         # forward GEMM keeps the faster default.
         g_scale_inv = a.quantization.grad_output.scale_2d(a.grad_output_scale_inv, a.grad_output)
-        dx = ops.fp8_gemm(a.grad_output, g_scale_inv, w_t, a.weight_scale_inv, a.dgrad_dtype, use_split_accumulator=True)
+        w_t_scale_inv = a.quantization.weight.scale_2d(a.weight_scale_inv, w_t)
+        dx = ops.fp8_gemm(a.grad_output, g_scale_inv, w_t, w_t_scale_inv, a.dgrad_dtype, use_split_accumulator=True)
     return dx.reshape(a.input_shape)
 
 

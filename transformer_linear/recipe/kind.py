@@ -149,8 +149,10 @@ class ScalingKind:
         raise NotImplementedError(f"scaling kind {self.name!r}: dequantize")
 
     def gemm_scale(self, q: QuantizerFields, scale_inv: Tensor, operand: Tensor) -> Tensor:
-        """``scale_inv`` of the GEMM operand ``operand`` (either usage) in the form ops.fp8_gemm reads."""
-        return scale_inv.reshape(self.scale_grid(q, *operand.shape))
+        """``scale_inv`` of the GEMM operand ``operand`` (either usage; 2-D, or 1-D as :meth:`quantize_flat`
+        leaves it) in the form ops.fp8_gemm reads: by default its 2-D grid."""
+        # dim() is static: a 2-D scale passes as it is, with no reshape (which would guard on symbolic sizes).
+        return scale_inv if scale_inv.dim() == 2 else scale_inv.reshape(self.scale_grid(q, *operand.shape))
 
     # ------------------------------------------------------------------ the columnwise copy
 
