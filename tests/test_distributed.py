@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from recipe_tables import BLOCK_NAMES
 from tolerances import assert_bitwise_equal, relative_error
 from torch import nn
 
@@ -48,7 +49,7 @@ RECIPES = {
     "current": recipe.from_name("current"),
 }
 # Block-scaled recipes: stateless like current scaling, with their own tests below.
-BLOCK_RECIPES = {name: recipe.from_name(name) for name in ("block", "mxfp8", "rowwise")}
+BLOCK_RECIPES = {name: recipe.from_name(name) for name in BLOCK_NAMES}
 # NVFP4: E4M3 block scales (not powers of two) from each rank's own global amax (by design, as current
 # scaling), and stochastic rounding of the gradients whose bits follow each element's index in the tensor a
 # rank quantizes. A rank's FP4 operands then differ from the single process's by up to one FP4 rounding

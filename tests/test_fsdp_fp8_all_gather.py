@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from recipe_tables import SEPARATE_WEIGHT_COPY
 from tolerances import assert_bitwise_equal
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -69,7 +70,7 @@ MAX_RATIO_NVFP4_VS_BF16 = 0.3
 MAX_RATIO_NVFP4_VS_FP32 = 0.15
 MAX_RATIO_BOTH_COPIES_VS_BF16 = 1.05
 MAX_RATIO_BOTH_COPIES_VS_FP32 = 0.55
-SEPARATE_COLUMNWISE = {"mxfp8"}  # recipes whose weight's columnwise copy has its own blocks
+SEPARATE_COLUMNWISE = set(SEPARATE_WEIGHT_COPY)  # recipes whose weight's columnwise copy has its own blocks
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from recipe_tables import BLOCK_NAMES
 from torch import nn
 
 import transformer_linear as tl
@@ -32,7 +33,7 @@ MLP_LOSS_TOLERANCE = 0.03
 
 
 # Block recipes (tests/test_linear_block_recipes.py has their own numerics tests); stateless like current.
-_BLOCK_RECIPES = ("block", "mxfp8", "rowwise")
+_BLOCK_RECIPES = tuple(BLOCK_NAMES)
 
 
 def _make_recipe(kind, fmt):

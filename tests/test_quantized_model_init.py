@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
+from recipe_tables import NAMES, ONE_WEIGHT_COPY, SEPARATE_WEIGHT_COPY
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,17 +25,9 @@ from transformer_linear.modules import quantized_init
 from transformer_linear.modules.quantized_init import QuantizedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 
-NAMES = recipe.available_names()
-
-
-def _weight_quantizer(name):
-    return recipe.quantization.quantization_spec(recipe.from_name(name)).weight
-
-
-# Recipes whose columnwise weight usage is the rowwise one transposed: one stored copy.
-ONE_COPY = [name for name in NAMES if _weight_quantizer(name).columnwise_is_transpose]
-# Recipes whose columnwise weight copy has blocks of its own (two copies unless rowwise_only).
-TWO_COPIES = [name for name in NAMES if name not in ONE_COPY]
+# Recipes whose columnwise weight usage is the rowwise one transposed: one stored copy; the others' columnwise
+# weight copy has blocks of its own (two copies unless rowwise_only).
+ONE_COPY, TWO_COPIES = ONE_WEIGHT_COPY, SEPARATE_WEIGHT_COPY
 
 
 def _mlp(width=64, hidden=128):

@@ -1,0 +1,25 @@
+"""The tests' recipe tables, derived from the registry (``recipe.available_names``) and from what each
+recipe's quantizers are, so that a new recipe lands in every table it belongs to."""
+
+from transformer_linear import recipe
+from transformer_linear.recipe.quantization import TensorQuantizer, quantization_spec
+
+NAMES = recipe.available_names()
+
+
+def weight_quantizer(name: str) -> TensorQuantizer:
+    """The weight quantizer of the built-in recipe ``name``."""
+    return quantization_spec(recipe.from_name(name)).weight
+
+
+def names_of_kind(kind: str) -> list[str]:
+    """The built-in recipes whose quantizers are of the scaling kind ``kind``."""
+    return [name for name in NAMES if weight_quantizer(name).kind == kind]
+
+
+BLOCK_NAMES = names_of_kind("block")
+"""Block-scaled FP8 recipes (128x128, MX 1x32, rowwise)."""
+ONE_WEIGHT_COPY = [name for name in NAMES if weight_quantizer(name).columnwise_is_transpose]
+"""Recipes whose columnwise weight copy is the rowwise one transposed (a stored or gathered weight carries one)."""
+SEPARATE_WEIGHT_COPY = [name for name in NAMES if name not in ONE_WEIGHT_COPY]
+"""Recipes whose columnwise weight copy has blocks of its own."""
