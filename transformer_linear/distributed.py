@@ -34,22 +34,21 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Optional, Union
 
-import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from transformer_linear.modules import quantized_init
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
-from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
-from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight
+from transformer_linear.modules.fp8_all_gather_params import gather_spec, make_fp8_all_gathered
+from transformer_linear.modules.fsdp_gather_grouped import check_grouped_gatherable
 from transformer_linear.modules.grouped_linear import GroupedLinear
-from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.linear import Linear
 from transformer_linear.modules.tensor_parallel import is_tensor_parallel
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.amax_reduction import DEFAULT_GROUP, NO_GROUP, all_reduce_amax, group_key
 from transformer_linear.recipe.delayed_scaling import DelayedScalingState
-from transformer_linear.recipe.quantization import check_recipe, quantization_spec
+from transformer_linear.recipe.quantization import check_recipe
 
 __all__ = [
     "DEFAULT_GROUP",
@@ -170,8 +169,6 @@ def fully_shard(module: nn.Module, *, fp8_all_gather: Union[bool, Recipe] = Fals
             "high_precision"``: :func:`check_grouped_gatherable`); shard that layer with
             ``fp8_all_gather=False`` first.
     """
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     check_fsdp_compatible(module)
     for layer in module.modules():
         _master_weight_for_sharding(layer)
@@ -195,8 +192,8 @@ def _master_weight_for_sharding(layer: nn.Module) -> None:
 
 
 def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Recipe], mesh: Any) -> None:
-    """Make the weight of every ``tl.Linear`` in ``module`` not sharded yet an :class:`FP8AllGatherWeight`, a
-    ``tl.GroupedLinear``'s a :class:`GroupedFP8AllGatherWeight`."""
+    """Make the weight of every ``tl.Linear`` and ``tl.GroupedLinear`` in ``module`` not sharded yet one that
+    FSDP2 all-gathers quantized (modules/fp8_all_gather_params.py)."""
     if fp8_all_gather is not True:
         check_recipe("fully_shard", fp8_all_gather)
     default_recipe = None if fp8_all_gather is True else fp8_all_gather
@@ -204,9 +201,9 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
         world_size = mesh.size(mesh.ndim - 1)
     else:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-    # FSDP2 on one rank gathers nothing: it builds the unsharded parameter from fsdp_pre_all_gather's first
-    # tensor alone (torch 2.13, FSDPParamGroup.wait_for_unshard), which would drop block scales. The
-    # Linear's own forward quantizes the whole weight bitwise as the gather would.
+    # One rank gathers nothing: the weights stay plain, and the Linear's own forward quantizes the whole weight
+    # bitwise as a gather would (a weight wrapped at conversion gathers it in high precision and quantizes
+    # it after: fp8_all_gather.gather_on_one_rank).
     skip = world_size == 1
     for fqn, layer in module.named_modules():
         if not isinstance(layer, (Linear, GroupedLinear)) or isinstance(layer.weight, FP8AllGatherWeight):
@@ -216,53 +213,13 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
         recipe = layer.recipe or default_recipe
         if recipe is None and layer.quantized_init is not None:
             recipe = layer.quantized_init.recipe
-        if recipe is None:
-            raise ValueError(
-                f"fully_shard: fp8_all_gather=True needs tl.{type(layer).__name__} {fqn or '<root>'!r} to have a "
-                "recipe (it has none); pass the recipe it runs under as fp8_all_gather=recipe"
-            )
-        if isinstance(layer, GroupedLinear):
-            spec = check_grouped_quantization("fully_shard", recipe)
-            where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})"
-            check_grouped_gatherable(spec, layer.num_gemms, world_size, where)
-            wrapper: type[FP8AllGatherWeight] = GroupedFP8AllGatherWeight
-        else:
-            spec = quantization_spec(recipe)
-            check_shardable(spec.weight, layer.out_features, world_size)
-            wrapper = FP8AllGatherWeight
-        # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
-        setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
+        spec = gather_spec(layer, recipe, "fully_shard", fqn, "pass the recipe it runs under as fp8_all_gather=recipe")
+        where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})" if isinstance(layer, GroupedLinear) else "fully_shard"
         if skip:
+            if isinstance(layer, GroupedLinear):
+                check_grouped_gatherable(spec, layer.num_gemms, 1, where)
             continue
-        weight = layer.weight
-        layer.weight = nn.Parameter(
-            wrapper(weight.detach(), spec.weight, spec.history), requires_grad=weight.requires_grad
-        )
-        layer._register_state_dict_hook(_plain_weight_in_state_dict)
-        quantized_init.requantize(layer)  # a quantized_model_init layer drops its stored copy
-
-
-def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """``state_dict`` holds the master weight as a plain tensor (a DTensor of plain shards under FSDP2),
-    sharing its storage, so that checkpoints load without the FP8AllGatherWeight class and loading one
-    in place writes the master."""
-    key = prefix + "weight"
-    weight = state_dict.get(key)
-    if weight is None:
-        return
-    local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
-    if not isinstance(local, FP8AllGatherWeight):
-        return
-    if local is weight:
-        state_dict[key] = local._tensor
-        return
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        state_dict[key] = DTensor.from_local(
-            local._tensor, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
-            stride=weight.stride(),
-        )
+        make_fp8_all_gathered(layer, spec, where, world_size)
 
 
 def _styles() -> tuple[type, type]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from transformer_linear.modules import quantized_init, tensor_parallel
 from transformer_linear.modules.autocast import layer_recipe
+from transformer_linear.modules.fp8_all_gather_params import gather_spec, make_fp8_all_gathered
 from transformer_linear.modules.grouped_linear import GroupedLinear
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import (
@@ -306,6 +307,7 @@ def convert_to_fp8(
     recipe: Optional[Recipe] = None,
     module_filter_fn: Optional[FilterFn] = None,
     fp8_state: Union[str, os.PathLike, Mapping[str, torch.Tensor], None] = "auto",
+    fp8_all_gather: bool = False,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` and ``Conv1D`` in ``model`` by ``tl.Linear`` (in place; returns ``model``).
 
@@ -342,10 +344,16 @@ def convert_to_fp8(
             (``model.config._name_or_path``) when it holds any, so
             ``from_pretrained`` then ``convert_to_fp8`` resumes a saved FP8
             model; None starts the state fresh.
+        fp8_all_gather: make the weight of every ``tl.Linear`` / ``tl.GroupedLinear`` (the filter's) one
+            that FSDP2 all-gathers in its recipe's form (FP8 data and scales; NVFP4: FP4) under any
+            ``torch.distributed.fsdp.fully_shard`` call, the engine's own included (torchtitan, accelerate,
+            Lightning); see modules/fp8_all_gather_params.py. The layers must then run under their recipe.
+            A ``Conv1D``'s (in, out) weight and ``transformers`` experts gather in high precision.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: a missing ``fp8_state`` file, or entries of the wrong shape.
+        ValueError: a missing ``fp8_state`` file, or entries of the wrong shape; ``fp8_all_gather`` without
+            a recipe for a layer, or a weight its recipe cannot gather quantized.
         NotImplementedError: the model has experts and the grouped GEMMs do not
             take ``recipe``'s quantization (check_grouped_quantization); keep the experts in high
             precision with a ``module_filter_fn`` that rejects them.
@@ -368,7 +376,10 @@ def convert_to_fp8(
             return Linear.from_linear(module, recipe=recipe)
 
     if _skip_reason(model, "", module_filter_fn) is None:
-        return convert(model)
+        converted = convert(model)
+        if fp8_all_gather:
+            _gather_in_fp8(converted, recipe, module_filter_fn)
+        return converted
     done: dict[int, nn.Module] = {}  # id(original) -> its tl.Linear, for layers reached twice
     for fqn, module in list(model.named_modules(remove_duplicate=False)):
         # _modules, not named_children(): that skips a child's second name.
@@ -395,7 +406,19 @@ def convert_to_fp8(
     source = _checkpoint_dir(model) if isinstance(fp8_state, str) and fp8_state == "auto" else fp8_state
     if source is not None:
         load_fp8_state(model, source)
+    if fp8_all_gather:
+        _gather_in_fp8(model, recipe, module_filter_fn)
     return model
+
+
+def _gather_in_fp8(model: nn.Module, recipe: Optional[Recipe], module_filter_fn: Optional[FilterFn]) -> None:
+    """convert_to_fp8's ``fp8_all_gather``: each ``tl.Linear`` / ``tl.GroupedLinear`` weight made one FSDP2
+    all-gathers by its recipe's weight quantizer (the layer's own recipe, else ``recipe``)."""
+    for fqn, layer in model.named_modules():
+        if not isinstance(layer, (Linear, GroupedLinear)) or (module_filter_fn and not module_filter_fn(layer, fqn)):
+            continue
+        spec = gather_spec(layer, layer.recipe or recipe, "convert_to_fp8", fqn, "pass recipe=...")
+        make_fp8_all_gathered(layer, spec, f"convert_to_fp8 ({fqn or '<root>'})")
 
 
 def _tied_weights(model: nn.Module) -> set[int]:

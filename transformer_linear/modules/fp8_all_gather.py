@@ -101,7 +101,10 @@ __all__ = [
     "check_shardable",
     "checked_cached_weight",
     "gathered_weight",
+    "gather_on_one_rank",
     "is_fp8_all_gathered",
+    "quantize_weight",
+    "refill_or_build",
     "weight_for_op",
     "whole_weight_of_gathered",
 ]
@@ -171,6 +174,55 @@ class _GatherMetadata(NamedTuple):
     scale_inv, NVFP4's global decode scale; None where the scales are gathered."""
     amax: Optional[Tensor]
     """The whole weight's amax, where the kind's results carry one (delayed scaling records it)."""
+    whole: Optional["_ShardQuantization"] = None
+    """One rank: the high-precision weight was 'gathered' (see :func:`gather_on_one_rank`), quantized after
+    with this amax and scale (or by its own where None)."""
+    one_rank: bool = False
+
+
+def gather_on_one_rank(
+    shard: Tensor, quantizer: TensorQuantizer, whole: Optional["_ShardQuantization"], rows: int, group: Any
+) -> tuple[tuple[Tensor, ...], _GatherMetadata]:
+    """What ``fsdp_pre_all_gather`` returns on a one-rank shard group: FSDP2 (torch 2.13) gathers nothing
+    there and builds the unsharded parameter from the first tensor returned alone
+    (``FSDPParamGroup.wait_for_unshard``), so that tensor is the high-precision weight itself, which
+    ``fsdp_post_all_gather`` quantizes whole (bitwise what the forward would)."""
+    return (shard,), _GatherMetadata(rows, BOTH, group, None, None, whole, True)
+
+
+def quantize_weight(quantizer: TensorQuantizer, weight: Tensor, whole: Optional["_ShardQuantization"] = None
+                    ) -> CachedWeight:
+    """``weight`` in both usages ``quantizer`` produces, as the forward reads a cached weight; a 3-D
+    (num_gemms, out, in) one expert by expert, stacked, as the GroupedLinear's forward quantizes it. ``whole``:
+    the delayed-scaling scale and all-reduced amax of a gathered weight (fsdp_pre_all_gather), where given."""
+    with torch.no_grad():
+        if weight.dim() == 3:
+            q = quantizer.quantize_experts(weight.detach(), columnwise=True, records_amax=quantizer.records_amax)
+        else:
+            q = quantizer.quantize(weight.detach().contiguous(), rowwise=True, columnwise=True,
+                                   scale=whole and whole.scale, global_amax=whole and whole.amax.reshape(()))
+    return CachedWeight(
+        weight_fp8=q.data,
+        weight_fp8_t=q.data_t if q.data_t.numel() else None,
+        weight_scale_inv=q.scale_inv,
+        weight_scale_inv_t=q.scale_inv_t if q.scale_inv_t.numel() else None,
+        weight_amax=q.amax.reshape(()) if q.amax is not None else None,
+    )
+
+
+def refill_or_build(
+    cached: CachedWeight, quantizer: TensorQuantizer, param_dtype: torch.dtype, owned: list[str],
+    out: Optional[Tensor],
+) -> Optional[tuple["GatheredFP8Weight", tuple[Tensor, ...]]]:
+    """What ``fsdp_post_all_gather`` returns for ``cached``: (``out`` given) its ``owned`` fields refilled in
+    place into ``out``'s (which FSDP2 reallocated before this gather), None; else the unsharded weight and
+    the tensors it owns (FSDP2 frees them on reshard)."""
+    if out is not None:
+        previous = _gathered_of(out).cached_weight
+        for name in owned:
+            _refill(getattr(previous, name), getattr(cached, name))
+        return None
+    return GatheredFP8Weight(cached, quantizer, param_dtype), tuple(getattr(cached, name) for name in owned)
 
 
 class FP8AllGatherWeight(torch.Tensor):
@@ -257,6 +309,9 @@ class FP8AllGatherWeight(torch.Tensor):
         shard = self._shard_to_quantize(mp_policy)
         padded_rows = -(-rows // world_size)
         with torch.no_grad():
+            if world_size == 1:
+                whole = _whole_weight_quantization(quantizer, self.history, shard, module, group)
+                return gather_on_one_rank(shard, quantizer, whole, rows, group)
             if not quantizer.columnwise_is_transpose:
                 usages = usages_to_gather(quantizer, module)
                 q = quantizer.quantize(shard, rowwise=usages.rowwise, columnwise=usages.columnwise)
@@ -287,6 +342,10 @@ class FP8AllGatherWeight(torch.Tensor):
         (the transposed usages, the per-tensor scale), which FSDP2 frees on reshard and
         reallocates before the next gather (``out`` given: refilled in place)."""
         quantizer = self.quantizer
+        if metadata.one_rank:  # the high-precision weight, quantized here: every field is the weight's own
+            whole = quantize_weight(quantizer, all_gather_outputs[0], metadata.whole)
+            owned = [name for name in _CACHED_FIELDS if getattr(whole, name) is not None]
+            return refill_or_build(whole, quantizer, param_dtype, owned, out)
         if not quantizer.columnwise_is_transpose:
             return self._post_all_gather_separate(all_gather_outputs, metadata, param_dtype, out)
         whole = whole_weight_of_gathered(quantizer, all_gather_outputs, metadata.rows, metadata.scale_inv,
@@ -296,12 +355,7 @@ class FP8AllGatherWeight(torch.Tensor):
         owned = [name for name in _CACHED_FIELDS if getattr(whole, name) is not None and name not in _VIEW_FIELDS]
         if metadata.scale_inv is None:
             owned.remove("weight_scale_inv")  # gathered: a view of a buffer
-        if out is not None:
-            cached = _gathered_of(out).cached_weight
-            for name in owned:
-                _refill(getattr(cached, name), getattr(whole, name))
-            return None
-        return GatheredFP8Weight(whole, quantizer, param_dtype), tuple(getattr(whole, name) for name in owned)
+        return refill_or_build(whole, quantizer, param_dtype, owned, out)
 
     def _post_all_gather_separate(
         self,

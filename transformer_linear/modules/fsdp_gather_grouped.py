@@ -29,6 +29,7 @@ is a :class:`GatheredFP8Weight` that the GroupedLinear's forward reads as it rea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple, Optional
@@ -38,7 +39,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from transformer_linear._handles import NO_HANDLE
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, GatheredFP8Weight
+from transformer_linear.modules.fp8_all_gather import (
+    FP8AllGatherWeight,
+    GatheredFP8Weight,
+    quantize_weight,
+    refill_or_build,
+)
 from transformer_linear.modules.fsdp_gather_usages import (
     BOTH,
     ROWWISE,
@@ -52,6 +58,8 @@ from transformer_linear.recipe.kind import stacked
 from transformer_linear.recipe.quantization import QuantizationSpec, Quantized
 
 __all__ = ["GroupedFP8AllGatherWeight", "check_grouped_gatherable"]
+
+_CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
 
 
 def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size: int, where: str) -> None:
@@ -91,6 +99,8 @@ class _GroupedGatherMetadata(NamedTuple):
     """The forward's gather carries the rowwise copy and backward's the columnwise one (else both, each time)."""
     group: Any
     """The shard group (a forward recomputed after a columnwise-only gather gathers the rowwise copy over it)."""
+    one_rank: bool = False
+    """A one-rank group: the experts were 'gathered' in high precision, quantized after."""
 
 
 def _per_pass_fits(quantizer: Any, outer_size: torch.Size) -> bool:
@@ -160,8 +170,10 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
                 "whole experts to gather them in FP8"
             )
         shard = self._shard_to_quantize(mp_policy)
-        separate = not quantizer.columnwise_is_transpose
         group = mesh.get_group(mesh.ndim - 1)
+        if world_size == 1:  # as tl.Linear's (fp8_all_gather.gather_on_one_rank): the experts in high precision
+            return (shard,), _GroupedGatherMetadata(BOTH, False, False, group, one_rank=True)
+        separate = not quantizer.columnwise_is_transpose
         per_pass = separate and _per_pass_fits(quantizer, outer_size)
         with torch.no_grad():
             if not separate:
@@ -184,6 +196,10 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
     ) -> Optional[tuple[GatheredFP8Weight, tuple[Tensor, ...]]]:
         """The unsharded weight: the gathered copies as views of FSDP2's buffers, a columnwise copy made from
         the rowwise one in tensors of its own (freed by FSDP2 on reshard; ``out`` given: refilled in place)."""
+        if metadata.one_rank:  # the experts in high precision, quantized here
+            whole = quantize_weight(self.quantizer, all_gather_outputs[0])
+            owned = [name for name in _CACHED_FIELDS if getattr(whole, name) is not None]
+            return refill_or_build(whole, self.quantizer, param_dtype, owned, out)
         if metadata.per_pass:
             return self._post_all_gather_per_pass(all_gather_outputs, metadata, param_dtype, out)
         data, scale_inv = all_gather_outputs[0], all_gather_outputs[1]

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered
+from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered, quantize_weight
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.kind_tensorwise import transposed as contiguous_transpose
@@ -140,23 +140,6 @@ fp8_model_init = quantized_model_init
 def active_config() -> Optional[QuantizedInitConfig]:
     """The config of the innermost active :func:`quantized_model_init` (None outside)."""
     return _ACTIVE[0]
-
-
-def quantize_weight(quantizer: TensorQuantizer, weight: Tensor) -> CachedWeight:
-    """``weight`` in both usages ``quantizer`` produces, as the forward reads a cached weight; a 3-D
-    (num_gemms, out, in) one expert by expert, stacked, as the GroupedLinear's forward quantizes it."""
-    with torch.no_grad():
-        if weight.dim() == 3:
-            q = quantizer.quantize_experts(weight.detach(), columnwise=True, records_amax=quantizer.records_amax)
-        else:
-            q = quantizer.quantize(weight.detach().contiguous(), rowwise=True, columnwise=True)
-    return CachedWeight(
-        weight_fp8=q.data,
-        weight_fp8_t=q.data_t if q.data_t.numel() else None,
-        weight_scale_inv=q.scale_inv,
-        weight_scale_inv_t=q.scale_inv_t if q.scale_inv_t.numel() else None,
-        weight_amax=q.amax.reshape(()) if q.amax is not None else None,
-    )
 
 
 def stored_form(quantizer: TensorQuantizer, cached: CachedWeight, rowwise_only: bool = False) -> CachedWeight:

@@ -1,0 +1,128 @@
+"""FP8 all-gather under plain ``torch.distributed.fsdp.fully_shard``, as engines call it (torchtitan,
+accelerate, Lightning): an ``nn.Linear`` model converted with ``convert_to_fp8(..., fp8_all_gather=True)``
+and sharded by torch's own ``fully_shard`` gathers its weights in the recipe's form and trains bitwise as
+the same model gathered in high precision, for every registry recipe, with and without bias. A one-rank
+group (FSDP2 gathers nothing there) gathers the high-precision weight and quantizes it after.
+
+2 gloo ranks; 256-row weights (128 a rank: whole blocks of every recipe whose blocks span rows).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
+from recipe_tables import NAMES, weight_quantizer
+from test_fsdp_fp8_all_gather import _GatherCounter
+from tolerances import assert_bitwise_equal
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import transformer_linear as tl
+from transformer_linear import recipe
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+
+IN, HIDDEN, OUT = 128, 256, 256
+STEPS = 5
+TIMEOUT = 240.0
+
+
+def _gathers_quantized(name: str, world: int) -> bool:
+    """Whether ``name``'s weight quantizer gathers a weight of HIDDEN / OUT rows over ``world`` ranks."""
+    try:
+        check_shardable(weight_quantizer(name), OUT, world)
+    except ValueError:
+        return False
+    return True
+
+
+def _model(name, fp8_all_gather, world):
+    """Two layers, the first with a bias, the second without; converted, then sharded by torch's fully_shard."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT, bias=False))
+    model = tl.convert_to_fp8(model, recipe=recipe.from_name(name), fp8_all_gather=fp8_all_gather, fp8_state=None)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _batches(rank, world):
+    rows = 16 * world  # NVFP4 quantizes the input's columnwise copy in 16-row blocks: 16 rows a rank
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, IN, generator=g) * 3).chunk(world)[rank] for _ in range(STEPS)]
+
+
+def _train(model, rank, world):
+    torch.manual_seed(2)  # NVFP4 rounds grad_output stochastically, with seeds from the default generator
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in _batches(rank, world):
+        loss = model(x).square().sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.full_tensor() for p in model.parameters()]
+
+
+def _parity_rank(rank, world, name):
+    on = _model(name, True, world)
+    assert isinstance(on[0].weight.to_local(), FP8AllGatherWeight)
+    if world > 1 and not _gathers_quantized(name, world):
+        with pytest.raises(ValueError, match="fp8_all_gather cannot shard a weight"):
+            on(_batches(rank, world)[0])
+        return None
+    with _GatherCounter() as counter:
+        losses_on, params_on = _train(on, rank, world)
+    losses_off, params_off = _train(_model(name, False, world), rank, world)
+    assert_bitwise_equal(losses_on, losses_off, f"{name}: losses with FP8 all-gather vs high precision")
+    for i, (a, b) in enumerate(zip(params_on, params_off)):
+        assert_bitwise_equal(a, b, f"{name}: parameter {i} after {STEPS} steps")
+    for key, t in on.state_dict().items():
+        if key.endswith("weight"):
+            assert type(t.to_local()) is torch.Tensor, f"{key}: the saved shard is a {type(t.to_local()).__name__}"
+    weights = HIDDEN * IN + OUT * HIDDEN
+    return counter.bytes / (weights * 4 / world * STEPS * 2) if world > 1 else None  # per forward + backward gather
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plain_fully_shard_gathers_quantized(name):
+    ratios = run_ranks(_parity_rank, name, world_size=2, timeout=TIMEOUT)
+    if _gathers_quantized(name, 2):
+        # FP8 data and scales (NVFP4: FP4) plus the biases, in place of fp32 weights.
+        assert all(r is not None and r <= 0.3 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
+def test_one_rank_gathers_high_precision_and_quantizes_after(name):
+    run_ranks(_parity_rank, name, world_size=1, timeout=TIMEOUT)
+
+
+def test_grouped_linear_experts_under_plain_fully_shard():
+    run_ranks(_grouped_rank, world_size=2, timeout=TIMEOUT)
+
+
+def _grouped_rank(rank, world):
+    def build(fp8_all_gather):
+        torch.manual_seed(3)
+        experts = tl.GroupedLinear(4, IN, OUT, recipe=recipe.from_name("mxfp8"))
+        experts = tl.convert_to_fp8(experts, fp8_all_gather=fp8_all_gather, fp8_state=None)
+        return fully_shard(experts, mesh=init_device_mesh("cpu", (world,)))
+
+    sizes = [8, 0, 16, 8]
+    runs = []
+    for fp8_all_gather in (True, False):
+        model = build(fp8_all_gather)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(4 + rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(sum(sizes), IN, generator=g), sizes).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append(torch.stack(losses))
+    assert_bitwise_equal(runs[0], runs[1], f"rank {rank}: GroupedLinear losses, FP8 vs high-precision gather")
+    assert dist.get_world_size() == world

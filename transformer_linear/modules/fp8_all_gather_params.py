@@ -1,0 +1,114 @@
+"""Layers whose weight any FSDP2 ``fully_shard`` call all-gathers quantized: the weight made an
+:class:`~transformer_linear.modules.fp8_all_gather.FP8AllGatherWeight` (a GroupedLinear's a
+:class:`~transformer_linear.modules.fsdp_gather_grouped.GroupedFP8AllGatherWeight`) before sharding.
+
+FSDP2 finds ``fsdp_pre_all_gather`` on a parameter's local shard whoever calls ``fully_shard``: torchtitan,
+accelerate, Lightning or a user's own loop. So a weight wrapped here (``convert_to_fp8(...,
+fp8_all_gather=True)``, or ``tl.distributed.fully_shard(..., fp8_all_gather=...)``, which wraps then calls
+``torch.distributed.fsdp.fully_shard``) gathers in its recipe's form under plain ``fully_shard`` too. What
+depends on the shard group (blocks straddling shards, experts per rank) is checked at the gather; a
+one-rank group gathers the high-precision weight and quantizes it after (fp8_all_gather.gather_on_one_rank).
+``state_dict`` saves the plain high-precision master.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from transformer_linear.modules import quantized_init
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
+from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
+from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
+from transformer_linear.recipe import Recipe
+from transformer_linear.recipe.quantization import QuantizationSpec, quantization_spec
+
+__all__ = ["gather_spec", "gathers_in_fp8", "make_fp8_all_gathered"]
+
+
+def gather_spec(layer: nn.Module, recipe: Optional[Recipe], where: str, fqn: str, hint: str) -> QuantizationSpec:
+    """The quantizers with which ``layer``'s weight is all-gathered: ``recipe``'s (a GroupedLinear's checked to be
+    ones the grouped GEMMs take).
+
+    Raises:
+        ValueError: ``recipe`` is None (the message names the layer, then ``hint``).
+        NotImplementedError: a GroupedLinear's recipe the grouped GEMMs do not take.
+    """
+    if recipe is None:
+        raise ValueError(
+            f"{where}: fp8_all_gather=True needs tl.{type(layer).__name__} {fqn or '<root>'!r} to have a recipe "
+            f"(it has none); {hint}"
+        )
+    return check_grouped_quantization(where, recipe) if layer.weight.dim() == 3 else quantization_spec(recipe)
+
+
+def gathers_in_fp8(layer: nn.Module) -> bool:
+    """Whether ``layer``'s weight (or its FSDP2 shard) is all-gathered quantized."""
+    weight = layer.weight
+    return isinstance(getattr(weight, "_local_tensor", weight), FP8AllGatherWeight)
+
+
+def make_fp8_all_gathered(layer: nn.Module, spec: QuantizationSpec, where: str,
+                          world_size: Optional[int] = None) -> bool:
+    """Make ``layer``'s (a ``tl.Linear``'s or ``tl.GroupedLinear``'s) weight one that FSDP2 all-gathers
+    quantized by ``spec.weight``; returns whether it did.
+
+    A weight kept quantized by ``tl.quantized_model_init`` becomes its high-precision master first (the
+    preserved initial weight, else the dequantized one), which FSDP2 then shards. A weight in another layout
+    than (out, in) (a ``Conv1DLinear``'s (in, out)) is left as it is: it gathers in high precision.
+
+    Args:
+        world_size: the shard group's size where known (``tl.distributed.fully_shard``): what depends on it is
+            checked now rather than at the first gather.
+
+    Raises:
+        ValueError: the weight cannot be gathered quantized (check_shardable, check_grouped_gatherable).
+    """
+    weight = layer.weight
+    grouped = weight.dim() == 3
+    expected = (weight.shape[0], layer.out_features, layer.in_features) if grouped else (
+        layer.out_features, layer.in_features)
+    if tuple(weight.shape) != expected or gathers_in_fp8(layer):
+        return False
+    if grouped:
+        check_grouped_gatherable(spec, weight.shape[0], world_size or 1, where)
+        wrapper: type[FP8AllGatherWeight] = GroupedFP8AllGatherWeight
+    else:
+        if world_size is not None:
+            check_shardable(spec.weight, weight.shape[0], world_size, where)
+        wrapper = FP8AllGatherWeight
+    if isinstance(weight, quantized_init.QuantizedWeight):
+        master = quantized_init.high_precision_weight(layer)
+    else:
+        master = weight.detach()
+    # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
+    setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
+    layer.weight = nn.Parameter(wrapper(master, spec.weight, spec.history), requires_grad=weight.requires_grad)
+    layer._register_state_dict_hook(_plain_weight_in_state_dict)
+    quantized_init.requantize(layer)  # a quantized_model_init layer drops its stored copy
+    return True
+
+
+def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` holds the master weight as a plain tensor (a DTensor of plain shards under FSDP2),
+    sharing its storage, so that checkpoints load without the FP8AllGatherWeight class and loading one
+    in place writes the master."""
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if weight is None:
+        return
+    local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+    if not isinstance(local, FP8AllGatherWeight):
+        return
+    if local is weight:
+        state_dict[key] = local._tensor
+        return
+    with torch.no_grad():
+        state_dict[key] = DTensor.from_local(
+            local._tensor, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+            stride=weight.stride(),
+        )
