@@ -217,14 +217,15 @@ class ScalingKind:
 
     def shard_problem(self, q: QuantizerFields, rows: int, world_size: int) -> Optional[str]:
         """Why a weight of ``rows`` rows cannot be all-gathered quantized over ``world_size`` ranks (each rank
-        quantizing its dim-0 shard), or None where it can: no block may straddle two shards."""
+        quantizing its dim-0 shard), or None where it can: no block may straddle two shards. The text follows
+        "cannot shard a weight of R rows over W ranks with" in the error: what, then why."""
         bm, bk = q.block_shape
         spans = [bm] if bm == bk else [bm, bk]  # a separate columnwise copy has blocks along the rows too
         per_shard, even = -(-rows // world_size), rows % world_size == 0
         if 0 in spans or not even or any(per_shard % span for span in spans):
             need = "the whole column" if 0 in spans else max(spans)
-            return (f"each rank's rows must be a whole number of the blocks' rows ({need}) so that no block of "
-                    f"{list(q.block_shape)} straddles two shards")
+            return (f"{list(q.block_shape)} blocks: each rank's rows must be a whole number of the blocks' rows "
+                    f"({need}) so that no block straddles two shards")
         return None
 
     def whole_tensor_amax(self, q: QuantizerFields, shard: Tensor) -> Optional[Tensor]:

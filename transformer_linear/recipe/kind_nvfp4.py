@@ -183,12 +183,12 @@ class NVFP4Kind(ScalingKind):
 
     def shard_problem(self, q: QuantizerFields, rows: int, world_size: int) -> Optional[str]:
         if list(q.block_shape) != [BLOCK, BLOCK]:
-            return (f"only 16x16 NVFP4 weight blocks are gathered in FP4 (their columnwise copy is the rowwise one "
-                    f"transposed); a {list(q.block_shape)} block's columnwise copy has blocks of its own (and with "
-                    "RHT its own global scale), which is not gathered")
+            return (f"NVFP4 {list(q.block_shape)} blocks: only 16x16 weight blocks are gathered in FP4 (their "
+                    "columnwise copy is the rowwise one transposed); a 1x16 block's columnwise copy has blocks of "
+                    "its own (and with RHT its own global scale), which is not gathered")
         if q.stochastic_rounding:
-            return ("stochastic rounding of the weight: each shard would round with other random bits than the whole "
-                    "weight (the weight is rounded to nearest in Transformer Engine's NVFP4 recipe)")
+            return ("NVFP4 stochastic rounding of the weight: each shard would round with other random bits than "
+                    "the whole weight (the weight is rounded to nearest in Transformer Engine's NVFP4 recipe)")
         return super().shard_problem(q, rows, world_size)
 
     def whole_tensor_amax(self, q: QuantizerFields, shard: Tensor) -> Optional[Tensor]:
