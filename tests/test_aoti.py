@@ -4,13 +4,14 @@ An eval() model exported with a dynamic batch is packaged with ``torch._inductor
 loaded with ``aoti_load_package`` in a fresh process that imports transformer_linear (the ops are Python
 custom ops: the package calls back into them), and run on several batch sizes; its outputs must equal
 eager's within tolerances.assert_close_to_reference's floor. Delayed scaling's state is updated inside the
-package call after call, as eager updates the model's.
+package call after call, as eager updates the model's (a stale state would change the later outputs).
 
-Each package is one Inductor compile (tens of seconds on a 2-core CPU), so CI runs the short form
-(CurrentScaling, the recipe the issue reported); the slow form covers every recipe of the registry, a
-GroupedLinear and a model built under quantized_model_init. Each test compiles into its own Inductor
-cache directory: AOTInductor reuses little of a warm cache anyway (docs/deploy.md), and a shared one
-would let one test's artifacts stand in for another's compile.
+Each package is one Inductor compile (about 35 s on an idle 2-core CPU, most of it the C++ compile of
+the wrapper, whatever the model), so CI's short form is one package (CurrentScaling, the recipe the issue
+reported) and the slow form packages one model holding a tl.Linear and a tl.GroupedLinear under every
+recipe of the registry, with high-precision and with quantized_model_init weights (two packages). Each
+test compiles into its own Inductor cache directory: a warm cache saves only about a quarter of a package's
+compile (docs/deploy.md), and a shared one would let one test's artifacts stand in for another's compile.
 """
 
 import copy
@@ -45,16 +46,33 @@ class MLP(nn.Sequential):
         super().__init__(tl.Linear(FEATURES, 64, recipe=r), nn.ReLU(), tl.Linear(64, FEATURES, recipe=r))
 
 
-class Experts(nn.Module):
-    """A GroupedLinear between two Linears; the routing is an input tensor (no recompile per routing)."""
+class EveryRecipe(nn.Module):
+    """A tl.Linear and a tl.GroupedLinear under each recipe of the registry, one after the other: one
+    package (one compile) covers them all. Returns every layer's output, so a mismatch names its layer."""
 
-    def __init__(self, r, num_gemms=3):
+    NAMES = recipe.available_names()
+
+    def __init__(self, quantized_weights=False):
         super().__init__()
-        self.up = tl.Linear(FEATURES, 64, recipe=r)
-        self.experts = tl.GroupedLinear(num_gemms, 64, FEATURES, recipe=r)
+        self.linear, self.grouped = nn.ModuleDict(), nn.ModuleDict()
+        for name in self.NAMES:
+            r = recipe.from_name(name)
+            with tl.quantized_model_init(enabled=quantized_weights, recipe=r):
+                self.linear[name] = tl.Linear(FEATURES, FEATURES, recipe=r)
+                self.grouped[name] = tl.GroupedLinear(3, FEATURES, FEATURES, recipe=r)
 
     def forward(self, x, m_splits):
-        return self.experts(torch.relu(self.up(x)), m_splits)
+        outs = []
+        for name in self.NAMES:
+            x = torch.relu(self.linear[name](x))
+            outs.append(x)
+            x = self.grouped[name](x, m_splits)  # m_splits a tensor: the routing is an input, not a constant
+            outs.append(x)
+        return tuple(outs)
+
+    @classmethod
+    def labels(cls):
+        return [f"{kind} {name}" for name in cls.NAMES for kind in ("Linear", "GroupedLinear")]
 
 
 def _mlp_inputs(batch):
@@ -85,8 +103,8 @@ def _run_fresh(package, inputs, tmp_path):
     return torch.load(tmp_path / "outputs.pt")
 
 
-def _check_package(model, make_inputs, dynamic_shapes, tmp_path, monkeypatch):
-    """Package ``model``, run it fresh on BATCHES, compare with eager call by call."""
+def _check_package(model, make_inputs, dynamic_shapes, tmp_path, monkeypatch, labels=None):
+    """Package ``model``, run it fresh on BATCHES, compare with eager call by call; returns the package."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     model.eval()
     eager = copy.deepcopy(model)  # delayed scaling: the eager copy's state advances call by call, as the package's
@@ -95,38 +113,38 @@ def _check_package(model, make_inputs, dynamic_shapes, tmp_path, monkeypatch):
     outputs = _run_fresh(package, inputs, tmp_path)
     with torch.no_grad():
         for args, out in zip(inputs, outputs):
-            assert_close_to_reference(out, eager(*args), what=f"batch {args[0].shape[0]}")
+            expected = eager(*args)
+            if isinstance(expected, torch.Tensor):
+                out, expected = [out], [expected]
+            for i, (actual, ref) in enumerate(zip(out, expected)):
+                label = labels[i] if labels else "output"
+                assert_close_to_reference(actual, ref, what=f"{label}, batch {args[0].shape[0]}")
+    return package
 
 
 _BATCH = {0: Dim("batch", min=1, max=1024)}
 
 
 def test_current_scaling_mlp_packages_and_runs_in_fresh_process(tmp_path, monkeypatch):
-    """The issue's case: CurrentScaling's tensorwise quantizers (empty block_shape) through a package."""
+    """The issue's case: CurrentScaling's tensorwise quantizers (empty block_shape) through a package.
+    Without ``import transformer_linear`` the package does not load: its ops are Python custom ops."""
     torch.manual_seed(0)
-    _check_package(MLP(recipe.from_name("current")), _mlp_inputs, (_BATCH,), tmp_path, monkeypatch)
+    package = _check_package(MLP(recipe.from_name("current")), _mlp_inputs, (_BATCH,), tmp_path, monkeypatch)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1])", str(package)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode != 0 and "Could not find schema for transformer_linear::" in done.stderr, done.stderr[-4000:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", recipe.available_names())
-def test_every_recipe_mlp(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["high_precision", "quantized_model_init"])
+def test_every_recipe_linear_and_grouped_linear(weights, tmp_path, monkeypatch):
+    """Every recipe of the registry, tl.Linear and tl.GroupedLinear, in one package; with
+    quantized_model_init the package holds the FP8 weights (requires_grad_(False): torch unwraps a
+    QuantizedWeight into parameters, and NVFP4's uint8 data cannot require grad)."""
     torch.manual_seed(0)
-    _check_package(MLP(recipe.from_name(name)), _mlp_inputs, (_BATCH,), tmp_path, monkeypatch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["current", "mxfp8"])
-def test_grouped_linear(name, tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    _check_package(Experts(recipe.from_name(name)), _experts_inputs, (_BATCH, None), tmp_path, monkeypatch)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["current", "mxfp8"])
-def test_quantized_model_init_weights(name, tmp_path, monkeypatch):
-    """FP8 weights only (quantized_model_init): the package holds them as they are."""
-    torch.manual_seed(0)
-    r = recipe.from_name(name)
-    with tl.quantized_model_init(recipe=r):
-        model = MLP(r)
-    _check_package(model, _mlp_inputs, (_BATCH,), tmp_path, monkeypatch)
+    model = EveryRecipe(quantized_weights=weights == "quantized_model_init")
+    if weights == "quantized_model_init":
+        model.requires_grad_(False)
+    _check_package(model, _experts_inputs, (_BATCH, None), tmp_path, monkeypatch, labels=EveryRecipe.labels())
