@@ -3,15 +3,16 @@
 An eval() model exported with a dynamic batch is packaged with ``torch._inductor.aoti_compile_and_package``,
 loaded with ``aoti_load_package`` in a fresh process that imports transformer_linear (the ops are Python
 custom ops: the package calls back into them), and run on several batch sizes; its outputs must equal
-eager's within tolerances.assert_close_to_reference's floor. Delayed scaling's state is updated inside the
-package call after call, as eager updates the model's (a stale state would change the later outputs).
+eager's within tolerances.assert_close_to_reference's floor, call by call (delayed scaling's state is
+updated inside the package, as eager updates the model's).
 
-Each package is one Inductor compile (about 35 s on an idle 2-core CPU, most of it the C++ compile of
-the wrapper, whatever the model), so CI's short form is one package (CurrentScaling, the recipe the issue
-reported) and the slow form packages one model holding a tl.Linear and a tl.GroupedLinear under every
-recipe of the registry, with high-precision and with quantized_model_init weights (two packages). Each
-test compiles into its own Inductor cache directory: a warm cache saves only about a quarter of a package's
-compile (docs/deploy.md), and a shared one would let one test's artifacts stand in for another's compile.
+Each package is one Inductor compile (about 30 s of CPU on a 2-core Zen 3, most of it the C++ compile of
+the wrapper, whatever the model's size), so CI's short form is one package (CurrentScaling, the recipe the
+issue reported) and the slow form packages one model holding a tl.Linear and a tl.GroupedLinear under
+every recipe of the registry, with high-precision and with quantized_model_init weights (two packages).
+Each test compiles into its own Inductor cache directory: a warm cache saves only a fifth to a quarter of
+a package's compile (docs/deploy.md), and a shared one would let one test's artifacts stand in for
+another's compile.
 """
 
 import copy
