@@ -128,6 +128,20 @@ class TestOpcheck:
         assert types["cached_weight__weight_fp8"] == "Optional[Tensor]"
         assert types["quantization__history__amax_history_len"] == "Optional[int]"
         assert types["quantization__backward_override"] == "Optional[str]"
+        # A list leaf is optional: the empty list crosses as None (see the next test).
+        assert types["quantization__input__block_shape"] == "Optional[List[int]]"
+
+    @pytest.mark.parametrize("name, block_shape", [("current", []), ("mxfp8", [1, 32])])
+    def test_an_empty_block_shape_crosses_the_op_as_none(self, name, block_shape):
+        """AOTInductor's runtime passes an empty int list to an op as None (linear_args' module doc), so a
+        tensorwise quantizer's block_shape [] crosses as None and comes back as []; others as they are."""
+        layer = tl.Linear(16, 8, recipe=recipe.from_name(name))
+        x = torch.randn(4, 16)
+        op = linear_ops.linear_fwd
+        flat = op.flatten(layer._fwd_args(x, layer.recipe, None))
+        params = dict(zip((n for n, _ in op.params), flat))
+        assert params["quantization__input__block_shape"] == (block_shape or None)
+        assert op.unflatten(flat).quantization.input.block_shape == block_shape
 
     @pytest.mark.parametrize("name", [None, *RECIPES])
     @pytest.mark.parametrize("cached", [False, True])

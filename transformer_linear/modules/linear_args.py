@@ -12,6 +12,12 @@ per leaf field, named by its path (``quantization__input__dtype``), so nested
 configs need no schema of their own. An optional config (``Optional[...]``)
 makes each of its leaves optional, all None when the config is None; it must
 have a leaf that is never None, which tells the two apart.
+
+A ``list[int]`` leaf (a quantizer's ``block_shape``) crosses the op as
+``SymInt[]?``, with None for the empty list, which the op turns back into
+``[]``: AOTInductor's runtime (torch 2.13's OSSProxyExecutor) passes an empty
+int list to the op as None, so a tensorwise quantizer's ``[]`` would not
+survive a packaged model's call.
 """
 
 # No ``from __future__ import annotations``: the op schema is read from the
@@ -223,16 +229,18 @@ class _Field(NamedTuple):
     """A config's fields, in declaration order; empty for a leaf."""
     size: int = 1
     """How many op parameters the field takes."""
+    empty_as_none: bool = False
+    """A ``list[int]`` leaf: optional in the schema, the empty list passed as None (see the module doc)."""
 
     def params(self) -> list[tuple[str, Any]]:
         if not self.fields:
-            return [(self.name, self.hint)]
+            return [(self.name, Optional[self.hint] if self.empty_as_none else self.hint)]
         params = [p for f in self.fields for p in f.params()]
         return [(n, Optional[h]) for n, h in params] if self.optional else params
 
     def flatten(self, value: Any) -> tuple:
         if not self.fields:
-            return (value,)
+            return (None if self.empty_as_none and value is not None and len(value) == 0 else value,)
         # torch.compile traces this code (the op's caller): there the cache would be graph state.
         cache = value is not None and not torch.compiler.is_compiling()
         if cache:
@@ -246,7 +254,8 @@ class _Field(NamedTuple):
 
     def unflatten(self, values: Iterator[Any]) -> Any:
         if not self.fields:
-            return next(values)
+            value = next(values)
+            return [] if self.empty_as_none and value is None else value
         taken = tuple(next(values) for _ in range(self.size))
         if self.optional and all(v is None for v in taken):
             return None
@@ -298,7 +307,7 @@ def _field(cls: type, name: str, param: str) -> _Field:
     inner = _optional_of(hint)
     config, optional = (inner, True) if _is_config(inner) else (hint, False)
     if not _is_config(config):
-        return _Field(name, param, hint, False)
+        return _Field(name, param, hint, False, empty_as_none=typing.get_origin(hint) is list)
     fields = tuple(_field(config, f.name, f"{param}__{f.name}") for f in dataclasses.fields(config))
     node = _Field(name, param, config, optional, fields, sum(f.size for f in fields))
     if optional and all(_optional_of(h) is not None for _, h in node._replace(optional=False).params()):
