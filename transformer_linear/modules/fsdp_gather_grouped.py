@@ -70,9 +70,9 @@ def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size:
         ValueError: naming the experts and ranks, or the recipe's property that prevents it.
     """
     weight = spec.weight
-    why = None
-    if weight.is_nvfp4:
-        why = "NVFP4 experts are not gathered in FP4"
+    why = weight.scaling_kind.experts_gather_problem(weight)
+    if why is not None:
+        pass  # the kind's
     elif spec.history is not None or weight.scale_from_history:
         why = ("delayed scaling quantizes every expert with the layer's one history scale and records their "
                "amax (no per-expert scale each rank could compute alone)")

@@ -228,6 +228,11 @@ class ScalingKind:
                     f"({need}) so that no block straddles two shards")
         return None
 
+    def experts_gather_problem(self, q: QuantizerFields) -> Optional[str]:
+        """Why experts' stacked weights of this kind are not all-gathered quantized (each rank quantizing its
+        whole experts, modules/fsdp_gather_grouped.py), or None where they are."""
+        return None
+
     def whole_tensor_amax(self, q: QuantizerFields, shard: Tensor) -> Optional[Tensor]:
         """The amax of this shard that the ranks all-reduce (MAX) so each quantizes its shard as part of the
         whole tensor (a one-element float32 tensor), or None where a shard's scales are its own."""

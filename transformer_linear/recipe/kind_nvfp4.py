@@ -191,6 +191,10 @@ class NVFP4Kind(ScalingKind):
                     "the whole weight (the weight is rounded to nearest in Transformer Engine's NVFP4 recipe)")
         return super().shard_problem(q, rows, world_size)
 
+    def experts_gather_problem(self, q: QuantizerFields) -> Optional[str]:
+        # The grouped path's FP4 gather (stacked packed scales, 1x16 copies of their own) is not built.
+        return "NVFP4 experts are not gathered in FP4"
+
     def whole_tensor_amax(self, q: QuantizerFields, shard: Tensor) -> Optional[Tensor]:
         return ops.nvfp4.nvfp4_amax(shard).reshape(1)
 
