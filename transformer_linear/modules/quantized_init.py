@@ -109,7 +109,7 @@ def quantized_model_init(
             :func:`get_high_precision_init_val`; ``tl.optim.MasterWeights`` (or ``fully_shard``) takes it as
             the master (else the master starts from the dequantized weight).
         rowwise_only: where the recipe's columnwise weight copy has blocks of its own (MXFP8's 32x1, the
-            rowwise recipe's per-column scales, NVFP4's packed copy), store only the rowwise copy: about
+            rowwise recipe's per-column scales, NVFP4's 1x16 blocks), store only the rowwise copy: about
             half the bytes (0.27x fp32 for MXFP8 instead of 0.52x). A forward that needs the columnwise
             copy (for dgrad) quantizes it from the stored weight's value, one more quantize per forward,
             so dgrad reads the stored weight quantized columnwise rather than the master quantized
