@@ -151,3 +151,14 @@ def test_every_recipe_linear_and_grouped_linear(weights, tmp_path, monkeypatch):
     if weights == "quantized_model_init":
         model.requires_grad_(False)
     _check_package(model, _experts_inputs, (_BATCH, None), tmp_path, monkeypatch, labels=EveryRecipe.labels())
+
+
+@pytest.mark.slow
+def test_rowwise_only_mxfp8_weights_package(tmp_path, monkeypatch):
+    """quantized_model_init(rowwise_only=True) under MXFP8: the package holds the rowwise copy alone, and a
+    forward without autograd makes no columnwise copy (no E8M0 requantize in the graph)."""
+    torch.manual_seed(0)
+    with tl.quantized_model_init(recipe=recipe.from_name("mxfp8"), rowwise_only=True):
+        model = MLP(recipe.from_name("mxfp8"))
+    model.requires_grad_(False)
+    _check_package(model, _mlp_inputs, (_BATCH,), tmp_path, monkeypatch)

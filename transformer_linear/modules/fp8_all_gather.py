@@ -509,6 +509,12 @@ class GatheredFP8Weight(torch.Tensor):
         """The gathered quantized weight, as the Linear's forward op takes it."""
         return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})
 
+    @property
+    def stored_copies(self) -> CachedWeight:
+        """The copies the weight holds, with none made now (a forward without autograd reads these, as no
+        GEMM then reads a columnwise copy): a gathered weight's are :attr:`cached_weight`."""
+        return self.cached_weight
+
     def __repr__(self) -> str:
         return f"GatheredFP8Weight(shape={list(self.shape)}, dtype={self.dtype}, quantizer={self.quantizer})"
 
@@ -572,7 +578,8 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
             f"Linear: the weight was {weight.source} as {weight.quantizer}; "
             f"the forward's recipe quantizes it as {quantizer}"
         )
-    cached = weight.cached_weight
+    # Without autograd no GEMM reads the columnwise copy: a weight that would make it now does not.
+    cached = weight.cached_weight if torch.is_grad_enabled() else weight.stored_copies
     if weight.missing_rowwise is not None:
         # A forward recomputed after backward's columnwise-only gather gathers the rowwise copy (an opaque op
         # that does nothing otherwise: the forward's graph is the same in every pass).

@@ -240,6 +240,11 @@ class QuantizedWeight(GatheredFP8Weight):
         data_t, scale_inv_t = self.quantizer.transpose_copy(stored.weight_fp8, stored.weight_scale_inv)
         return dataclasses.replace(stored, weight_fp8_t=data_t, weight_scale_inv_t=scale_inv_t)
 
+    @property
+    def stored_copies(self) -> CachedWeight:
+        """The stored copies alone, with no columnwise copy made (what a forward without autograd reads)."""
+        return self._stored()
+
     def _stored(self) -> CachedWeight:
         return CachedWeight(**{name: getattr(self, name) for name in _CACHED_FIELDS})
 
