@@ -112,6 +112,16 @@ void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
   }
 }
 
+// `pack` with the kernel set's own packing where it has one.
+void pack_rows(const KernelSet& ks, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc, int r,
+               void* dst) {
+  if (ks.pack) {
+    ks.pack(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
+  } else {
+    pack(op, row0, rows, pc, kc, r, ks.kpack, dst);
+  }
+}
+
 // The portable MicroFn: kMr x kNr tile.
 constexpr int kMr = 4, kNr = 8;
 
@@ -176,7 +186,7 @@ void run(const GemmView& p, const KernelSet& ks) {
       const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
       for_each_claimed(threads, b_panels, [&](int64_t q) {
         const int64_t j = jc + q * nr;
-        pack(b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, ks.kpack, b_packed + q * panel_bytes);
+        pack_rows(ks, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, b_packed + q * panel_bytes);
       });
       // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
       const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
@@ -197,7 +207,7 @@ void run(const GemmView& p, const KernelSet& ks) {
         const int64_t ic = (w / n_splits) * mc;
         const int64_t split = w % n_splits;
         const int64_t mb = std::min(mc, m - ic);
-        pack(a_op, ic, mb, pc, kb, mr, ks.kpack, a_buffer.get());
+        pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_buffer.get());
         const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
         for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
           const int64_t j = q * nr;  // within the NC block
