@@ -17,12 +17,14 @@ why it was chosen, is printed first, with the command and the CPU model.
     python benchmarks/bench_linear.py --shapes 1024 --recipes nvfp4 --threads 1
     python benchmarks/bench_linear.py --shapes 512,1024 --iters 3 --no-compile
     python benchmarks/bench_linear.py --shapes 2048,4096x1024x4096   # M x K x N
+    python benchmarks/bench_linear.py --shapes 2048 --threads 1 --clock thread --no-bf16   # AVX2-only CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import shlex
 import statistics
 import sys
@@ -55,13 +57,12 @@ def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:
 
 
 def _variants(
-    base: nn.Linear, compile_: bool, recipes: list[str]
+    base: nn.Linear, compile_: bool, recipes: list[str], bf16: bool = True
 ) -> dict[str, Optional[Callable[[], nn.Module]]]:
     """name -> factory of a module with ``base``'s parameters (None: not available)."""
-    variants: dict[str, Optional[Callable[[], nn.Module]]] = {
-        "nn.Linear fp32": lambda: copy.deepcopy(base),
-        "nn.Linear bf16": lambda: copy.deepcopy(base).to(torch.bfloat16),
-    }
+    variants: dict[str, Optional[Callable[[], nn.Module]]] = {"nn.Linear fp32": lambda: copy.deepcopy(base)}
+    if bf16:
+        variants["nn.Linear bf16"] = lambda: copy.deepcopy(base).to(torch.bfloat16)
     for name in recipes:
         r = RECIPES[name]
         variants[f"tl.Linear {name}"] = lambda r=r: tl.Linear.from_linear(copy.deepcopy(base), recipe=r)
@@ -141,7 +142,7 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     print("| variant | fwd+bwd ms | vs nn.Linear fp32 | vs nn.Linear bf16 | saved bytes | vs nn.Linear fp32 | peak MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     steps, saved, missing = {}, {}, []
-    for name, make in _variants(base, not args.no_compile, args.recipes).items():
+    for name, make in _variants(base, not args.no_compile, args.recipes, bf16=not args.no_bf16).items():
         if make is None:
             missing.append(name)
             continue
@@ -153,17 +154,20 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
         saved[name] = _saved_bytes(module, x)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, clock)
     peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f} (all variants)" if args.device == "cuda" else "-"
-    fp32, bf16 = seconds["nn.Linear fp32"], seconds["nn.Linear bf16"]
+    fp32, bf16 = seconds["nn.Linear fp32"], seconds.get("nn.Linear bf16")
     for name, s in seconds.items():
         label = f"{name} (1 call)" if name in slow else name
+        vs_bf16 = f"{s / bf16:.2f}x" if bf16 else "-"
         print(
-            f"| {label} | {s * 1e3:.3f} | {s / fp32:.2f}x | {s / bf16:.2f}x | {saved[name]} | "
+            f"| {label} | {s * 1e3:.3f} | {s / fp32:.2f}x | {vs_bf16} | {saved[name]} | "
             f"{saved[name] / saved['nn.Linear fp32']:.2f}x | {peak} |"
         )
     for name in missing:
         print(f"| {name} | not installed | | | | | |")
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 def cpu_path() -> str:
@@ -191,12 +195,22 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument(
+        "--clock", choices=("wall", "thread"), default="wall",
+        help="thread: the calling thread's CPU time (what a step spent on a shared machine), needs --threads 1",
+    )
+    parser.add_argument(
+        "--no-bf16", action="store_true",
+        help="leave out bf16 nn.Linear (a CPU without bf16 units runs it at a fraction of fp32's rate: minutes a call)",
+    )
+    parser.add_argument(
         "--slow-call-s", type=float, default=10.0, help="a variant whose first call takes longer is timed from it alone"
     )
     args = parser.parse_args()
     unknown = sorted(set(args.recipes) - set(RECIPES))
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     wanted = args.shapes.split(",") if args.shapes != "all" else [*SQUARE, "llm", "tiny"]
@@ -213,6 +227,8 @@ def main() -> None:
     print(f"# {' '.join(shlex.quote(a) for a in ['python', *sys.argv])}")
     print(f"# {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"# CPU path: {cpu_path()}")
+    print(f"# clock: {'CPU time of the calling thread' if args.clock == 'thread' else 'wall clock'}; "
+          f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for name in args.recipes:
         print(f"# tl.Linear {name}: {RECIPES[name]!r}")
     for label, shape in shapes.items():

@@ -7,7 +7,9 @@
 // with the two block scales (acc += part * (sa[i] * sb[j]), DeepGEMM's
 // promotion); the K-block g is the smaller of the operands' block widths.
 // Loop nest as in gemm_cpu.cpp: NC blocks of B rows, KC chunks of k (a
-// multiple of g), the B chunk packed by all threads, A blocks per thread.
+// multiple of g), the B chunk packed by all threads, A blocks per thread;
+// threads claim B panels and A blocks one at a time (for_each_claimed), and
+// the next B panel is prefetched while the current one runs.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -159,16 +161,13 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
       const int64_t kb = std::min(kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t b_panel_bytes = ks.panel_bytes(kb, nr);
-      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t j = jc + q * nr;
-          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr,
-                    b_packed + q * b_panel_bytes);
-          if (folded) {
-            int32_t exps[kMaxFoldExps];
-            panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
-            fold(b_packed + q * b_panel_bytes, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
-          }
+      for_each_claimed(threads, b_panels, [&](int64_t q) {
+        const int64_t j = jc + q * nr;
+        ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr, b_packed + q * b_panel_bytes);
+        if (folded) {
+          int32_t exps[kMaxFoldExps];
+          panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
+          fold(b_packed + q * b_panel_bytes, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
         }
       });
       // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
@@ -177,7 +176,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
       const int64_t m_blocks = ceil_div(m, mc);
       const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
       const size_t a_panel_bytes = ks.panel_bytes(kb, mr);
-      parallel_for(m_blocks * n_splits, serial ? m_blocks * n_splits : 1, [&](int64_t w0, int64_t w1) {
+      for_each_claimed(threads, m_blocks * n_splits, [&](int64_t w) {
         // Grown once per thread, reused by every call (like the tensorwise GEMM's).
         thread_local Buffer a_buffer;
         thread_local size_t a_capacity = 0;
@@ -188,46 +187,47 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
         }
         alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
         alignas(64) float acc[64 * 64];
-        for (int64_t w = w0; w < w1; ++w) {
-          const int64_t ic = (w / n_splits) * mc;
-          const int64_t split = w % n_splits;
-          const int64_t mb = std::min(mc, m - ic);
-          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
-          for (int64_t ir = 0; folded && ir < mb; ir += mr) {
-            int32_t exps[kMaxFoldExps];
-            panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
-            fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
-          }
-          if (ks.prepare) ks.prepare();
-          for (int64_t q = split * b_panels / n_splits; q < (split + 1) * b_panels / n_splits; ++q) {
-            const int64_t j = q * nr;  // within the NC block
-            const uint8_t* b_panel = b_packed + q * b_panel_bytes;
-            for (int64_t ir = 0; ir < mb; ir += mr) {
-              const int64_t i = ic + ir;
-              const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
-              // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
-              float* total = totals ? totals + i * nc + j : acc;
-              int64_t ld_total = totals ? nc : nr;
-              if (folded) {  // unit scales: the micro-kernel adds into the total itself
-                // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
-                ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
-                         last ? nr : ld_total);
-                if (last) total = acc, ld_total = nr;
-              }
-              for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
-                // Packed panels store k in order: a sub-panel at k offset s0 starts
-                // s0 * rows elements in (step is a multiple of the kernel's k_align).
-                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
-                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
-                const int64_t s = (pc + s0) / g;
-                promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
-                        first && s0 == 0, total, ld_total);
-              }
-              if (last) {
-                store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
-                                std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
-                                p.accumulate, d + i * n + jc + j, n);
-              }
+        const int64_t ic = (w / n_splits) * mc;
+        const int64_t split = w % n_splits;
+        const int64_t mb = std::min(mc, m - ic);
+        ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
+        for (int64_t ir = 0; folded && ir < mb; ir += mr) {
+          int32_t exps[kMaxFoldExps];
+          panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
+          fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
+        }
+        if (ks.prepare) ks.prepare();
+        const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
+        for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
+          const int64_t j = q * nr;  // within the NC block
+          const uint8_t* b_panel = b_packed + q * b_panel_bytes;
+          const uint8_t* next_b = q + 1 < q_end ? b_panel + b_panel_bytes : nullptr;
+          for (int64_t ir = 0; ir < mb; ir += mr) {
+            const int64_t i = ic + ir;
+            if (next_b) gemm::prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
+            const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+            // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
+            float* total = totals ? totals + i * nc + j : acc;
+            int64_t ld_total = totals ? nc : nr;
+            if (folded) {  // unit scales: the micro-kernel adds into the total itself
+              // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
+              ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
+                       last ? nr : ld_total);
+              if (last) total = acc, ld_total = nr;
+            }
+            for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
+              // Packed panels store k in order: a sub-panel at k offset s0 starts
+              // s0 * rows elements in (step is a multiple of the kernel's k_align).
+              ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                       b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+              const int64_t s = (pc + s0) / g;
+              promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
+                      first && s0 == 0, total, ld_total);
+            }
+            if (last) {
+              store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
+                              std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
+                              p.accumulate, d + i * n + jc + j, n);
             }
           }
         }

@@ -15,13 +15,14 @@
 // (portable C++, below), avx2 (8-lane fp32 FMA micro-kernel), avx512 (16-lane
 // fp32 FMA micro-kernel), avx512_bf16 (AMX tiles where present, else
 // vdpbf16ps). Threads claim packing and compute
-// items one at a time (for_each_claimed), so a busy machine that deschedules
-// one thread does not leave the others idle at the end of each pass.
+// items one at a time (for_each_claimed, parallel.h), so a busy machine that
+// deschedules one thread does not leave the others idle at the end of each
+// pass. While the A micro-panels run against one B panel, the next B panel is
+// prefetched into L2 a slice per micro-kernel call (prefetch_slice).
 #include "gemm_cpu.h"
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -149,21 +150,6 @@ int threads_for(const GemmParams& p) {
   return 2.0 * p.m * p.n * p.k < kMinParallelFlops ? 1 : get_num_threads();
 }
 
-// fn(item) for each item in [0, n) on up to `threads` threads, each claiming
-// the next unclaimed item: on a busy machine a thread the OS deschedules
-// holds the others up by one item at most, not by a fixed share of the work.
-template <typename Fn>
-void for_each_claimed(int64_t n, int threads, Fn&& fn) {
-  if (threads <= 1 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  parallel_for(std::min<int64_t>(threads, n), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
-}
-
 template <typename Out>
 void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   using T = typename Out::storage;
@@ -205,7 +191,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
       const int64_t kb = std::min(ks.kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-      for_each_claimed(b_panels, threads, [&](int64_t q) {
+      for_each_claimed(threads, b_panels, [&](int64_t q) {
         const int64_t j = jc + q * ks.nr;
         ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
                   b_packed + q * b_panel_bytes);
@@ -214,7 +200,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
       const Partition part = partition(ks, m, b_panels, threads);
       const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
       const int64_t work_items = part.m_blocks * part.n_splits;
-      for_each_claimed(work_items, threads, [&](int64_t w) {
+      for_each_claimed(threads, work_items, [&](int64_t w) {
         thread_local AlignedBuffer a_buffer;
         uint8_t* a_packed =
             static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
@@ -226,11 +212,14 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
         if (ks.prepare) ks.prepare();
         const int64_t q_begin = split * b_panels / part.n_splits;
         const int64_t q_end = (split + 1) * b_panels / part.n_splits;
+        const int64_t a_panels = ceil_div(mb, ks.mr);
         for (int64_t q = q_begin; q < q_end; ++q) {
           const int64_t j = q * ks.nr;  // within the NC block
           const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
+          const uint8_t* next_b = q + 1 < q_end ? b_packed + (q + 1) * b_panel_bytes : nullptr;
           for (int64_t ir = 0; ir < mb; ir += ks.mr) {
             const int64_t i = ic + ir;
+            if (next_b) prefetch_slice(next_b, b_panel_bytes, ir / ks.mr, a_panels);
             float* partial = scratch ? scratch + i * nc + j : nullptr;
             float* out = last ? tile : partial;
             ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_packed + q * b_panel_bytes,

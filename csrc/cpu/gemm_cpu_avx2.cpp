@@ -24,11 +24,15 @@
 #include <type_traits>
 
 #include "gemm_cpu.h"
+#include "pack_avx2.h"
 
 namespace tl {
 namespace cpu {
 namespace gemm {
 namespace {
+
+using avx2::store_floats;
+using avx2::transpose8x8;
 
 // 8 FP8 bytes (the low 8 of `bytes`) -> 8 exact fp32 lanes.
 template <bool kE4M3>
@@ -52,36 +56,6 @@ inline __m128i load_bytes(const uint8_t* p, int64_t n) {
   uint64_t v = 0;
   std::memcpy(&v, p, static_cast<size_t>(std::clamp<int64_t>(n, 0, 8)));
   return _mm_cvtsi64_si128(static_cast<int64_t>(v));
-}
-
-// In-place transpose of an 8 x 8 block of floats held as 8 row registers.
-inline void transpose8x8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int b = 0; b < 8; b += 4) {
-    u[b] = _mm256_shuffle_ps(t[b], t[b + 2], 0x44);
-    u[b + 1] = _mm256_shuffle_ps(t[b], t[b + 2], 0xee);
-    u[b + 2] = _mm256_shuffle_ps(t[b + 1], t[b + 3], 0x44);
-    u[b + 3] = _mm256_shuffle_ps(t[b + 1], t[b + 3], 0xee);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
-}
-
-// Stores the first n (<= 8) floats of v at p.
-inline void store_floats(float* p, __m256 v, int64_t n) {
-  if (n == 8) {
-    _mm256_storeu_ps(p, v);
-  } else {
-    alignas(32) float buf[8];
-    _mm256_store_ps(buf, v);
-    std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
-  }
 }
 
 // kpack = 1 (fp32): panel float [k * r + i] = src[i, k].

@@ -8,7 +8,8 @@
 // the micro-kernel only has to add each block's sum to the fp32 total in K order, as
 // reference/nvfp4.py nvfp4_gemm does. The fp32 totals stay in a tile on the stack when
 // one chunk covers K, else in an M x NC buffer (tile by tile) across chunks; the global scales (alpha)
-// and the bias come in the fp32 epilogue. Every output element is computed the same way
+// and the bias come in the fp32 epilogue. Threads claim B panels and A blocks one at a time
+// (for_each_claimed), and the next B panel is prefetched while the current one runs. Every output element is computed the same way
 // whatever the thread count, so results do not depend on it.
 #include <algorithm>
 #include <cstdlib>
@@ -111,6 +112,16 @@ void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
   }
 }
 
+// `pack` with the kernel set's own packing where it has one.
+void pack_rows(const KernelSet& ks, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc, int r,
+               void* dst) {
+  if (ks.pack) {
+    ks.pack(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
+  } else {
+    pack(op, row0, rows, pc, kc, r, ks.kpack, dst);
+  }
+}
+
 // The portable MicroFn: kMr x kNr tile.
 constexpr int kMr = 4, kNr = 8;
 
@@ -173,11 +184,9 @@ void run(const GemmView& p, const KernelSet& ks) {
       const int64_t kb = std::min(kc, k - pc);
       const bool first = pc == 0, last = pc + kb == k;
       const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
-      parallel_for(b_panels, serial ? b_panels : 4, [&](int64_t q0, int64_t q1) {
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t j = jc + q * nr;
-          pack(b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, ks.kpack, b_packed + q * panel_bytes);
-        }
+      for_each_claimed(threads, b_panels, [&](int64_t q) {
+        const int64_t j = jc + q * nr;
+        pack_rows(ks, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, b_packed + q * panel_bytes);
       });
       // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
       const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
@@ -185,7 +194,7 @@ void run(const GemmView& p, const KernelSet& ks) {
       const int64_t m_blocks = ceil_div(m, mc);
       const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
       const size_t a_panel_bytes = static_cast<size_t>(kb) * mr * elem_bytes;
-      parallel_for(m_blocks * n_splits, serial ? m_blocks * n_splits : 1, [&](int64_t w0, int64_t w1) {
+      for_each_claimed(threads, m_blocks * n_splits, [&](int64_t w) {
         // Grown once per thread, reused by every call.
         thread_local Buffer a_buffer;
         thread_local size_t a_capacity = 0;
@@ -195,24 +204,25 @@ void run(const GemmView& p, const KernelSet& ks) {
           a_capacity = a_bytes;
         }
         alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-        for (int64_t w = w0; w < w1; ++w) {
-          const int64_t ic = (w / n_splits) * mc;
-          const int64_t split = w % n_splits;
-          const int64_t mb = std::min(mc, m - ic);
-          pack(a_op, ic, mb, pc, kb, mr, ks.kpack, a_buffer.get());
-          for (int64_t q = split * b_panels / n_splits; q < (split + 1) * b_panels / n_splits; ++q) {
-            const int64_t j = q * nr;  // within the NC block
-            const uint8_t* b_panel = b_packed + q * panel_bytes;
-            for (int64_t ir = 0; ir < mb; ir += mr) {
-              const int64_t i = ic + ir;
-              // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
-              float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
-              if (first) std::fill(total, total + mr * nr, 0.0f);
-              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
-              if (last) {
-                gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
-                                      p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
-              }
+        const int64_t ic = (w / n_splits) * mc;
+        const int64_t split = w % n_splits;
+        const int64_t mb = std::min(mc, m - ic);
+        pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_buffer.get());
+        const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
+        for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
+          const int64_t j = q * nr;  // within the NC block
+          const uint8_t* b_panel = b_packed + q * panel_bytes;
+          const uint8_t* next_b = q + 1 < q_end ? b_panel + panel_bytes : nullptr;
+          for (int64_t ir = 0; ir < mb; ir += mr) {
+            const int64_t i = ic + ir;
+            if (next_b) gemm::prefetch_slice(next_b, panel_bytes, ir / mr, a_panels);
+            // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+            float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
+            if (first) std::fill(total, total + mr * nr, 0.0f);
+            ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
+            if (last) {
+              gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
+                                    p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
             }
           }
         }

@@ -30,12 +30,21 @@ constexpr int kBlockK = 16;
  */
 using MicroFn = void (*)(int64_t kc, const void* a, const void* b, float* total, int64_t ld_total);
 
-/*! \brief The micro-kernel and block sizes of one instruction-set path. */
+/*!
+ * \brief Decodes rows [row0, row0 + rows) x k [pc, pc + kc) (kc a multiple of 16) of a packed
+ *        NVFP4 operand (row i's codes at data + i * ld / 2, its E4M3 scales at scale + i * ld / 16),
+ *        block scales applied, into micro-panels of r rows; rows up to the next multiple of r are zero.
+ */
+using PackFn = void (*)(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows,
+                        int64_t pc, int64_t kc, int r, void* dst);
+
+/*! \brief The micro-kernel, packing and block sizes of one instruction-set path. */
 struct KernelSet {
   int mr, nr;          // register tile (rows of A, rows of B)
   int kpack;           // k values per packed group: 1 (fp32) or 2 (bf16 pairs)
   int64_t kc, mc, nc;  // cache blocks: k per pass (a multiple of 16), rows of A, rows of B
   MicroFn micro;
+  PackFn pack = nullptr;  // null: the portable packing (gemm_nvfp4_cpu.cpp)
 };
 
 /*! \brief Portable fp32 path (gemm_nvfp4_cpu.cpp). */
