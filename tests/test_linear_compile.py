@@ -108,7 +108,7 @@ class TestOpcheck:
         # gives one per leaf, named by its path.
         quantizer_leaves = (
             "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history",
-            "rht", "stochastic_rounding",
+            "rht", "stochastic_rounding", "kind",
         )
         nested = {
             "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]
