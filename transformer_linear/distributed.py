@@ -214,9 +214,10 @@ def _wrap_for_fp8_all_gather(module: nn.Module, fp8_all_gather: Union[bool, Reci
         if recipe is None and layer.quantized_init is not None:
             recipe = layer.quantized_init.recipe
         spec = gather_spec(layer, recipe, "fully_shard", fqn, "pass the recipe it runs under as fp8_all_gather=recipe")
-        where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})" if isinstance(layer, GroupedLinear) else "fully_shard"
+        grouped = isinstance(layer, GroupedLinear)
+        where = f"fully_shard (tl.GroupedLinear {fqn or '<root>'!r})" if grouped else "fully_shard"
         if skip:
-            if isinstance(layer, GroupedLinear):
+            if grouped:
                 check_grouped_gatherable(spec, layer.num_gemms, 1, where)
             continue
         make_fp8_all_gathered(layer, spec, where, world_size)

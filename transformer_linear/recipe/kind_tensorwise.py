@@ -108,7 +108,9 @@ class TensorwiseKind(ScalingKind):
     def columnwise_is_transpose(self, q: QuantizerFields) -> bool:
         return True
 
-    def transpose_copy(self, q: QuantizerFields, data: Tensor, scale_inv: Tensor) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    def transpose_copy(
+        self, q: QuantizerFields, data: Tensor, scale_inv: Tensor
+    ) -> tuple[Optional[Tensor], Optional[Tensor]]:
         if data.dim() == 3:
             # The grouped dgrad reads each expert's transpose, with the expert's one scale.
             return transposed(data), scale_inv.clone()
