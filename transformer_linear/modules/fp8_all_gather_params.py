@@ -20,14 +20,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from transformer_linear.modules import quantized_init
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable, is_fp8_all_gathered
 from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
 from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.recipe import Recipe
 from transformer_linear.recipe.quantization import QuantizationSpec, quantization_spec
 
-__all__ = ["gather_spec", "gathers_in_fp8", "make_fp8_all_gathered"]
+__all__ = ["gather_spec", "make_fp8_all_gathered"]
 
 
 def gather_spec(layer: nn.Module, recipe: Optional[Recipe], where: str, fqn: str, hint: str) -> QuantizationSpec:
@@ -44,12 +44,6 @@ def gather_spec(layer: nn.Module, recipe: Optional[Recipe], where: str, fqn: str
             f"(it has none); {hint}"
         )
     return check_grouped_quantization(where, recipe) if layer.weight.dim() == 3 else quantization_spec(recipe)
-
-
-def gathers_in_fp8(layer: nn.Module) -> bool:
-    """Whether ``layer``'s weight (or its FSDP2 shard) is all-gathered quantized."""
-    weight = layer.weight
-    return isinstance(getattr(weight, "_local_tensor", weight), FP8AllGatherWeight)
 
 
 def make_fp8_all_gathered(layer: nn.Module, spec: QuantizationSpec, where: str,
@@ -72,7 +66,7 @@ def make_fp8_all_gathered(layer: nn.Module, spec: QuantizationSpec, where: str,
     grouped = weight.dim() == 3
     expected = (weight.shape[0], layer.out_features, layer.in_features) if grouped else (
         layer.out_features, layer.in_features)
-    if tuple(weight.shape) != expected or gathers_in_fp8(layer):
+    if tuple(weight.shape) != expected or is_fp8_all_gathered(weight):
         return False
     if grouped:
         check_grouped_gatherable(spec, weight.shape[0], world_size or 1, where)

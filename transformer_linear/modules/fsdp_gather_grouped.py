@@ -72,8 +72,8 @@ def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size:
     weight = spec.weight
     why = weight.scaling_kind.experts_gather_problem(weight)
     if why is not None:
-        pass  # the kind's
-    elif spec.history is not None or weight.scale_from_history:
+        raise _not_gathered(where, why)
+    if spec.history is not None or weight.scale_from_history:
         why = ("delayed scaling quantizes every expert with the layer's one history scale and records their "
                "amax (no per-expert scale each rank could compute alone)")
     elif spec.backward_operands == "high_precision":
@@ -82,10 +82,14 @@ def check_grouped_gatherable(spec: QuantizationSpec, num_gemms: int, world_size:
         why = (f"{num_gemms} experts over {world_size} ranks: each rank must hold whole experts (num_gemms a "
                "multiple of the ranks)")
     if why is not None:
-        raise ValueError(
-            f"{where}: fp8_all_gather cannot gather this GroupedLinear's experts in FP8: {why}; shard it with "
-            "fp8_all_gather=False (an inner fully_shard call; its experts are then gathered in high precision)"
-        )
+        raise _not_gathered(where, why)
+
+
+def _not_gathered(where: str, why: str) -> ValueError:
+    return ValueError(
+        f"{where}: fp8_all_gather cannot gather this GroupedLinear's experts in FP8: {why}; shard it with "
+        "fp8_all_gather=False (an inner fully_shard call; its experts are then gathered in high precision)"
+    )
 
 
 class _GroupedGatherMetadata(NamedTuple):

@@ -34,6 +34,7 @@ __all__ = [
     "register_scaling_kind",
     "scaling_kind",
     "scaling_kind_names",
+    "no_usages",
     "stack_experts",
     "stacked",
 ]
@@ -262,6 +263,13 @@ def block_for(q: QuantizerFields, cols: int) -> tuple[int, int]:
     bm, bk = q.block_shape
     # int(): the ops take a concrete block; a Linear's row length (in/out_features) is static anyway.
     return bm, (bk if bk > 0 else max(int(cols), 1))
+
+
+def no_usages(q: QuantizerFields, x: Tensor) -> Quantized:
+    """What a quantize asked for no usage returns: empty data and scales of the quantizer's dtypes (distinct
+    tensors: outputs of one op may not alias each other)."""
+    empty_data, empty_scale = x.new_empty(0, dtype=q.dtype), x.new_empty(0, dtype=q.scale_dtype)
+    return Quantized(empty_data, empty_scale, empty_data.clone(), empty_scale.clone())
 
 
 def stack_experts(qs: Sequence[Quantized], rowwise: bool, columnwise: bool) -> Quantized:

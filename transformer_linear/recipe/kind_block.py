@@ -25,7 +25,14 @@ from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES
 from transformer_linear.formats.grouped_scaling import GROUPED_GEMM_SCALINGS, TOKEN_BLOCKS, WHOLE, token_scale_cols
 from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad_blockwise
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
-from transformer_linear.recipe.kind import Quantized, QuantizerFields, ScalingKind, block_for, register_scaling_kind
+from transformer_linear.recipe.kind import (
+    Quantized,
+    QuantizerFields,
+    ScalingKind,
+    block_for,
+    no_usages,
+    register_scaling_kind,
+)
 from transformer_linear.recipe.kind_tensorwise import transposed
 
 __all__ = ["BlockKind", "block_range_stats", "flat", "token_block"]
@@ -144,8 +151,7 @@ class BlockKind(ScalingKind):
         empty tensors.
         """
         if not (rowwise or columnwise):
-            empty_fp8, empty_scale = x.new_empty(0, dtype=q.dtype), x.new_empty(0, dtype=q.scale_dtype)
-            return Quantized(empty_fp8, empty_scale, empty_fp8.clone(), empty_scale.clone())
+            return no_usages(q, x)
         out = _quantize_flat_op(
             x, q.dtype, list(q.block_shape), q.scale_dtype, q.power_2_scale, rowwise, columnwise, q.e8m0_rounding,
         )

@@ -30,6 +30,7 @@ from transformer_linear.recipe.kind import (
     Quantized,
     QuantizerFields,
     ScalingKind,
+    no_usages,
     register_scaling_kind,
     stack_experts,
     stacked,
@@ -130,8 +131,7 @@ class NVFP4Kind(ScalingKind):
         """The copies asked for (the packed form), one pass; the global scale from ``global_amax`` where given
         (a shard quantized as part of a whole tensor), else from ``x``'s amax."""
         if not (rowwise or columnwise):
-            empty_fp4, empty_scale = x.new_empty(0, dtype=q.dtype), x.new_empty(0, dtype=q.scale_dtype)
-            return Quantized(empty_fp4, empty_scale, empty_fp4.clone(), empty_scale.clone())
+            return no_usages(q, x)
         seed = ops.nvfp4.sr_seed(x) if q.stochastic_rounding else None
         scaling_2d = q.block_shape == [BLOCK, BLOCK]
         out = ops.nvfp4.quantize_nvfp4_packed(
