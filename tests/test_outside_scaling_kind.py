@@ -162,7 +162,7 @@ def test_grouped_linear_matches_per_expert_linears():
         assert tl.numerics.sqnr(got, want) > 20, (what, tl.numerics.sqnr(got, want))
 
 
-def test_quantized_model_init_keeps_both_copies_and_trains():
+def test_quantized_model_init_keeps_both_copies_bitwise_the_forward_quantized_weight():
     torch.manual_seed(2)
     with tl.quantized_model_init(recipe=RECIPE, preserve_high_precision_init_val=True):
         layer = tl.Linear(IN, OUT, recipe=RECIPE)
