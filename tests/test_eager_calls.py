@@ -1,4 +1,4 @@
-"""ops.eager: eager calls on plain CPU tensors go straight to an op's kernel, and every other call (a
+"""ops.library.call: eager calls on plain CPU tensors go straight to an op's kernel, and every other call (a
 dispatch mode, fake tensors, the profiler, torch.compile, tensors needing a gradient, another device)
 still goes through the op, so what those see is unchanged."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer_linear import ops
-from transformer_linear.ops import eager
+from transformer_linear.ops import library
 
 E4M3 = torch.float8_e4m3fn
 
@@ -28,15 +28,15 @@ class _SeenOps(TorchDispatchMode):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts the calls that eager.call sends straight to a kernel."""
+    """Counts the calls that library.call sends straight to a kernel."""
     calls = []
-    for op, kernel in list(eager._CPU_KERNELS.items()):
+    for op, kernel in list(library._CPU_KERNELS.items()):
 
         def counted(*args, _kernel=kernel, _op=op):
             calls.append(str(_op))
             return _kernel(*args)
 
-        monkeypatch.setitem(eager._CPU_KERNELS, op, counted)
+        monkeypatch.setitem(library._CPU_KERNELS, op, counted)
     return calls
 
 
@@ -62,7 +62,7 @@ def _flat(result):
 
 
 def test_every_non_mutating_op_is_registered():
-    names = sorted(str(op) for op in eager._CPU_KERNELS)
+    names = sorted(str(op) for op in library._CPU_KERNELS)
     for name in ("amax", "quantize", "dequantize", "fp8_gemm", "quantize_blockwise", "fp8_gemm_blockwise"):
         assert f"<CustomOpDef(transformer_linear::{name})>" in names
 

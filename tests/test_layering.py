@@ -10,7 +10,7 @@ The layers, bottom to top (the docs/architecture.md):
 - ``modules``: ``Linear`` and the ways to turn FP8 on;
 - the tools on top: ``distributed``, ``numerics``, ``cli`` and the package's ``__init__``.
 
-``_handles``, ``_compile_cache`` and ``_torch_fixes`` are utilities below every layer.
+``_handles`` and ``_compile_cache`` are utilities below every layer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "transformer_linear"
 
-LAYERS = ("_handles", "_compile_cache", "_torch_fixes", "_C", "formats", "reference", "ops", "recipe", "modules")
+LAYERS = ("_handles", "_compile_cache", "_C", "formats", "reference", "ops", "recipe", "modules")
 TOP = ("distributed", "optim", "numerics", "cli", "__init__", "__main__")
 
 # Function-local imports of the package's own modules, each with its reason.

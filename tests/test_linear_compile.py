@@ -3,6 +3,7 @@ dims, eager == compiled (delayed-scaling state included), and the traced graphs.
 
 import collections
 import copy
+import re
 
 import pytest
 import torch
@@ -103,44 +104,63 @@ class TestOpcheck:
         _opcheck(torch.ops.transformer_linear.delayed_scaling_flush.default, (torch.rand(4, 3), torch.ones(3), 123))
 
     def test_schema_comes_from_the_dataclass(self):
+        """A tensor field is a parameter, a config's tensors one list, and the plain values one string."""
         schema = linear_ops.linear_fwd.op._opoverload._schema
-        # One parameter per field; a nested config (QuantizationSpec, DelayedScalingArgs, CachedWeight)
-        # gives one per leaf, named by its path.
+        types = {a.name: str(a.type) for a in schema.arguments}
+        assert types == {
+            "inp": "Tensor",
+            "weight": "Tensor",
+            "bias": "Optional[Tensor]",
+            "cached_weight": "List[Optional[Tensor]]",
+            "delayed": "List[Optional[Tensor]]",
+            "main_grad": "Optional[Tensor]",
+            "wgrad_queue": "int",  # SymInt in the schema
+            "options": "str",
+        }
+        tensor_leaves = {
+            "cached_weight": list(CachedWeight.__dataclass_fields__),
+            "delayed": [f for f, t in DelayedScalingArgs.__annotations__.items() if "Tensor" in str(t)],
+        }
+        layer = tl.Linear(16, 8, recipe=recipe.DelayedScaling())
+        x = torch.randn(4, 16)
+        layer(x, is_first_microbatch=True)
+        args = layer._fwd_args(x, layer.recipe, False)
+        params = dict(zip((n for n, _ in linear_ops.linear_fwd.params), linear_ops.linear_fwd.flatten(args)))
+        for config, leaves in tensor_leaves.items():
+            assert [t is None for t in params[config]] == [getattr(getattr(args, config), f) is None for f in leaves]
+        keys = [part.partition("=")[0] for part in params["options"].split(",")]
+        plain_fields = [f for f in LinearFwdArgs.__dataclass_fields__ if f not in types and f != "quantization"]
+        assert [k for k in keys if "." not in k] == plain_fields
+        assert [k for k in keys if k.startswith("delayed.")] == [
+            f"delayed.{f}" for f in DelayedScalingArgs.__dataclass_fields__ if f not in tensor_leaves["delayed"]
+        ]
+
+    @pytest.mark.parametrize("name", list(RECIPES))
+    def test_the_options_name_every_quantization_leaf(self, name):
+        """The options list each quantizer's leaves by path, the history's and the backward override."""
         quantizer_leaves = (
             "dtype", "block_shape", "scale_dtype", "power_2_scale", "e8m0_rounding", "margin", "scale_from_history",
             "rht", "stochastic_rounding", "kind",
         )
-        nested = {
-            "quantization": [f"{t}__{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]
-            + [f"history__{f}" for f in recipe.HistoryConfig.__dataclass_fields__]
-            + ["backward_override"],
-            "delayed": list(DelayedScalingArgs.__dataclass_fields__),
-            "cached_weight": list(CachedWeight.__dataclass_fields__),
-        }
-        expected = []
-        for name in LinearFwdArgs.__dataclass_fields__:
-            expected += [f"{name}__{leaf}" for leaf in nested[name]] if name in nested else [name]
-        assert [a.name for a in schema.arguments] == expected
-        types = {a.name: str(a.type) for a in schema.arguments}
-        assert types["inp"] == "Tensor" and types["bias"] == "Optional[Tensor]"
-        # An optional config's leaves are all optional (None when the config is None).
-        assert types["delayed__scale"] == "Optional[Tensor]" and types["delayed__just_in_time"] == "Optional[bool]"
-        assert types["cached_weight__weight_fp8"] == "Optional[Tensor]"
-        assert types["quantization__history__amax_history_len"] == "Optional[int]"
-        assert types["quantization__backward_override"] == "Optional[str]"
-        # A list leaf is optional: the empty list crosses as None (see the next test).
-        assert types["quantization__input__block_shape"] == "Optional[List[int]]"
+        layer = tl.Linear(16, 8, recipe=RECIPES[name])
+        args = layer._fwd_args(torch.randn(4, 16), layer.recipe, None)
+        options = linear_ops.linear_fwd.flatten(args)[-1]
+        keys = [part.partition("=")[0] for part in options.split(",")]
+        expected = [f"quantization.{t}.{f}" for t in ("input", "weight", "grad_output") for f in quantizer_leaves]
+        expected += [f"quantization.history.{f}" for f in recipe.HistoryConfig.__dataclass_fields__]
+        expected += ["quantization.backward_override"]
+        assert [k for k in keys if k.startswith("quantization.")] == expected
 
     @pytest.mark.parametrize("name, block_shape", [("current", []), ("mxfp8", [1, 32])])
-    def test_an_empty_block_shape_crosses_the_op_as_none(self, name, block_shape):
-        """AOTInductor's runtime passes an empty int list to an op as None (linear_args' module doc), so a
-        tensorwise quantizer's block_shape [] crosses as None and comes back as []; others as they are."""
+    def test_an_empty_block_shape_survives_the_op(self, name, block_shape):
+        """AOTInductor's runtime passes an empty int list to an op as None (ops.args_op's module doc); a
+        tensorwise quantizer's block_shape [] crosses inside the options string and comes back as []."""
         layer = tl.Linear(16, 8, recipe=recipe.from_name(name))
         x = torch.randn(4, 16)
         op = linear_ops.linear_fwd
         flat = op.flatten(layer._fwd_args(x, layer.recipe, None))
         params = dict(zip((n for n, _ in op.params), flat))
-        assert params["quantization__input__block_shape"] == (block_shape or None)
+        assert f"quantization.input.block_shape={'x'.join(map(str, block_shape))}," in params["options"]
         assert op.unflatten(flat).quantization.input.block_shape == block_shape
 
     @pytest.mark.parametrize("name", [None, *RECIPES])
@@ -158,14 +178,15 @@ class TestOpcheck:
         rebuilt = op.unflatten(flat)
         for field in LinearFwdArgs.__dataclass_fields__:
             assert type(getattr(rebuilt, field)) is type(getattr(args, field)), field
-        # Tensors come back as themselves; plain values (a cached config's lists) equal and of the same type.
+        assert rebuilt.quantization == args.quantization
+        # Tensors come back as themselves; plain values equal and of the same type.
         for a, b in zip(op.flatten(rebuilt), flat, strict=True):
             assert a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
 
     @pytest.mark.parametrize("name", list(RECIPES))
     def test_configs_of_plain_values_are_rebuilt_once(self, name):
-        """The quantization config is rebuilt from the op parameters once and then reused (it is frozen);
-        a config holding tensors (the cached weight) is rebuilt on every call."""
+        """The quantization config is rebuilt from the options string once and then reused (it is frozen); a config
+        holding tensors (the cached weight) is rebuilt on every call."""
         layer = tl.Linear(16, 8, recipe=RECIPES[name])
         x = torch.randn(4, 16)
         layer(x, is_first_microbatch=True)
@@ -177,18 +198,29 @@ class TestOpcheck:
         assert first.cached_weight is not second.cached_weight
         assert first.cached_weight.weight_fp8 is args.cached_weight.weight_fp8
 
-    def test_a_cached_config_is_not_returned_for_values_of_another_type(self):
-        """True == 1, but a bool margin is refused even after the int one was rebuilt and cached."""
+    @pytest.mark.parametrize(
+        "edit, match",
+        [
+            (lambda s: s.replace("input.margin=1", "input.margin=True"), "leaf 'quantization.input.margin'"),
+            (lambda s: s.replace("input.dtype=torch.float8_e4m3fn", "input.dtype=torch.nonsense"), ".input.dtype'"),
+            (lambda s: s.replace("input.rht=False", "input.rht=0"), "leaf 'quantization.input.rht'"),
+            (lambda s: s.replace(",quantization.backward_override=None", ""), "'options' must list"),
+            (lambda s: "quantization.input.colour=red," + s, "'options' must list"),
+        ],
+    )
+    def test_options_of_another_shape_are_refused(self, edit, match):
+        """Options that are not this version's (the QuantizationSpec (an exported program of another version, a
+        hand-edited graph) is refused naming the leaf, not parsed into another config."""
         layer = tl.Linear(16, 8, recipe=recipe.CurrentScaling(margin=1))
         x = torch.randn(4, 16)
         op = linear_ops.linear_fwd
         flat = op.flatten(layer._fwd_args(x, layer.recipe, None))
-        names = [n for n, _ in op.params]
+        at = [n for n, _ in op.params].index("options")
         op.unflatten(flat)
-        at = names.index("quantization__input__margin")
-        assert flat[at] == 1 and type(flat[at]) is int
-        with pytest.raises(ValueError, match="margin"):
-            op.unflatten(flat[:at] + (True,) + flat[at + 1 :])
+        edited = edit(flat[at])
+        assert edited != flat[at]
+        with pytest.raises(ValueError, match=re.escape(match)):
+            op.unflatten(flat[:at] + (edited,) + flat[at + 1 :])
 
 
 def _train_steps(model, sizes, mark_dynamic):

@@ -22,13 +22,11 @@ except ImportError as _error:
         "`pip install -e .`, which builds the extension into the source folder."
     ) from _error
 
-from transformer_linear import _torch_fixes, ops, reference  # noqa: E402
+from transformer_linear import ops, reference  # noqa: E402
 from transformer_linear._compile_cache import tag_compile_caches
 
 # Compiled graphs cached by another version of the package are not reused (_compile_cache.py).
 tag_compile_caches()
-# The custom ops' per-call overhead without torch's quadratic fill_defaults (_torch_fixes.py).
-_torch_fixes.install()
 
 __version__ = "0.1.0"
 

@@ -26,6 +26,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.formats.checks import check_host_tensor, check_same_device
 from transformer_linear.recipe.quantization import TensorQuantizer
+from transformer_linear.ops import library
 
 __all__ = [
     "BACKWARD_READS_COLUMNWISE",
@@ -144,7 +145,7 @@ def rowwise_source_handle(source: RowwiseSource) -> int:
 # The handle travels as a tensor, not as an int of the schema: torch.compile would guard on an int's value,
 # specializing the layer's graph per layer and per pass; a tensor's value it does not guard on, so every pass
 # (forward, recompute) and every layer of one shape runs one graph.
-@torch.library.custom_op(
+@library.custom_op(
     "transformer_linear::fsdp_gather_rowwise_if_missing",
     mutates_args=("missing_rowwise", "weight_fp8", "weight_scale_inv"),
 )

@@ -43,8 +43,8 @@ from transformer_linear.modules.grouped_linear_args import (
     GroupedLinearFwdOutputs,
     GroupedWgradArgs,
 )
-from transformer_linear.modules.linear_args import args_op
 from transformer_linear.modules.linear_ops import QueuedWgrad, WgradQueue
+from transformer_linear.ops.args_op import args_op
 from transformer_linear.ops.grouped_high_precision import grouped_mm_dgrad, grouped_mm_wgrad
 from transformer_linear.recipe.delayed_scaling import (
     DelayedScalingArgs,

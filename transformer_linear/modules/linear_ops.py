@@ -38,8 +38,8 @@ from transformer_linear.modules.linear_args import (
     LinearBwdContext,
     LinearFwdArgs,
     LinearFwdOutputs,
-    args_op,
 )
+from transformer_linear.ops.args_op import args_op
 from transformer_linear.recipe.delayed_scaling import (
     ForwardScales,
     forward_scales,

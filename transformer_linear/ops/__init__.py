@@ -38,9 +38,9 @@ from transformer_linear.formats import checks
 from transformer_linear.formats.block_scaling import BlockQuantizeOutput, fp8_gemm_scalings, resolve_gemm_scalings
 from transformer_linear.ops import (
     descriptors,
-    eager,
     grouped,  # noqa: F401  (registers the grouped GEMM ops: ops.grouped.*)
     nvfp4,  # noqa: F401  (registers the NVFP4 ops: ops.nvfp4.*)
+    library,
     nvfp4_cuda,  # noqa: F401  (registers the NVFP4 ops' CUDA kernels)
     torch_cuda,
 )
@@ -88,7 +88,7 @@ def _amax_kernel(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_amax_op = eager.custom_op("transformer_linear::amax")(_amax_kernel)
+_amax_op = library.custom_op("transformer_linear::amax", device_types="cpu")(_amax_kernel)
 torch_cuda.register_cuda_kernel(_amax_op, _amax_kernel, torch_cuda.amax)
 
 
@@ -104,7 +104,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         x: contiguous float32, bfloat16 or float16 tensor on the CPU or a GPU.
     """
     checks.check_tensor("amax", "input", x)
-    return eager.call(_amax_op, x)
+    return library.call(_amax_op, x)
 
 
 # ---------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def _quantize_kernel(x, scale, dtype, margin, rowwise, columnwise, dbias_dtype):
     return q, q_t, scale_inv, x_amax, dbias
 
 
-@eager.custom_op("transformer_linear::quantize")
+@library.custom_op("transformer_linear::quantize", device_types="cpu")
 def _quantize_op(
     x: torch.Tensor,
     scale: Optional[torch.Tensor],
@@ -224,7 +224,7 @@ def quantize_fused(
     checks.check_same_device("quantize", {"input": x, "scale": scale}, optional=("scale",))
     checks.check_fp8_dtype("quantize", "dtype", dtype)
     checks.check_margin("quantize", margin)
-    return QuantizeOutput(*eager.call(_quantize_op, x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
+    return QuantizeOutput(*library.call(_quantize_op, x, scale, dtype, margin, rowwise, columnwise, dbias_dtype))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +271,7 @@ def _dequantize_kernel(q, scale_inv, out_dtype):
     return out
 
 
-@eager.custom_op("transformer_linear::dequantize")
+@library.custom_op("transformer_linear::dequantize", device_types="cpu")
 def _dequantize_op(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _dequantize_checks(q, scale_inv, out_dtype)
     return _dequantize_kernel(q, scale_inv, out_dtype)
@@ -289,7 +289,7 @@ def _(q, scale_inv, out_dtype):
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """float(q) * scale_inv rounded to ``out_dtype`` (float32, bfloat16 or float16)."""
     _check_dequantize_args(q, scale_inv, out_dtype)
-    return eager.call(_dequantize_op, q, scale_inv, out_dtype)
+    return library.call(_dequantize_op, q, scale_inv, out_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def _fp8_gemm_kernel(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_
     return out
 
 
-@eager.custom_op("transformer_linear::fp8_gemm")
+@library.custom_op("transformer_linear::fp8_gemm", device_types="cpu")
 def _fp8_gemm_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -375,7 +375,7 @@ def _fp8_gemm_accumulate_kernel(a, a_scale_inv, b, b_scale_inv, out, use_split_a
     _run_gemm(a, a_scale_inv, b, b_scale_inv, None, out, True, use_split_accumulator)
 
 
-@torch.library.custom_op("transformer_linear::fp8_gemm_accumulate", mutates_args=("out",), device_types="cpu")
+@library.custom_op("transformer_linear::fp8_gemm_accumulate", mutates_args=("out",), device_types="cpu")
 def _fp8_gemm_accumulate_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -453,7 +453,7 @@ def fp8_gemm(
     scalings = resolve_gemm_scalings(a, a_scale_inv, b, b_scale_inv)
     if scalings.tensorwise:
         a_scale_inv, b_scale_inv = a_scale_inv.reshape(1), b_scale_inv.reshape(1)
-        return eager.call(_fp8_gemm_op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
+        return library.call(_fp8_gemm_op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias, use_split_accumulator)
     return _fp8_gemm_blockwise(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings)
 
 

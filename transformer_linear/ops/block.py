@@ -31,7 +31,7 @@ from transformer_linear.formats.block_scaling import (
 )
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_scale_values, gemm_out_shape
 from transformer_linear.formats.dtypes import E8M0_DTYPE
-from transformer_linear.ops import eager, gemm_block_cuda
+from transformer_linear.ops import gemm_block_cuda, library
 from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["quantize_blockwise", "quantize_blockwise_fused"]
@@ -54,7 +54,7 @@ def _kernel_scale(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == E8M0_DTYPE else t
 
 
-@eager.custom_op("transformer_linear::fp8_gemm_blockwise")
+@library.custom_op("transformer_linear::fp8_gemm_blockwise", device_types="cpu")
 def _fp8_gemm_blockwise_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -140,7 +140,7 @@ def _fp8_gemm_blockwise(
     """
     a_scaling, a_block, b_scaling, b_block = scalings
     a_scale_inv, b_scale_inv = _block_grid(a_scale_inv, a_scaling), _block_grid(b_scale_inv, b_scaling)
-    return eager.call(
+    return library.call(
         _fp8_gemm_blockwise_op,
         a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block), a_scaling, b_scaling
     )
@@ -160,7 +160,7 @@ def _triton_kernels():
     return kernels
 
 
-@eager.custom_op("transformer_linear::quantize_blockwise")
+@library.custom_op("transformer_linear::quantize_blockwise", device_types="cpu")
 def _quantize_blockwise_op(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -237,7 +237,7 @@ def quantize_blockwise_fused(
     bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     if not (rowwise or columnwise):
         raise ValueError("quantize_blockwise: at least one of 'rowwise' and 'columnwise' must be True")
-    out = eager.call(
+    out = library.call(
         _quantize_blockwise_op,
         x, dtype, [bm, bk], scale_dtype, bool(power_2_scale), rowwise, columnwise, e8m0_rounding == "floor"
     )
@@ -263,7 +263,7 @@ def quantize_blockwise(
     return out.data, out.scale_inv
 
 
-@torch.library.custom_op(
+@library.custom_op(
     "transformer_linear::fp8_gemm_blockwise_accumulate", mutates_args=("out",), device_types="cpu"
 )
 def _fp8_gemm_blockwise_accumulate_op(

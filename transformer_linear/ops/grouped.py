@@ -31,6 +31,7 @@ from transformer_linear.formats.grouped_scaling import (
 )
 from transformer_linear.ops import torch_cuda
 from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
+from transformer_linear.ops import library
 
 __all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "fp8_grouped_gemm_wgrad_blockwise"]
 
@@ -48,7 +49,7 @@ def _scale_grids(a_scale_inv, b_scale_inv, a_block, b_block, groups):
     return _kernel_scale(sa), _kernel_scale(sb)
 
 
-@torch.library.custom_op("transformer_linear::fp8_grouped_gemm", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::fp8_grouped_gemm", mutates_args=(), device_types="cpu")
 def _fp8_grouped_gemm_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -163,7 +164,7 @@ def fp8_grouped_gemm(
     return _fp8_grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(a_block), list(b_block))
 
 
-@torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
 def _fp8_grouped_gemm_wgrad_op(
     grad: torch.Tensor,
     grad_scale_inv: torch.Tensor,
@@ -225,7 +226,7 @@ def fp8_grouped_gemm_wgrad(
     return _fp8_grouped_gemm_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad_blockwise", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::fp8_grouped_gemm_wgrad_blockwise", mutates_args=(), device_types="cpu")
 def _fp8_grouped_gemm_wgrad_blockwise_op(
     grad_t: torch.Tensor,
     grad_t_scale_inv: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 
 from transformer_linear.formats.checks import check_same_device
 from transformer_linear.formats.grouped_scaling import check_offs
+from transformer_linear.ops import library
 
 __all__ = ["group_ends", "grouped_mm_dgrad", "grouped_mm_wgrad"]
 
@@ -45,7 +46,7 @@ def _check_args(op: str, grad: torch.Tensor, other_name: str, other: torch.Tenso
     check_offs(op, offs, groups)
 
 
-@torch.library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
+@library.custom_op("transformer_linear::grouped_mm_dgrad", mutates_args=())
 def grouped_mm_dgrad(
     grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -71,7 +72,7 @@ def _(grad, weight, offs, out_dtype):
     return grad.new_empty((grad.shape[0], weight.shape[2]), dtype=out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::grouped_mm_wgrad", mutates_args=())
+@library.custom_op("transformer_linear::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(
     grad: torch.Tensor, inp: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -40,6 +40,7 @@ from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype,
 from transformer_linear.formats.nvfp4 import BLOCK, padded_rows
 from transformer_linear.ops import nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
+from transformer_linear.ops import library
 
 __all__ = [
     "GroupBands",
@@ -235,7 +236,7 @@ def _check_grouped_op(op, a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
         raise TypeError(f"{op}: argument 'bias' must have the output dtype {out_dtype}, got {bias.dtype}")
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_grouped_gemm", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::nvfp4_grouped_gemm", mutates_args=(), device_types="cpu")
 def _grouped_gemm_op(
     a: Tensor,
     a_scale_inv: Tensor,
@@ -343,7 +344,7 @@ def _check_wgrad_op(op, grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_
     check_hp_dtype(op, "out_dtype", out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::nvfp4_grouped_gemm_wgrad", mutates_args=(), device_types="cpu")
 def _grouped_wgrad_op(
     grad_t: Tensor, grad_t_scale_inv: Tensor, x_t: Tensor, x_t_scale_inv: Tensor, offs: Tensor, out_dtype: torch.dtype
 ) -> Tensor:
@@ -446,7 +447,7 @@ def _grouped_quantize_outputs(x: Tensor, groups: int) -> tuple[Tensor, Tensor]:
             x.new_empty((_GLOBAL_ELEMENTS * groups + k * (capacity // BLOCK),), dtype=torch.float8_e4m3fn))
 
 
-@torch.library.custom_op("transformer_linear::quantize_nvfp4_grouped_columnwise", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::quantize_nvfp4_grouped_columnwise", mutates_args=(), device_types="cpu")
 def _grouped_quantize_op(
     x: Tensor, offs: Tensor, rht: bool, stochastic_rounding: bool, seeds: Optional[Tensor]
 ) -> list[Tensor]:

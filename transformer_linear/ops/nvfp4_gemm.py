@@ -19,6 +19,7 @@ from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE
 from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.ops.nvfp4_checks import check_device_type, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import packed_scale_numel, unpack_scales
+from transformer_linear.ops import library
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_packed"]
 
@@ -48,7 +49,7 @@ def _check_gemm_op(op, a, a_scale, a_global_scale, b, b_scale, b_global_scale, b
             raise ValueError(f"{op}: argument '{name}' must have shape {want}, got {list(scale.shape)}")
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_gemm", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::nvfp4_gemm", mutates_args=(), device_types="cpu")
 def _nvfp4_gemm_op(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -160,7 +161,7 @@ def _check_packed_gemm(op, a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     check_hp_dtype(op, "out_dtype", out_dtype)
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_gemm_packed", mutates_args=(), device_types=("cpu", "cuda"))
+@library.custom_op("transformer_linear::nvfp4_gemm_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _gemm_packed_op(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,

@@ -31,6 +31,7 @@ from transformer_linear.ops.nvfp4_packed_scales import (
     packed_scale_numel,
     write_packed_global_scale,
 )
+from transformer_linear.ops import library
 
 __all__ = ["NVFP4Tensors", "nvfp4_amax", "quantize_nvfp4", "quantize_nvfp4_packed", "sr_seed"]
 
@@ -79,7 +80,7 @@ def _check_quantize_op(op, x, amax, amax_t, rowwise, columnwise, scaling_2d, rht
     check_quantize_shape(op, tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
 
 
-@torch.library.custom_op("transformer_linear::quantize_nvfp4", mutates_args=(), device_types="cpu")
+@library.custom_op("transformer_linear::quantize_nvfp4", mutates_args=(), device_types="cpu")
 def _quantize_nvfp4_op(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -310,7 +311,7 @@ def _quantize_cpu_packed(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, 
     return outs
 
 
-@torch.library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types=("cpu", "cuda"))
+@library.custom_op("transformer_linear::quantize_nvfp4_packed", mutates_args=(), device_types=("cpu", "cuda"))
 def _quantize_packed_op(
     x: torch.Tensor,
     rowwise: bool,
@@ -406,7 +407,7 @@ def quantize_nvfp4_packed(
     return _quantize_packed_op(x, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, amax)
 
 
-@torch.library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "cuda", "meta"))
+@library.custom_op("transformer_linear::nvfp4_sr_seed", mutates_args=(), device_types=("cpu", "cuda", "meta"))
 def _sr_seed_op(like: torch.Tensor) -> torch.Tensor:
     # The default CPU generator, drawn here rather than by a traced torch.randint: inductor replaces traced
     # random ops by its own generator, so a compiled graph would round with other bits than eager.

@@ -58,6 +58,7 @@ from transformer_linear.recipe.scaling import (
     update_delayed_scaling_,
 )
 from transformer_linear.reference import compute_scale, fp8_max
+from transformer_linear.ops import library
 
 
 __all__ = [
@@ -371,7 +372,7 @@ class DelayedScalingState:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
+@library.custom_op("transformer_linear::delayed_scaling_update", mutates_args=("amax_history", "scale"))
 def _delayed_scaling_update_op(
     amax_history: Tensor,
     scale: Tensor,
@@ -438,7 +439,7 @@ def _apply_reductions(amax_history: Tensor, scale: Tensor, reductions: list[Pend
         update_delayed_scaling_(amax_history[: r.rows], scale, r.amax, *update)
 
 
-@torch.library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
+@library.custom_op("transformer_linear::delayed_scaling_flush", mutates_args=("amax_history", "scale"))
 def _delayed_scaling_flush_op(
     amax_history: Tensor, scale: Tensor, state_handle: int, direction: str = "forward"
 ) -> None:
@@ -568,7 +569,7 @@ def stand_in_forward_scales(d: Optional[DelayedScalingArgs], like: Tensor) -> Op
     return ForwardScales(*(like.new_empty(1, dtype=torch.float32) for _ in ForwardScales._fields))
 
 
-@torch.library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
+@library.custom_op("transformer_linear::quantize_grad_output", mutates_args=())
 def _quantize_grad_output_op(
     g: Tensor, scale: Tensor, dtype: torch.dtype, margin: int, dbias_dtype: Optional[torch.dtype], group: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -34,6 +34,7 @@ from transformer_linear.recipe.kind import (
     register_scaling_kind,
 )
 from transformer_linear.recipe.kind_tensorwise import transposed
+from transformer_linear.ops import library
 
 __all__ = ["BlockKind", "block_range_stats", "flat", "token_block"]
 
@@ -242,7 +243,7 @@ class _BlockFields:
 
 
 # Made of custom ops and views only, so it is its own fake implementation.
-_quantize_flat_op = torch.library.custom_op("transformer_linear::quantize_blockwise_flat", mutates_args=())(
+_quantize_flat_op = library.custom_op("transformer_linear::quantize_blockwise_flat", mutates_args=())(
     _flat_scales
 )
 _quantize_flat_op.register_fake(_flat_scales)

@@ -1,4 +1,11 @@
-"""Eager calls of the package's custom ops on CPU tensors, straight to their kernels.
+"""The one way the package defines a custom op, and eager calls of its CPU kernels that skip the
+dispatcher where it would add nothing.
+
+Every op of the package is registered by :func:`custom_op` (``torch.library.custom_op`` plus what the
+package needs of each op), directly for ops with typed parameters, or through ``ops.args_op`` for the
+Linear's ops, whose parameters it derives from an argument dataclass. Kernels for other devices are
+added to the op with ``register_kernel``; Triton kernels are ``torch.library.triton_op`` ops of their
+own (ops/triton/), called for CUDA tensors, so torch.compile sees into them.
 
 A call through a ``torch.library.custom_op`` passes two Python trampolines of
 the dispatcher (its autograd kernel, then its backend kernel) and checks of
@@ -17,7 +24,7 @@ fake tensors and autograd see is unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -26,17 +33,31 @@ __all__ = ["call", "custom_op"]
 _CPU_KERNELS: dict[Any, Callable[..., Any]] = {}
 
 
-def custom_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
-    """``torch.library.custom_op(name, mutates_args=..., device_types="cpu")`` that also remembers the
-    function as the op's CPU kernel for :func:`call` (unless it mutates an argument)."""
+def custom_op(
+    name: str,
+    fn: Optional[Callable[..., Any]] = None,
+    *,
+    mutates_args: Sequence[str] = (),
+    device_types: Union[None, str, Sequence[str]] = None,
+) -> Any:
+    """``torch.library.custom_op(name, fn, mutates_args=..., device_types=...)``, as a decorator without
+    ``fn``. Where the function is the op's CPU kernel (``device_types`` "cpu") and mutates nothing,
+    :func:`call` may run it directly.
+
+    Args:
+        name: ``"transformer_linear::op"``.
+        fn: the op's implementation, its schema inferred from the annotations.
+        mutates_args: the parameters it writes to.
+        device_types: the devices ``fn`` implements the op for (None: every device).
+    """
 
     def define(fn: Callable[..., Any]) -> Any:
-        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), device_types="cpu")
-        if not mutates_args:
+        op = torch.library.custom_op(name, fn, mutates_args=tuple(mutates_args), device_types=device_types)
+        if device_types == "cpu" and not mutates_args:
             _CPU_KERNELS[op] = fn
         return op
 
-    return define
+    return define if fn is None else define(fn)
 
 
 def _plain_cpu_call(args: tuple) -> bool:
