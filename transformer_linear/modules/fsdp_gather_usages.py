@@ -25,8 +25,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.formats.checks import check_host_tensor, check_same_device
-from transformer_linear.recipe.quantization import TensorQuantizer
 from transformer_linear.ops import library
+from transformer_linear.recipe.quantization import TensorQuantizer
 
 __all__ = [
     "BACKWARD_READS_COLUMNWISE",

@@ -31,7 +31,7 @@ from transformer_linear.formats.block_scaling import (
 )
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_scale_values, gemm_out_shape
 from transformer_linear.formats.dtypes import E8M0_DTYPE
-from transformer_linear.ops import gemm_block_cuda, library
+from transformer_linear.ops import gemm_block_cuda, library, triton_route
 from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["quantize_blockwise", "quantize_blockwise_fused"]
@@ -99,7 +99,7 @@ def _cuda_blockwise_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalin
         a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings.a_scaling, scalings.b_scaling
     )
     if out is None:
-        out = _triton_kernels().fp8_gemm_resolved(
+        out = triton_route.kernels().fp8_gemm_resolved(
             a, a_scale_inv, b, b_scale_inv, out_dtype, bias, scalings.a_block, scalings.b_block
         )
     return out
@@ -140,6 +140,10 @@ def _fp8_gemm_blockwise(
     """
     a_scaling, a_block, b_scaling, b_block = scalings
     a_scale_inv, b_scale_inv = _block_grid(a_scale_inv, a_scaling), _block_grid(b_scale_inv, b_scaling)
+    if triton_route.routes(a) and not gemm_block_cuda.cublaslt_takes(a, b, a_scaling, b_scaling):
+        return triton_route.kernels().fp8_gemm_resolved(
+            a, a_scale_inv, b, b_scale_inv, out_dtype, bias, a_block, b_block
+        )
     return library.call(
         _fp8_gemm_blockwise_op,
         a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block), a_scaling, b_scaling
@@ -150,14 +154,6 @@ def _block_grid(scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
     """An operand's scale_inv as the block kernels read it, a 2-D grid of its blocks: a TensorWise scale
     (one element of any shape, paired with a block-scaled operand) is a 1x1 grid of one block."""
     return scale_inv.reshape(1, 1) if scaling == "TensorWise" else scale_inv
-
-
-def _triton_kernels():
-    """transformer_linear.ops.triton, imported on first GPU use: triton is an optional dependency
-    (the ``cuda`` extra) and importing it costs seconds."""
-    import transformer_linear.ops.triton as kernels  # noqa: PLC0415 (optional dependency)
-
-    return kernels
 
 
 @library.custom_op("transformer_linear::quantize_blockwise", device_types="cpu")
@@ -194,7 +190,7 @@ def _quantize_blockwise_op(
 @_quantize_blockwise_op.register_kernel("cuda")
 def _(x, dtype, block_shape, scale_dtype, power_2_scale, rowwise, columnwise, e8m0_floor):
     rounding = "floor" if e8m0_floor else "ceil"
-    return _triton_kernels().quantize_blockwise_fused(
+    return triton_route.kernels().quantize_blockwise_fused(
         x, dtype, tuple(block_shape), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
         e8m0_rounding=rounding,
     )
@@ -237,6 +233,11 @@ def quantize_blockwise_fused(
     bm, bk = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
     if not (rowwise or columnwise):
         raise ValueError("quantize_blockwise: at least one of 'rowwise' and 'columnwise' must be True")
+    if triton_route.routes(x):
+        return triton_route.kernels().quantize_blockwise_fused(
+            x, dtype, (bm, bk), scale_dtype, power_2_scale, rowwise=rowwise, columnwise=columnwise,
+            e8m0_rounding=e8m0_rounding,
+        )
     out = library.call(
         _quantize_blockwise_op,
         x, dtype, [bm, bk], scale_dtype, bool(power_2_scale), rowwise, columnwise, e8m0_rounding == "floor"

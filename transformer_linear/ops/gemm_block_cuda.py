@@ -41,6 +41,7 @@ __all__ = [
     "cublaslt_block_applies",
     "cublaslt_operands_fit",
     "cublaslt_scale",
+    "cublaslt_takes",
     "fp8_gemm_cublaslt",
 ]
 
@@ -74,6 +75,18 @@ def cublaslt_operands_fit(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_sc
     blocks_whole = all(k % k_block_width(s) == 0 for s in (a_scaling, b_scaling))
     outer = a_scaling != "BlockWise1x128" or m % 8 == 0
     return fp8_tensor_cores_take(a, b, aligned=True) and k > 0 and blocks_whole and outer
+
+
+def cublaslt_takes(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: str) -> bool:
+    """Whether cuBLASLt's block-scaled matmul may run ``a`` x ``b`` (this build, this GPU, these operands);
+    False for a build without CUDA (asking no GPU)."""
+    build_info = torch_cuda.build_info()
+    if build_info is None or a.device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(a.device)
+    return cublaslt_block_applies(a_scaling, b_scaling, capability, build_info) and cublaslt_operands_fit(
+        a, b, a_scaling, b_scaling
+    )
 
 
 def _round_up(x: int, m: int) -> int:
@@ -135,11 +148,7 @@ def fp8_gemm_cublaslt(
     Arguments as the ``transformer_linear::fp8_gemm_blockwise`` op's (ops/block.py): CUDA
     tensors, ``a_scaling`` / ``b_scaling`` the ScalingTypes resolve_gemm_scalings found.
     """
-    capability = torch.cuda.get_device_capability(a.device)
-    if not (
-        cublaslt_block_applies(a_scaling, b_scaling, capability, torch_cuda.build_info())
-        and cublaslt_operands_fit(a, b, a_scaling, b_scaling)
-    ):
+    if not cublaslt_takes(a, b, a_scaling, b_scaling):
         return None
     # Named: each tensor must outlive the call (a temporary's memory could go to the next allocation).
     a_scale_lt = cublaslt_scale(a_scale_inv, a_scaling, a.shape[0])

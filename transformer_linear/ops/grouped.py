@@ -29,9 +29,8 @@ from transformer_linear.formats.grouped_scaling import (
     check_grouped_wgrad_blockwise_args,
     resolve_grouped_scalings,
 )
-from transformer_linear.ops import torch_cuda
+from transformer_linear.ops import library, torch_cuda, triton_route
 from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
-from transformer_linear.ops import library
 
 __all__ = ["fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "fp8_grouped_gemm_wgrad_blockwise"]
 
@@ -74,14 +73,20 @@ def _fp8_grouped_gemm_op(
     return out
 
 
+def _cublaslt_may_take(a_block: list[int], b_block: list[int]) -> bool:
+    """Whether cuBLASLt's grouped matmul may take the problem: tensorwise scales, a build with CUDA (the
+    rest, cuBLAS's version, the GPU and the shapes, is for it to decide at run time)."""
+    return tuple(a_block) == tuple(b_block) == (WHOLE, WHOLE) and torch_cuda.build_info() is not None
+
+
 @_fp8_grouped_gemm_op.register_kernel("cuda")
 def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, a_block, b_block):
     check_grouped_gemm_args(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
-    if tuple(a_block) == tuple(b_block) == (WHOLE, WHOLE) and torch_cuda.build_info() is not None:
+    if _cublaslt_may_take(a_block, b_block):
         out = _cublaslt_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias)
         if out is not None:
             return out
-    return _triton_kernels().fp8_grouped_gemm_resolved(
+    return triton_route.kernels().fp8_grouped_gemm_resolved(
         a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, tuple(a_block), tuple(b_block)
     )
 
@@ -161,6 +166,10 @@ def fp8_grouped_gemm(
     else:
         raise ValueError(f"fp8_grouped_gemm: argument 'scalings' must be one of {list(GROUPED_GEMM_SCALINGS)}, "
                          f"got {scalings!r}")
+    if triton_route.routes(a) and not _cublaslt_may_take(a_block, b_block):
+        return triton_route.kernels().fp8_grouped_gemm_resolved(
+            a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, tuple(a_block), tuple(b_block)
+        )
     return _fp8_grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(a_block), list(b_block))
 
 
@@ -188,7 +197,7 @@ def _fp8_grouped_gemm_wgrad_op(
 @_fp8_grouped_gemm_wgrad_op.register_kernel("cuda")
 def _(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype):
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
-    return _triton_kernels().fp8_grouped_gemm_wgrad(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    return triton_route.kernels().fp8_grouped_gemm_wgrad(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
 
 
 @_fp8_grouped_gemm_wgrad_op.register_fake
@@ -223,6 +232,8 @@ def fp8_grouped_gemm_wgrad(
         (G, N, K) of out_dtype.
     """
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    if triton_route.routes(x):
+        return triton_route.kernels().fp8_grouped_gemm_wgrad(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
     return _fp8_grouped_gemm_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
 
 
@@ -251,7 +262,7 @@ def _fp8_grouped_gemm_wgrad_blockwise_op(
 @_fp8_grouped_gemm_wgrad_blockwise_op.register_kernel("cuda")
 def _(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block):
     check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
-    return _triton_kernels().fp8_grouped_gemm_wgrad_blockwise(
+    return triton_route.kernels().fp8_grouped_gemm_wgrad_blockwise(
         grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block
     )
 
@@ -296,13 +307,9 @@ def fp8_grouped_gemm_wgrad_blockwise(
         ValueError: a wrong shape, token block, scale value (CPU) or bad offs values (CPU).
     """
     check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    if triton_route.routes(x_t):
+        return triton_route.kernels().fp8_grouped_gemm_wgrad_blockwise(
+            grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block
+        )
     return _fp8_grouped_gemm_wgrad_blockwise_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype,
                                                 token_block)
-
-
-def _triton_kernels():
-    """transformer_linear.ops.triton, imported on first GPU use: triton is an optional dependency
-    (the ``cuda`` extra) and importing it costs seconds."""
-    import transformer_linear.ops.triton as kernels  # noqa: PLC0415 (optional dependency)
-
-    return kernels

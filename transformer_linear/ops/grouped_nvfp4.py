@@ -38,9 +38,8 @@ from torch import Tensor
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_host_tensor, check_hp_dtype, check_same_device
 from transformer_linear.formats.nvfp4 import BLOCK, padded_rows
-from transformer_linear.ops import nvfp4
+from transformer_linear.ops import library, nvfp4
 from transformer_linear.ops.descriptors import desc, stream_for
-from transformer_linear.ops import library
 
 __all__ = [
     "GroupBands",

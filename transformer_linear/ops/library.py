@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["call", "custom_op"]
+__all__ = ["call", "custom_op", "triton_op"]
 
 _CPU_KERNELS: dict[Any, Callable[..., Any]] = {}
 
@@ -58,6 +58,21 @@ def custom_op(
         return op
 
     return define if fn is None else define(fn)
+
+
+def triton_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.triton_op(name, mutates_args=...)`` as a decorator: an op whose function launches
+    Triton kernels through ``torch.library.wrap_triton`` (and otherwise calls torch ops only).
+
+    torch.compile traces into such an op (its graph holds the kernels, which Inductor schedules with the
+    rest), where a ``custom_op`` is opaque; torch.export keeps it as one op. Eager calls launch the
+    kernels directly, on CUDA tensors or, under ``TRITON_INTERPRET=1``, on CPU tensors.
+    """
+
+    def define(fn: Callable[..., Any]) -> Any:
+        return torch.library.triton_op(name, fn, mutates_args=tuple(mutates_args))
+
+    return define
 
 
 def _plain_cpu_call(args: tuple) -> bool:

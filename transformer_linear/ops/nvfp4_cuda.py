@@ -26,7 +26,7 @@ import torch
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.nvfp4 import BLOCK
-from transformer_linear.ops import gemm_block_cuda, nvfp4_gemm, nvfp4_quantize, torch_cuda
+from transformer_linear.ops import gemm_block_cuda, nvfp4_gemm, nvfp4_quantize, torch_cuda, triton_route
 from transformer_linear.ops.descriptors import cublas_workspace, desc, stream_for
 
 __all__ = ["cublaslt_nvfp4_applies", "cublaslt_nvfp4_operands_fit", "cublaslt_nvfp4_scale", "nvfp4_gemm_cublaslt"]
@@ -86,18 +86,10 @@ def nvfp4_gemm_cublaslt(a, a_scale, a_global_scale, b, b_scale, b_global_scale, 
     return out.to(out_dtype)
 
 
-def _triton_kernels():
-    """transformer_linear.ops.triton, imported on first GPU use: triton is an optional dependency
-    (the ``cuda`` extra) and importing it costs seconds."""
-    import transformer_linear.ops.triton as kernels  # noqa: PLC0415 (optional dependency)
-
-    return kernels
-
-
 @nvfp4_quantize._quantize_nvfp4_op.register_kernel("cuda")
 def _(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset):
     nvfp4_quantize._check_quantize_op("quantize_nvfp4", x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
-    return _triton_kernels().quantize_nvfp4(
+    return triton_route.kernels().quantize_nvfp4(
         x.contiguous(), amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
     )
 
@@ -110,4 +102,4 @@ def _(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias):
         out = nvfp4_gemm_cublaslt(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)
         if out is not None:
             return out
-    return _triton_kernels().nvfp4_gemm(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)
+    return triton_route.kernels().nvfp4_gemm(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)

@@ -16,10 +16,10 @@ import torch
 from transformer_linear import _C
 from transformer_linear.formats.checks import check_hp_dtype, check_same_device, check_tensor
 from transformer_linear.formats.nvfp4 import BLOCK, FP4_DTYPE
+from transformer_linear.ops import library
 from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.ops.nvfp4_checks import check_device_type, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import packed_scale_numel, unpack_scales
-from transformer_linear.ops import library
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_packed"]
 

@@ -23,6 +23,7 @@ from transformer_linear.formats.nvfp4 import (
     pad_rows,
     padded_rows,
 )
+from transformer_linear.ops import library, triton_route
 from transformer_linear.ops.descriptors import desc, stream_for
 from transformer_linear.ops.nvfp4_checks import INT64_MAX, INT64_MIN, check_device_type, check_int, check_scalar
 from transformer_linear.ops.nvfp4_packed_scales import (
@@ -31,7 +32,6 @@ from transformer_linear.ops.nvfp4_packed_scales import (
     packed_scale_numel,
     write_packed_global_scale,
 )
-from transformer_linear.ops import library
 
 __all__ = ["NVFP4Tensors", "nvfp4_amax", "quantize_nvfp4", "quantize_nvfp4_packed", "sr_seed"]
 
@@ -179,9 +179,14 @@ def quantize_nvfp4(
         check_scalar(op, "amax_t", amax_t, "amax")
     check_int(op, "seed", seed, INT64_MIN, INT64_MAX)
     check_int(op, "offset", offset, 0, INT64_MAX)
-    outs = torch.ops.transformer_linear.quantize_nvfp4(
-        x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
-    )
+    if triton_route.routes(x):
+        outs = triton_route.kernels().quantize_nvfp4(
+            x.contiguous(), amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
+        )
+    else:
+        outs = torch.ops.transformer_linear.quantize_nvfp4(
+            x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
+        )
     data, scale, g, data_t, scale_t, g_t = outs
     row = [data.view(FP4_DTYPE), scale, g] if rowwise else [None] * 3
     col = [data_t.view(FP4_DTYPE), scale_t, g_t] if columnwise else [None] * 3

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from transformer_linear import ops
 from transformer_linear._handles import NO_HANDLE, HandleTable
 from transformer_linear.formats.checks import check_same_device
+from transformer_linear.ops import library
 from transformer_linear.recipe import HistoryConfig, amax_reduction, quantization
 from transformer_linear.recipe.scaling import (
     FP8_STATE_COLUMNS,
@@ -58,7 +59,6 @@ from transformer_linear.recipe.scaling import (
     update_delayed_scaling_,
 )
 from transformer_linear.reference import compute_scale, fp8_max
-from transformer_linear.ops import library
 
 
 __all__ = [

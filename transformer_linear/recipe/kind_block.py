@@ -23,6 +23,7 @@ from transformer_linear import ops, reference
 from transformer_linear.formats.block_scaling import E8M0_ROUNDINGS
 from transformer_linear.formats.dtypes import E8M0_DTYPE, FP8_DTYPES
 from transformer_linear.formats.grouped_scaling import GROUPED_GEMM_SCALINGS, TOKEN_BLOCKS, WHOLE, token_scale_cols
+from transformer_linear.ops import library
 from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad_blockwise
 from transformer_linear.ops.grouped_quantize import quantize_grouped_columnwise
 from transformer_linear.recipe.kind import (
@@ -34,7 +35,6 @@ from transformer_linear.recipe.kind import (
     register_scaling_kind,
 )
 from transformer_linear.recipe.kind_tensorwise import transposed
-from transformer_linear.ops import library
 
 __all__ = ["BlockKind", "block_range_stats", "flat", "token_block"]
 

@@ -10,13 +10,17 @@ tensorwise/rowwise). Scalings follow ops.fp8_gemm_scalings.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from transformer_linear.formats.block_scaling import resolve_gemm_scalings
 from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.dtypes import E8M0_DTYPE
+from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
 from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
 
@@ -99,6 +103,20 @@ def fp8_gemm_resolved(
 ) -> torch.Tensor:
     """:func:`fp8_gemm` for operands already checked and blocks already resolved
     (block_scaling.resolve_gemm_scalings): what the block-GEMM ops run on CUDA tensors."""
+    return _fp8_gemm_block_op(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, list(a_block), list(b_block))
+
+
+@library.triton_op("transformer_linear::triton_fp8_gemm_block")
+def _fp8_gemm_block_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    a_block: list[int],
+    b_block: list[int],
+) -> torch.Tensor:
     (m, k), n = a.shape, b.shape[0]
     d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -120,11 +138,12 @@ def fp8_gemm_resolved(
     block_k = min(128 if not INTERPRETED else 32, max(16, _next_pow2(g)))
     if INTERPRETED:
         grid = (triton.cdiv(m, 16), triton.cdiv(n, 16))
-        _fp8_gemm_block_kernel[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0,
-                                     BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k)
+        wrap_triton(_fp8_gemm_block_kernel)[grid](
+            *args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k
+        )
     else:
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
 
-        _autotuned[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_K=block_k)
+        wrap_triton(_autotuned)[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_K=block_k)
     return d

@@ -14,9 +14,12 @@ Layouts and scalings: ``transformer_linear.formats.grouped_scaling``.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.formats.grouped_scaling import (
@@ -27,6 +30,7 @@ from transformer_linear.formats.grouped_scaling import (
     resolve_grouped_scalings,
     token_scale_cols,
 )
+from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
 from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
 
@@ -199,6 +203,21 @@ def fp8_grouped_gemm_resolved(
 ) -> torch.Tensor:
     """:func:`fp8_grouped_gemm` for operands already checked and blocks already resolved
     (grouped_scaling.resolve_grouped_scalings): what the grouped op runs on CUDA tensors."""
+    return _grouped_gemm_op(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, bias, list(a_block), list(b_block))
+
+
+@library.triton_op("transformer_linear::triton_fp8_grouped_gemm")
+def _grouped_gemm_op(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    a_block: list[int],
+    b_block: list[int],
+) -> torch.Tensor:
     (total, k), (groups, n, _) = a.shape, b.shape
     # Rows past the last group are zeros; the kernel writes every row of every group.
     d = torch.zeros((total, n), dtype=out_dtype, device=a.device)
@@ -219,13 +238,14 @@ def fp8_grouped_gemm_resolved(
     block_k = min(128 if not INTERPRETED else 32, max(16, _next_pow2(kb)))
     if INTERPRETED:
         grid = (triton.cdiv(total, 16) + groups, triton.cdiv(n, 16))
-        _grouped_gemm_kernel[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0,
-                                   BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k)
+        wrap_triton(_grouped_gemm_kernel)[grid](
+            *args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k
+        )
     else:
         def grid(meta):
             return (triton.cdiv(total, meta["BLOCK_M"]) + groups, triton.cdiv(n, meta["BLOCK_N"]))
 
-        _autotuned[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_K=block_k)
+        wrap_triton(_autotuned)[grid](*args, HAS_BIAS=bias is not None, E8M0=e8m0, BLOCK_K=block_k)
     return d
 
 
@@ -239,13 +259,25 @@ def fp8_grouped_gemm_wgrad(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad (tensorwise); CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    return _grouped_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+
+
+@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad")
+def _grouped_wgrad_op(
+    grad: torch.Tensor,
+    grad_scale_inv: torch.Tensor,
+    x: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     (total, n), k, groups = grad.shape, x.shape[1], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
     if d.numel() == 0:
         return d
     block = 16 if INTERPRETED else 64
     grid = (groups, triton.cdiv(n, block), triton.cdiv(k, block))
-    _grouped_wgrad_kernel[grid](
+    wrap_triton(_grouped_wgrad_kernel)[grid](
         grad.contiguous(), x.contiguous(), d, grad_scale_inv.reshape(1).float(), x_scale_inv.reshape(1).float(),
         offs.contiguous(), total, n, k, BLOCK_N=block, BLOCK_K=block, BLOCK_R=32 if INTERPRETED else 64,
     )
@@ -263,6 +295,19 @@ def fp8_grouped_gemm_wgrad_blockwise(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad_blockwise; CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    return _grouped_wgrad_blockwise_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+
+
+@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad_blockwise")
+def _grouped_wgrad_blockwise_op(
+    grad_t: torch.Tensor,
+    grad_t_scale_inv: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scale_inv: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    token_block: int,
+) -> torch.Tensor:
     (n, total), k, groups = grad_t.shape, x_t.shape[0], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x_t.device)
     if d.numel() == 0:
@@ -275,7 +320,7 @@ def fp8_grouped_gemm_wgrad_blockwise(
     if e8m0:
         sg, sx = sg.view(torch.uint8), sx.view(torch.uint8)
     grid = (groups, triton.cdiv(n, block), triton.cdiv(k, block))
-    _grouped_wgrad_blockwise_kernel[grid](
+    wrap_triton(_grouped_wgrad_blockwise_kernel)[grid](
         grad_t.contiguous(), x_t.contiguous(), d, sg, sx, offs.contiguous(), total, n, k,
         token_scale_cols(total, groups, token_block), _kernel_block(token_block),
         E8M0=e8m0, BLOCK_N=block, BLOCK_K=block, BLOCK_R=chunk,

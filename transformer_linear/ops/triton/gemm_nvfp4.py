@@ -14,12 +14,16 @@ which cannot express NVFP4's E4M3 scales per 16 elements.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.nvfp4 import BLOCK
+from transformer_linear.ops import library
 from transformer_linear.ops.triton.quantize_block import INTERPRETED
 from transformer_linear.ops.triton.quantize_nvfp4 import e2m1_to_float, e4m3_to_float
 
@@ -85,6 +89,20 @@ def nvfp4_gemm(
     float4_e2m1fn_x2), (rows, K/16) float8_e4m3fn scales, one-element float32 global decode scales;
     CUDA or (interpreter) CPU tensors."""
     check_hp_dtype("nvfp4_gemm", "out_dtype", out_dtype)
+    return _nvfp4_gemm_op(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)
+
+
+@library.triton_op("transformer_linear::triton_nvfp4_gemm")
+def _nvfp4_gemm_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_global_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_global_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
     a, b = a.view(torch.uint8).contiguous(), b.view(torch.uint8).contiguous()
     sa, sb = a_scale.view(torch.uint8).contiguous(), b_scale.view(torch.uint8).contiguous()
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
@@ -99,11 +117,12 @@ def nvfp4_gemm(
     if INTERPRETED:
         grid = (triton.cdiv(m, 16), triton.cdiv(n, 16))
         # The interpreter's bfloat16 tl.dot is wrong (numpy has no bfloat16); float32 holds the values exactly too.
-        _nvfp4_gemm_kernel[grid](*args, HAS_BIAS=bias is not None, DOT_DTYPE=tl.float32,
-                                 BLOCK_M=16, BLOCK_N=16, BLOCK_K=2 * BLOCK)
+        wrap_triton(_nvfp4_gemm_kernel)[grid](
+            *args, HAS_BIAS=bias is not None, DOT_DTYPE=tl.float32, BLOCK_M=16, BLOCK_N=16, BLOCK_K=2 * BLOCK
+        )
     else:
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
 
-        _autotuned[grid](*args, HAS_BIAS=bias is not None, DOT_DTYPE=tl.bfloat16)
+        wrap_triton(_autotuned)[grid](*args, HAS_BIAS=bias is not None, DOT_DTYPE=tl.bfloat16)
     return d

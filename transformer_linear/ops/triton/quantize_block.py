@@ -14,6 +14,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from transformer_linear.formats.block_scaling import (
     BlockQuantizeOutput,
@@ -22,6 +23,7 @@ from transformer_linear.formats.block_scaling import (
     columnwise_block_shape,
 )
 from transformer_linear.formats.dtypes import E8M0_DTYPE, fp8_max
+from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import block_scales, e4m3_bits, e5m2_bits, saturate
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -124,7 +126,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block, dtype, sca
     grid = (triton.cdiv(m, tile_m) if per_row else triton.cdiv(m, bm), triton.cdiv(k, bk))
     limit = fp8_max(dtype)
     bf16 = x.dtype == torch.bfloat16
-    _quantize_blockwise_kernel[grid](
+    wrap_triton(_quantize_blockwise_kernel)[grid](
         x.view(torch.int16) if bf16 else x, q.view(torch.uint8), s.view(torch.uint8) if s.dtype == E8M0_DTYPE else s,
         m, k, x.stride(0), x.stride(1), s.stride(0), bm, bk, limit,
         EMAX=15 if dtype == torch.float8_e5m2 else 8, PER_ROW=per_row, SCALE_KIND=scale_kind,
@@ -146,9 +148,26 @@ def quantize_blockwise_fused(
 ) -> BlockQuantizeOutput:
     """Same contract as ops.quantize_blockwise_fused; x may be a CUDA or (interpreter) CPU tensor."""
     block = check_quantize_blockwise_args(x, dtype, block_shape, scale_dtype, e8m0_rounding)
+    return BlockQuantizeOutput(*_quantize_blockwise_op(
+        x, dtype, list(block), scale_dtype, bool(power_2_scale), rowwise, columnwise, e8m0_rounding == "floor"
+    ))
+
+
+@library.triton_op("transformer_linear::triton_quantize_blockwise")
+def _quantize_blockwise_op(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block_shape: list[int],
+    scale_dtype: torch.dtype,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
+    e8m0_floor: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    block = (block_shape[0], block_shape[1])
     x = x.contiguous()
     if scale_dtype == E8M0_DTYPE:
-        kind = 3 if e8m0_rounding == "floor" else 2
+        kind = 3 if e8m0_floor else 2
     else:
         kind = 1 if power_2_scale else 0
     q, s, q_t, s_t = blockwise_outputs(x, dtype, block, scale_dtype, rowwise, columnwise)
@@ -156,7 +175,7 @@ def quantize_blockwise_fused(
         _launch(x, q, s, block, dtype, kind)
     if columnwise:
         _launch(x.t(), q_t, s_t, columnwise_block_shape(block, *x.shape), dtype, kind)
-    return BlockQuantizeOutput(q, s, q_t, s_t)
+    return q, s, q_t, s_t
 
 
 def quantize_blockwise(

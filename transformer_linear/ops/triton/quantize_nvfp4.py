@@ -12,12 +12,16 @@ as the reference does. The global scales are computed by torch on the device (a 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 from triton.language.random import philox_impl
 
 from transformer_linear.formats.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, RHT_SIGNS, check_quantize_shape
+from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import FLOAT_MAX, e4m3_bits
 from transformer_linear.ops.triton.quantize_block import INTERPRETED
 
@@ -192,7 +196,7 @@ def _launch(view: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, scales:
     tile_b = 4 if INTERPRETED else 8
     grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK * tile_b))
     bf16 = view.dtype == torch.bfloat16
-    _quantize_nvfp4_kernel[grid](
+    wrap_triton(_quantize_nvfp4_kernel)[grid](
         view.view(torch.int16) if bf16 else view, data.view(torch.uint8), scale.view(torch.uint8), scales, key,
         rows, cols, view.stride(0), view.stride(1),
         RHT=rht, SCALING_2D=scaling_2d, SR=sr, BF16_BITS=bf16, NEG=_RHT_NEGATIVE,
@@ -215,6 +219,23 @@ def quantize_nvfp4(
     """The ``transformer_linear::quantize_nvfp4`` op's six outputs (uint8 data, E4M3 scales, float32 global
     decode scales; a copy not asked for empty, its global scale 0) for a CUDA or (interpreter) CPU ``x``."""
     check_quantize_shape("quantize_nvfp4", tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+    return list(_quantize_nvfp4_op(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
+                                   offset))
+
+
+@library.triton_op("transformer_linear::triton_quantize_nvfp4")
+def _quantize_nvfp4_op(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    amax_t: Optional[torch.Tensor],
+    rowwise: bool,
+    columnwise: bool,
+    scaling_2d: bool,
+    rht: bool,
+    stochastic_rounding: bool,
+    seed: int,
+    offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x.shape
     dev = x.device
     empty = (0, 0)
@@ -245,4 +266,4 @@ def quantize_nvfp4(
         scales_t = _global_scales(amax if amax_t is None else amax_t)
         _launch(x.t(), data_t, scale_t, scales_t, _key(seed, offset, 1, dev), rht, False, stochastic_rounding)
         g_t = scales_t[1].clone()
-    return [data, scale, g, data_t, scale_t, g_t]
+    return data, scale, g, data_t, scale_t, g_t
