@@ -9,13 +9,13 @@ and rowwise-scaled gradients, so every GEMM of the Linear pairs two different Sc
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import io
 
 import pytest
 import torch
 import torch._dynamo.testing
+from linear_emulation import ROW, EmulatedRecipe, RoleQuantizer, emulate_linear
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 from torch import nn
 
@@ -90,35 +90,12 @@ def test_factory_errors_name_the_role():
 # ---------------------------------------------------------------------------
 
 
-def _gemm(a, b, bias=None):
-    """(float64 reference.fp8_gemm_blockwise, fp32 torch.mm of the dequantized operands: the tolerance's
-    baseline) of two (q, scale_inv) operands."""
-
-    def dequantized(q, scale_inv):
-        rows, cols = q.shape
-        block = reference.block_shape_of(scale_inv, rows, cols)
-        return (q.double() * reference.expand_scale_inv(scale_inv, block, rows, cols)).float()
-
-    exact = reference.fp8_gemm_blockwise(*a, *b, torch.float64, bias)
-    baseline = dequantized(*a) @ dequantized(*b).t()
-    return exact, baseline if bias is None else baseline + bias
-
-
-def _emulate(x, w, bias, g):
-    """(out, dx, dw) of the Linear under MIXED from the reference alone, each as _gemm's pair.
-
-    Forward: x with one current scale x W in 128x128 blocks. dgrad: grad_output with a scale per row x Wᵀ
-    (W's blocks transposed). wgrad: grad_outputᵀ with a scale per row of the transpose x xᵀ (x's scale).
-    """
-    (m, k), n = x.shape, w.shape[0]
-    qx = reference.quantize_current(x, E4M3)[:2]
-    qw = reference.quantize_blockwise_ref(w, E4M3, (128, 128), F32, True)
-    out = _gemm(qx, qw, bias)
-    qg = reference.quantize_blockwise_ref(g, E5M2, (1, n), F32, True)
-    dx = _gemm(qg, (qw[0].t().contiguous(), qw[1].t().contiguous()))
-    qg_t = reference.quantize_blockwise_ref(g.t().contiguous(), E5M2, (1, m), F32, True)
-    dw = _gemm(qg_t, (qx[0].t().contiguous(), qx[1]))
-    return out, dx, dw
+# MIXED as the reference quantizes it (linear_emulation.py): x with one current scale, W in 128x128 blocks,
+# grad_output with a scale per row (of itself for dgrad, of its transpose for wgrad).
+MIXED_EMULATED = EmulatedRecipe(
+    RoleQuantizer(E4M3, None), RoleQuantizer(E4M3, (128, 128), power_2_scale=True),
+    RoleQuantizer(E5M2, ROW, power_2_scale=True),
+)
 
 
 def _data(rows, k, n, seed=0):
@@ -141,7 +118,7 @@ def test_eager_matches_reference_emulation(shape):
     xr = x.clone().requires_grad_()
     out = layer(xr)
     out.backward(dy)
-    e_out, e_dx, e_dw = _emulate(x, w, b, dy)
+    e_out, e_dx, e_dw = emulate_linear(MIXED_EMULATED, x, w, b, dy)
     assert_close_to_reference(out.detach(), *e_out, what="out")
     assert_close_to_reference(xr.grad, *e_dx, what="dx")
     assert_close_to_reference(layer.weight.grad, *e_dw, what="dw")

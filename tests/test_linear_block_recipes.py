@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.utils.checkpoint
+from linear_emulation import E4M3, E5M2, E8M0, ROW, EmulatedRecipe, RoleQuantizer, emulate_linear
 from tolerances import assert_bitwise_equal, assert_close_to_reference, relative_error, sqnr
 
 import transformer_linear as tl
@@ -19,19 +20,20 @@ from transformer_linear.modules.linear_args import LinearBwdArgs
 from transformer_linear.numerics.compare import resolve_recipe
 from transformer_linear.recipe.quantization import quantization_spec
 
-E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
-ROW = "row"  # a block covering a whole row (rowwise scaling)
-
-# recipe -> (x block, w block, grad block, scale dtype, power_2_scale, grad dtype), written out
-# independently of quantization.py: what each recipe means (TE / DeepSeek-V3 / OCP MX / torchao).
+# recipe -> what it means (TE / DeepSeek-V3 / OCP MX / torchao), written out independently of
+# quantization.py: linear_emulation.py emulates the Linear from it.
 RECIPES = {
-    "block": (recipe.from_name("block"), ((1, 128), (128, 128), (1, 128), torch.float32, True, E4M3)),
+    "block": (recipe.from_name("block"), EmulatedRecipe(
+        RoleQuantizer(E4M3, (1, 128), power_2_scale=True), RoleQuantizer(E4M3, (128, 128), power_2_scale=True),
+        RoleQuantizer(E4M3, (1, 128), power_2_scale=True),
+    )),
     "block_hybrid_1x128_w": (
         recipe.from_name("block", fp8_format=recipe.Format.HYBRID, w_block_scaling_dim=1, power_2_scale=False),
-        ((1, 128), (1, 128), (1, 128), torch.float32, False, E5M2),
+        EmulatedRecipe(RoleQuantizer(E4M3, (1, 128)), RoleQuantizer(E4M3, (1, 128)), RoleQuantizer(E5M2, (1, 128))),
     ),
-    "mxfp8": (recipe.from_name("mxfp8"), ((1, 32), (1, 32), (1, 32), E8M0, False, E4M3)),
-    "rowwise": (recipe.from_name("rowwise"), (ROW, ROW, ROW, torch.float32, True, E4M3)),
+    "mxfp8": (recipe.from_name("mxfp8"), EmulatedRecipe(*(RoleQuantizer(E4M3, (1, 32), E8M0) for _ in range(3)))),
+    "rowwise": (recipe.from_name("rowwise"), EmulatedRecipe(*(RoleQuantizer(E4M3, ROW, power_2_scale=True)
+                                                              for _ in range(3)))),
 }
 
 # Minimum SQNR (dB) vs fp32 nn.Linear, measured on _data() (in=256, out=192, 70 rows, seed 0): e4m3
@@ -39,52 +41,6 @@ RECIPES = {
 # power-of-two scales mostly coincide); HYBRID's e5m2 gradients ~25 dB. The floors leave ~3 dB.
 SQNR_FLOOR_DB = {"out": 25.0, "dx": 25.0, "dw": 25.0}
 SQNR_FLOOR_HYBRID_GRADS_DB = 21.0
-
-
-def _quantize(x, dtype, block, scale_dtype, p2, e8m0_rounding="ceil"):
-    """reference.quantize_blockwise_ref of a 2-D x; ROW: one scale per whole row."""
-    block = (1, x.shape[1]) if block == ROW else block
-    return reference.quantize_blockwise_ref(x, dtype, block, scale_dtype, p2, e8m0_rounding)
-
-
-def _dequantized(q, scale_inv):
-    rows, cols = q.shape
-    return (q.double() * reference.expand_scale_inv(scale_inv, reference.block_shape_of(scale_inv, rows, cols), rows, cols)).float()
-
-
-def _gemm(a, b, bias=None):
-    """(float64 reference.fp8_gemm_blockwise, fp32 torch.mm of the dequantized operands: the tolerance's
-    baseline) of two (q, scale_inv) pairs."""
-    exact = reference.fp8_gemm_blockwise(*a, *b, torch.float64, bias)
-    baseline = _dequantized(*a) @ _dequantized(*b).t()
-    return exact, baseline if bias is None else baseline + bias
-
-
-def _emulate(spec, x2d, w, bias, g, e8m0_rounding="ceil"):
-    """(out, dx, dw) of the block-scaled Linear from the reference alone, each as _gemm's pair.
-
-    Forward: rowwise x and W. dgrad: rowwise grad_output with Wᵀ, quantized with blocks along
-    out_features (a square block is W's own blocks transposed). wgrad: grad_outputᵀ and xᵀ quantized
-    from the high-precision tensors with blocks along the rows.
-    """
-    xb, wb, gb, sd, p2, gdtype = spec
-
-    def quantize(t, dtype, block):
-        return _quantize(t, dtype, block, sd, p2, e8m0_rounding)
-
-    qx = quantize(x2d, E4M3, xb)
-    qw = quantize(w, E4M3, wb)
-    out = _gemm(qx, qw, bias)
-    qg = quantize(g, gdtype, gb)
-    if wb != ROW and wb[0] == wb[1]:
-        qw_t = (qw[0].t().contiguous(), qw[1].t().contiguous())
-    else:
-        qw_t = quantize(w.t().contiguous(), E4M3, wb)
-    dx = _gemm(qg, qw_t)
-    qg_t = quantize(g.t().contiguous(), gdtype, gb)
-    qx_t = quantize(x2d.t().contiguous(), E4M3, xb)
-    dw = _gemm(qg_t, qx_t)
-    return out, dx, dw
 
 
 def _data(rows=70, k=256, n=192, seed=0):
@@ -124,7 +80,7 @@ def test_eager_matches_reference_emulation(name, shape):
     r, spec = RECIPES[name]
     x, w, b, dy = _data(*shape)
     out, dx, dw, db = _run(_layer(r, w, b), x, dy)
-    e_out, e_dx, e_dw = _emulate(spec, x, w, b, dy)
+    e_out, e_dx, e_dw = emulate_linear(spec, x, w, b, dy)
     # Exact up to the kernels' fp32 accumulation: within the package tolerance of the float64 emulation.
     assert_close_to_reference(out, *e_out, what="out")
     assert_close_to_reference(dx, *e_dx, what="dx")
@@ -138,9 +94,10 @@ def test_mxfp8_e8m0_rounding_matches_reference_emulation(rounding):
     r, spec = recipe.MXFP8BlockScaling(e8m0_rounding=rounding), RECIPES["mxfp8"][1]
     x, w, b, dy = _data(5, 64, 32)
     out, dx, dw, _ = _run(_layer(r, w, b), x, dy)
-    for what, got, (exact, baseline) in zip(("out", "dx", "dw"), (out, dx, dw), _emulate(spec, x, w, b, dy, rounding)):
+    emulated = emulate_linear(spec.with_e8m0_rounding(rounding), x, w, b, dy)
+    for what, got, (exact, baseline) in zip(("out", "dx", "dw"), (out, dx, dw), emulated):
         assert_close_to_reference(got, exact, baseline, what=f"{rounding} {what}")
-    other = _emulate(spec, x, w, b, dy, "floor" if rounding == "ceil" else "ceil")
+    other = emulate_linear(spec.with_e8m0_rounding("floor" if rounding == "ceil" else "ceil"), x, w, b, dy)
     assert not torch.equal(out, other[0][0].float())
 
 
@@ -150,7 +107,7 @@ def test_sqnr_vs_fp32(name):
     x, w, b, dy = _data()
     out, dx, dw, _ = _run(_layer(r, w, b), x, dy)
     ref_out, ref_dx, ref_dw, _ = _run(_layer(None, w, b), x, dy)
-    grads_floor = SQNR_FLOOR_HYBRID_GRADS_DB if spec[5] == E5M2 else SQNR_FLOOR_DB["dx"]
+    grads_floor = SQNR_FLOOR_HYBRID_GRADS_DB if spec.grad_output.dtype == E5M2 else SQNR_FLOOR_DB["dx"]
     assert sqnr(out, ref_out) >= SQNR_FLOOR_DB["out"], sqnr(out, ref_out)
     assert sqnr(dx, ref_dx) >= grads_floor, sqnr(dx, ref_dx)
     assert sqnr(dw, ref_dw) >= grads_floor, sqnr(dw, ref_dw)
@@ -304,7 +261,7 @@ def test_export_unflatten_same_linear_called_twice(name):
 
 def _gemm_operands(rows, a_block, b_block, scale_dtype, k=160, n=48):
     x, w = torch.randn(rows, k), torch.randn(n, k)
-    return (*_quantize(x, E4M3, a_block, scale_dtype, False), *_quantize(w, E4M3, b_block, scale_dtype, False))
+    return (*RoleQuantizer(E4M3, a_block, scale_dtype).quantize(x), *RoleQuantizer(E4M3, b_block, scale_dtype).quantize(w))
 
 
 class _Gemm(torch.nn.Module):
@@ -427,7 +384,7 @@ def test_opcheck_linear_fwd(name, cached):
 def test_opcheck_linear_dgrad_and_wgrad(name):
     """The block path's backward ops, on what the backward hands them (1-D activation scales), agree with
     their fake implementations and give the emulation's dx and dW."""
-    r, spec_tuple = RECIPES[name]
+    r, emulated_recipe = RECIPES[name]
     x, w, b, dy = _data(rows=20, k=64, n=48)
     spec = quantization_spec(r)
     qx = spec.input.quantize_flat(x, rowwise=False, columnwise=True)
@@ -447,7 +404,7 @@ def test_opcheck_linear_dgrad_and_wgrad(name):
         wgrad_dtype=torch.float32,
         quantization=spec,
     )
-    _, e_dx, e_dw = _emulate(spec_tuple, x, w, b, dy)
+    _, e_dx, e_dw = emulate_linear(emulated_recipe, x, w, b, dy)
     for op, expected, what in ((linear_ops.linear_dgrad, e_dx, "dx"), (linear_ops.linear_wgrad, e_dw, "dw")):
         torch.library.opcheck(op.op, op.flatten(args))
         assert_close_to_reference(op(args), *expected, what=what)
