@@ -4,24 +4,23 @@ grouped GEMMs take and without one."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from grouped_cases import routing
+from recipe_tables import ONE_PER_CLASS
 
 import transformer_linear as tl
 from transformer_linear import reference
 
-RECIPES = {
-    "none": None,
-    "current": tl.recipe.Float8CurrentScaling,
-    "delayed": tl.recipe.DelayedScaling,
-    "block": tl.recipe.Float8BlockScaling,
-    "mxfp8": tl.recipe.MXFP8BlockScaling,
-    "rowwise": tl.recipe.Float8RowwiseScaling,
-    # Stochastic rounding draws its seeds from torch's generator when it quantizes, which these tests'
-    # twin modules reach in different orders: rounding to nearest, so that the twins agree bitwise.
-    "nvfp4": lambda: tl.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
+# Stochastic rounding draws its seeds from torch's generator when it quantizes, which these tests' twin
+# modules reach in different orders: rounding to nearest (where a recipe has the option), so that the twins
+# agree bitwise.
+NEAREST = {"nvfp4": {"disable_stochastic_rounding": True}}
+RECIPES = {"none": None, **{
+    name: functools.partial(tl.recipe.from_name, name, **NEAREST.get(name, {})) for name in ONE_PER_CLASS
+}}
 FP8_RECIPES = [name for name in RECIPES if name != "none"]
 G, K, N, T = 4, 64, 48, 96
 

@@ -9,10 +9,12 @@ quantizes back into the same Parameter.
 """
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch._dynamo
+from recipe_tables import ONE_PER_CLASS, SCALES_FROM_HISTORY
 from torch import nn
 
 import transformer_linear as tl
@@ -21,15 +23,9 @@ from transformer_linear.modules.quantized_init import QuantizedWeight
 
 G, K, N, T = 4, 128, 64, 96
 SIZES = [40, 8, 0, 48]
-NAMES = ["current", "block", "mxfp8", "rowwise", "nvfp4"]
-RECIPES = {
-    "current": tl.recipe.Float8CurrentScaling,
-    "delayed": tl.recipe.DelayedScaling,
-    "block": tl.recipe.Float8BlockScaling,
-    "mxfp8": tl.recipe.MXFP8BlockScaling,
-    "rowwise": tl.recipe.Float8RowwiseScaling,
-    "nvfp4": tl.recipe.NVFP4BlockScaling,
-}
+NAMES = [name for name in ONE_PER_CLASS if name not in SCALES_FROM_HISTORY]
+"""The recipes whose initial weight is preserved as the master (not delayed scaling's)."""
+RECIPES = {name: functools.partial(tl.recipe.from_name, name) for name in ONE_PER_CLASS}
 
 
 def _pair(name, preserve=True):
@@ -54,7 +50,7 @@ def _step(module, x, g):
     return y.detach(), x.grad, module.weight.grad
 
 
-@pytest.mark.parametrize("name", [*NAMES, "delayed"])
+@pytest.mark.parametrize("name", ONE_PER_CLASS)
 def test_parameter_bytes(name):
     plain, quantized = _pair(name)
     assert isinstance(quantized.weight, QuantizedWeight) and quantized.weight.shape == (G, N, K)
@@ -108,7 +104,7 @@ def _train(module, rec, batches, master_weights):
 
 
 @pytest.mark.parametrize("preserve", [True, False], ids=["preserved_init", "dequantized_init"])
-@pytest.mark.parametrize("name", [*NAMES, "delayed"])
+@pytest.mark.parametrize("name", ONE_PER_CLASS)
 def test_training_matches_the_plain_module(name, preserve):
     torch.manual_seed(3)
     batches = [(torch.randn(T, K), torch.randn(T, N)) for _ in range(4)]

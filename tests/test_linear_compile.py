@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from recipe_tables import TENSORWISE, built
 from tolerances import assert_bitwise_equal
 from torch._dynamo.backends.common import aot_autograd
 
@@ -17,10 +18,7 @@ from transformer_linear.modules import linear_ops
 from transformer_linear.modules.linear_args import CachedWeight, LinearBwdArgs, LinearFwdArgs
 from transformer_linear.recipe.delayed_scaling import DelayedScalingArgs
 
-RECIPES = {
-    "current": recipe.from_name("current"),
-    "delayed": recipe.from_name("delayed", amax_history_len=4),
-}
+RECIPES = built(TENSORWISE)
 
 
 def _fwd_args(layer, x, **overrides):

@@ -7,17 +7,13 @@ import io
 import pytest
 import torch
 from torch import nn
+from recipe_tables import TENSORWISE, built
+from tolerances import assert_bitwise_equal
 from torch.export import Dim
 
 import transformer_linear as tl
-from transformer_linear import recipe
-from tolerances import assert_bitwise_equal
 
-RECIPES = {
-    "none": None,
-    "current": recipe.from_name("current"),
-    "delayed": recipe.from_name("delayed", amax_history_len=4),
-}
+RECIPES = {"none": None, **built(TENSORWISE)}
 
 
 class TwiceCalled(nn.Module):

@@ -190,6 +190,7 @@ def high_precision_grouped_wgrad(grad: Tensor, inp: Tensor, offs: Tensor, dtype:
 def _setup_context(ctx, inputs, output) -> None:
     a = grouped_linear_fwd.unflatten(inputs)
     o = GroupedLinearFwdOutputs(*output)
+    ctx.full_lists = grouped_linear_fwd.full_lists(inputs)
     ctx.mark_non_differentiable(*o[1:])
     # Their gradients are never read: not materialized (autograd would fill zeros of each one's shape, a
     # weight-sized FP8 copy among them, every backward).
@@ -256,7 +257,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
             wgrad_args = GroupedWgradArgs(g_t, g_scale_inv_t, x_fp8, x_scale_inv, offs, c.weight_dtype, quantizer)
     dbias = group_sums(g, offs, c.bias_dtype) if c.bias_requires_grad else None
     wgrad, dbias = finish_wgrad(c.wgrad_queue, c.main_grad, wgrad_args, dbias)
-    return (dgrad, wgrad, dbias) + (None,) * (len(grouped_linear_fwd.params) - 3)
+    return grouped_linear_fwd.input_grads(ctx.full_lists, inp=dgrad, weight=wgrad, bias=dbias)
 
 
 def _high_precision_backward(

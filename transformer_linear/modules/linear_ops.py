@@ -327,6 +327,7 @@ def compute_wgrad(a: LinearBwdArgs, main_grad: Optional[Tensor]) -> Optional[Ten
 def _setup_context(ctx, inputs, output) -> None:
     a = linear_fwd.unflatten(inputs)
     o = LinearFwdOutputs(*output)
+    ctx.full_lists = linear_fwd.full_lists(inputs)
     # Only the first output has a gradient; saying so spares the graphs a detach per saved tensor.
     ctx.mark_non_differentiable(*o[1:])
     # Their gradients are never read: not materialized (autograd would fill zeros of each one's shape, a
@@ -411,7 +412,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         dbias = None
     elif c.weight_requires_grad:
         wgrad = compute_wgrad(b, c.main_grad)
-    return (dgrad, wgrad, dbias if c.bias_requires_grad else None) + (None,) * (len(linear_fwd.params) - 3)
+    return linear_fwd.input_grads(ctx.full_lists, inp=dgrad, weight=wgrad, bias=dbias if c.bias_requires_grad else None)
 
 
 linear_fwd.op.register_autograd(_backward, setup_context=_setup_context)

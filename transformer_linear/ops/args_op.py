@@ -273,6 +273,30 @@ class ArgsOp:
             params.append((OPTIONS, str))
         self.params = tuple(params)
         """(name, annotation) of the op's parameters."""
+        self._list_lengths = {n.attr: n.tensors for n in self._nodes if n.tensors}
+
+    def full_lists(self, values: Sequence[Any]) -> frozenset[str]:
+        """The tensor-list parameters among the op's arguments ``values`` that hold no None (what
+        :meth:`input_grads` needs: torch's autograd takes such a list's gradient as a list)."""
+        return frozenset(
+            name for (name, _), v in zip(self.params, values)
+            if name in self._list_lengths and v is not None and all(isinstance(t, Tensor) for t in v)
+        )
+
+    def input_grads(self, full_lists: frozenset[str], **grads: Optional[Tensor]) -> tuple:
+        """What the op's autograd ``backward`` returns: ``grads`` for the tensor parameters they name, None
+        for the others, a list of Nones for a tensor list in ``full_lists`` (:meth:`full_lists` of the
+        forward's arguments; torch checks the structure: a list holding a None is one input to it).
+
+        Raises:
+            ValueError: ``grads`` names no parameter of the op.
+        """
+        unknown = set(grads) - {name for name, _ in self.params}
+        if unknown:
+            raise ValueError(f"{self.name}: no parameters {sorted(unknown)}")
+        return tuple(
+            [None] * self._list_lengths[name] if name in full_lists else grads.get(name) for name, _ in self.params
+        )
 
     def flatten(self, args: Any) -> tuple:
         """The op's positional arguments taken from ``args``."""
