@@ -2,7 +2,8 @@
 accelerate, Lightning): an ``nn.Linear`` model converted with ``convert_to_fp8(..., fp8_all_gather=True)``
 and sharded by torch's own ``fully_shard`` gathers its weights in the recipe's form and trains bitwise as
 the same model gathered in high precision, for every registry recipe, with and without bias. A one-rank
-group (FSDP2 gathers nothing there) gathers the high-precision weight and quantizes it after.
+group (FSDP2 gathers nothing there) gathers the high-precision weight and quantizes it after. A model built
+under ``tl.quantized_model_init`` gathers quantized with no conversion call, as the converted model does.
 
 2 gloo ranks; 256-row weights (128 a rank: whole blocks of every recipe whose blocks span rows).
 """
@@ -97,6 +98,55 @@ def test_plain_fully_shard_gathers_quantized(name):
 @pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
 def test_one_rank_gathers_high_precision_and_quantizes_after(name):
     run_ranks(_parity_rank, name, world_size=1, timeout=TIMEOUT)
+
+
+def _quantized_init_model(name, world, convert):
+    """The same two layers built under quantized_model_init (``convert``: then converted with
+    fp8_all_gather=True, the explicit way), sharded by torch's fully_shard."""
+    torch.manual_seed(0)
+    with tl.quantized_model_init(recipe=recipe.from_name(name), preserve_high_precision_init_val=True):
+        model = nn.Sequential(tl.Linear(IN, HIDDEN, recipe=recipe.from_name(name)), nn.GELU(),
+                              tl.Linear(HIDDEN, OUT, bias=False, recipe=recipe.from_name(name)))
+    if convert:
+        model = tl.convert_to_fp8(model, recipe=recipe.from_name(name), fp8_all_gather=True, fp8_state=None)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _quantized_init_rank(rank, world, name):
+    if not _gathers_quantized(name, world):
+        with pytest.warns(UserWarning, match="gathers in high precision"):
+            model = _quantized_init_model(name, world, convert=False)
+        assert type(model[0].weight.to_local()) is torch.Tensor
+        _train(model, rank, world)
+        return None
+    model = _quantized_init_model(name, world, convert=False)
+    assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight)
+    with _GatherCounter() as counter:
+        losses, params = _train(model, rank, world)
+    assert counter.fp8_gathers > 0
+    losses_converted, params_converted = _train(_quantized_init_model(name, world, convert=True), rank, world)
+    assert_bitwise_equal(losses, losses_converted, f"{name}: losses, quantized_model_init vs converted")
+    for i, (a, b) in enumerate(zip(params, params_converted)):
+        assert_bitwise_equal(a, b, f"{name}: parameter {i} after {STEPS} steps")
+    for key, t in model.state_dict().items():
+        if key.endswith("weight"):
+            assert type(t.to_local()) is torch.Tensor, f"{key}: the saved shard is a {type(t.to_local()).__name__}"
+    weights = HIDDEN * IN + OUT * HIDDEN
+    return counter.bytes / (weights * 4 / world * STEPS * 2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quantized_model_init_gathers_quantized_with_no_conversion(name):
+    """Weights kept quantized by quantized_model_init and sharded by torch's fully_shard (no convert_to_fp8,
+    no tl.distributed): their shards are the masters, gathered in the recipe's form, training bitwise as the
+    explicitly converted model; a recipe that cannot gather the shards quantized gathers them in high
+    precision, with a warning."""
+    ratios = run_ranks(_quantized_init_rank, name, world_size=2, timeout=TIMEOUT)
+    if _gathers_quantized(name, 2):
+        assert all(r is not None and r <= 0.3 for r in ratios), ratios
 
 
 def test_grouped_linear_experts_under_plain_fully_shard():

@@ -1,4 +1,4 @@
-"""The Triton kernels are ``torch.library.triton_op``\\ s: torch.compile traces into them (AOTAutograd's
+"""The Triton kernels are ``torch.library.triton_op`` ops: torch.compile traces into them (AOTAutograd's
 graph holds the kernels, as ``triton_kernel_wrapper_functional`` nodes Inductor schedules, where a
 custom op would be one opaque node), and the public ops take them for CUDA tensors (ops/triton_route.py).
 

@@ -13,15 +13,13 @@ one-rank group gathers the high-precision weight and quantizes it after (fp8_all
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from transformer_linear.modules import quantized_init
-from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable, is_fp8_all_gathered
-from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
+from transformer_linear.modules.fp8_all_gather import is_fp8_all_gathered
+from transformer_linear.modules.fp8_all_gather_shard import fp8_all_gather_type, register_plain_weight_hook
 from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.recipe import Recipe
@@ -68,13 +66,7 @@ def make_fp8_all_gathered(layer: nn.Module, spec: QuantizationSpec, where: str,
         layer.out_features, layer.in_features)
     if tuple(weight.shape) != expected or is_fp8_all_gathered(weight):
         return False
-    if grouped:
-        check_grouped_gatherable(spec, weight.shape[0], world_size or 1, where)
-        wrapper: type[FP8AllGatherWeight] = GroupedFP8AllGatherWeight
-    else:
-        if world_size is not None:
-            check_shardable(spec.weight, weight.shape[0], world_size, where)
-        wrapper = FP8AllGatherWeight
+    wrapper = fp8_all_gather_type(spec, tuple(weight.shape), world_size, where)
     if isinstance(weight, quantized_init.QuantizedWeight):
         master = quantized_init.high_precision_weight(layer)
     else:
@@ -82,27 +74,6 @@ def make_fp8_all_gathered(layer: nn.Module, spec: QuantizationSpec, where: str,
     # Whether backward's gather may carry the columnwise copy alone (a quantized dgrad reads only it).
     setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
     layer.weight = nn.Parameter(wrapper(master, spec.weight, spec.history), requires_grad=weight.requires_grad)
-    layer._register_state_dict_hook(_plain_weight_in_state_dict)
+    register_plain_weight_hook(layer)
     quantized_init.requantize(layer)  # a quantized_model_init layer drops its stored copy
     return True
-
-
-def _plain_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """``state_dict`` holds the master weight as a plain tensor (a DTensor of plain shards under FSDP2),
-    sharing its storage, so that checkpoints load without the FP8AllGatherWeight class and loading one
-    in place writes the master."""
-    key = prefix + "weight"
-    weight = state_dict.get(key)
-    if weight is None:
-        return
-    local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
-    if not isinstance(local, FP8AllGatherWeight):
-        return
-    if local is weight:
-        state_dict[key] = local._tensor
-        return
-    with torch.no_grad():
-        state_dict[key] = DTensor.from_local(
-            local._tensor, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
-            stride=weight.stride(),
-        )

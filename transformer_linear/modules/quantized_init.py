@@ -19,10 +19,14 @@ the forward's reads the dequantized weight (``state_dict`` saves it: it loads in
 stepping the FP8 Parameters themselves would round each update to FP8 and lose AdamW's small updates: a
 global optimizer pre-step hook raises instead.
 
-Under FSDP2 (``tl.distributed.fully_shard``) the layer's weight becomes a plain high-precision Parameter
-again (the preserved initial weight where ``preserve_high_precision_init_val``, else the dequantized one)
-that FSDP2 shards: the shards are the masters, and ``fp8_all_gather=True`` gathers them quantized, so the
-weight exists unsharded only in FP8; the layer's recipe is then this context's.
+Under FSDP2 (torch's own ``fully_shard``, as engines call it, or ``tl.distributed.fully_shard``) the
+weight's shards are its high-precision master (the preserved initial weight where
+``preserve_high_precision_init_val``, else the dequantized one), which FSDP2 all-gathers in the recipe's
+quantized form with no further step: FSDP2's sharding ops on a :class:`QuantizedWeight` make its shards
+``FP8AllGatherWeight`` shards (:class:`ShardGather`), so the weight exists unsharded only quantized. A stock
+optimizer steps those masters. Where the recipe cannot gather the shards quantized (blocks straddling
+shards; fp8_all_gather_shard.fp8_all_gather_type says why) the shards gather in high precision, with a
+warning.
 
 A layer's weight scale is computed from the weight itself when it is quantized (current scaling), also
 under delayed scaling, whose history still records the weight's amax.
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -40,14 +46,22 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight, is_fp8_all_gathered, quantize_weight
+from transformer_linear.modules.fp8_all_gather_shard import fp8_all_gather_type, register_plain_weight_hook
+from transformer_linear.modules.fsdp_gather_usages import BACKWARD_READS_COLUMNWISE
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import DelayedScaling, Recipe
 from transformer_linear.recipe.kind_tensorwise import transposed as contiguous_transpose
-from transformer_linear.recipe.quantization import TensorQuantizer, check_recipe, quantization_spec
+from transformer_linear.recipe.quantization import (
+    QuantizationSpec,
+    TensorQuantizer,
+    check_recipe,
+    quantization_spec,
+)
 
 __all__ = [
     "QuantizedInitConfig",
     "QuantizedWeight",
+    "ShardGather",
     "clear_high_precision_init_val",
     "fp8_model_init",
     "get_high_precision_init_val",
@@ -195,6 +209,39 @@ _CACHED_FIELDS = tuple(f.name for f in dataclasses.fields(CachedWeight))
 _SAME_WEIGHT_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 _RESHAPE_OPS = (torch.ops.aten.as_strided.default, torch.ops.aten.view.default)
 _COPY_OPS = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
+_SHARDING_OPS = (torch.ops.aten.split.Tensor, torch.ops.aten.new_zeros.default)
+"""What FSDP2's ``fully_shard`` does to a parameter it shards (``_init_sharded_param``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGather:
+    """What FSDP2's sharding of a layer's :class:`QuantizedWeight` needs: the shards are the layer's
+    high-precision master (:func:`high_precision_weight`), made :func:`fp8_all_gather_shard.fp8_all_gather_type`'s
+    class, which gathers them quantized by ``spec``."""
+
+    spec: QuantizationSpec
+    """The layer's quantizers (its recipe's): the weight's and, for delayed scaling, the history."""
+    layer: "weakref.ReferenceType[nn.Module]"
+    """The layer (its preserved initial weight is the master, and is freed once the master is made)."""
+
+    def shard_type(self, weight: "QuantizedWeight", shard_rows: int) -> Optional[type]:
+        """The class of ``weight``'s shards of ``shard_rows`` rows (experts, for 3-D), or None where they gather
+        in high precision (with a warning saying why)."""
+        world = -(-weight.shape[0] // max(shard_rows, 1))
+        try:
+            return fp8_all_gather_type(self.spec, tuple(weight.shape), world, "fully_shard")
+        except ValueError as e:
+            warnings.warn(f"quantized_model_init: the weight gathers in high precision: {e}", stacklevel=2)
+            return None
+
+    def master(self, weight: "QuantizedWeight") -> Tensor:
+        """The high-precision weight FSDP2 shards: the preserved initial one, else ``weight`` dequantized."""
+        layer = self.layer()
+        init_val = getattr(layer, "_high_precision_init_val", None) if layer is not None else None
+        if init_val is None:
+            return weight.dequantize()
+        clear_high_precision_init_val(layer)
+        return init_val.to(device=weight.device, dtype=weight.dtype)
 
 
 class QuantizedWeight(GatheredFP8Weight):
@@ -210,21 +257,37 @@ class QuantizedWeight(GatheredFP8Weight):
         cached_weight: the quantized weight (:func:`quantize_weight`).
         quantizer: the quantizer that made it.
         dtype: the weight's (nominal) dtype: its gradient's, and what :meth:`dequantize` returns.
+        shard_gather: a layer's weight: how FSDP2's shards of it gather (:class:`ShardGather`).
     """
 
     source = "kept quantized by quantized_model_init's recipe"
 
     @staticmethod
-    def __new__(cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype) -> "QuantizedWeight":
+    def __new__(
+        cls, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype,
+        shard_gather: Optional[ShardGather] = None,
+    ) -> "QuantizedWeight":
         data = cached_weight.weight_fp8
         shape = quantizer.value_shape(tuple(data.shape))  # FP4 data packs two values a byte
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
+    def __init__(
+        self, cached_weight: CachedWeight, quantizer: TensorQuantizer, dtype: torch.dtype,
+        shard_gather: Optional[ShardGather] = None,
+    ) -> None:
+        super().__init__(cached_weight, quantizer, dtype)
+        self.shard_gather = shard_gather
+        """How FSDP2's shards of this weight gather (None: a QuantizedWeight made by an op, not a layer's)."""
+
     @classmethod
-    def of(cls, quantizer: TensorQuantizer, weight: Tensor, rowwise_only: bool = False) -> "QuantizedWeight":
+    def of(
+        cls, quantizer: TensorQuantizer, weight: Tensor, rowwise_only: bool = False,
+        shard_gather: Optional[ShardGather] = None,
+    ) -> "QuantizedWeight":
         """``weight`` quantized by ``quantizer`` (``rowwise_only``: its rowwise copy alone is stored)."""
         _install_optimizer_guard()
-        return cls(stored_form(quantizer, quantize_weight(quantizer, weight), rowwise_only), quantizer, weight.dtype)
+        stored = stored_form(quantizer, quantize_weight(quantizer, weight), rowwise_only)
+        return cls(stored, quantizer, weight.dtype, shard_gather)
 
     @property
     def cached_weight(self) -> CachedWeight:
@@ -270,19 +333,37 @@ class QuantizedWeight(GatheredFP8Weight):
                 if dst is not None:
                     dst.copy_(src)
 
+    def _shard(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """FSDP2's sharding (``fully_shard``: the dim-0 chunks, then a zero-padded shard they are copied into)
+        on the master, whose shards are made the class that gathers them quantized (or stay plain)."""
+        if func is torch.ops.aten.split.Tensor:
+            shard_type = self.shard_gather.shard_type(self, int(args[1]))
+            shards = func(self.shard_gather.master(self), *args[1:], **kwargs)
+        else:  # new_zeros(size): the padded shard
+            size = list(args[1])
+            shard_type = self.shard_gather.shard_type(self, int(size[0]))
+            shards = torch.zeros(size, dtype=kwargs.get("dtype") or self.dtype, device=kwargs.get("device") or self.device)
+        if shard_type is None:
+            return shards
+        spec = self.shard_gather.spec
+        return pytree.tree_map_only(Tensor, lambda t: shard_type(t, spec.weight, spec.history), shards)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         this = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, QuantizedWeight))
         first = args[0] if args else None
         if first is this and (func in _SAME_WEIGHT_OPS or (func in _RESHAPE_OPS and list(args[1]) == list(this.shape))):
-            return QuantizedWeight(this._stored(), this.quantizer, this.dtype)
+            return QuantizedWeight(this._stored(), this.quantizer, this.dtype, this.shard_gather)
+        if first is this and this.shard_gather is not None and func in _SHARDING_OPS:
+            return this._shard(func, args, kwargs)
         if first is this and func in _COPY_OPS:
             # clone (deepcopy) and .to(device/dtype): the quantized tensors copied, the dtype the nominal one.
             device = kwargs.get("device") or this.device
             moved = {name: getattr(this, name) for name in _CACHED_FIELDS}
             moved = {name: None if t is None else t.to(device, copy=True) for name, t in moved.items()}
-            return QuantizedWeight(CachedWeight(**moved), this.quantizer, kwargs.get("dtype") or this.dtype)
+            return QuantizedWeight(CachedWeight(**moved), this.quantizer, kwargs.get("dtype") or this.dtype,
+                                   this.shard_gather)
         if first is this and func is torch.ops.aten.copy_.default:
             src = args[1]
             this.quantize_(src.dequantize(this.dtype) if isinstance(src, QuantizedWeight) else src)
@@ -364,11 +445,17 @@ def requantize(layer: nn.Module) -> None:
         return
     if config.preserve_high_precision_init_val and not hasattr(layer, "_high_precision_init_val"):
         layer._high_precision_init_val = weight.detach().to("cpu", copy=True)
-    stored = QuantizedWeight.of(config.weight_quantizer, weight, config.rowwise_only)
+    spec = quantization_spec(config.recipe)
+    shard_gather = ShardGather(spec, weakref.ref(layer))
+    stored = QuantizedWeight.of(config.weight_quantizer, weight, config.rowwise_only, shard_gather)
     layer.weight = nn.Parameter(stored, requires_grad=weight.requires_grad)
     if not getattr(layer, "_dequantized_state_dict_hook", False):
         layer._register_state_dict_hook(_dequantized_weight_in_state_dict)
         layer._dequantized_state_dict_hook = True
+    # Where FSDP2 shards the weight (ShardGather): backward's gather may carry the columnwise copy alone, and
+    # state_dict saves the plain master.
+    setattr(layer, BACKWARD_READS_COLUMNWISE, spec.backward_operands == "quantized")
+    register_plain_weight_hook(layer)
 
 
 def _dequantized_weight_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -81,7 +81,7 @@ def cublaslt_takes(a: torch.Tensor, b: torch.Tensor, a_scaling: str, b_scaling: 
     """Whether cuBLASLt's block-scaled matmul may run ``a`` x ``b`` (this build, this GPU, these operands);
     False for a build without CUDA (asking no GPU)."""
     build_info = torch_cuda.build_info()
-    if build_info is None or a.device.type != "cuda":
+    if build_info is None:
         return False
     capability = torch.cuda.get_device_capability(a.device)
     return cublaslt_block_applies(a_scaling, b_scaling, capability, build_info) and cublaslt_operands_fit(

@@ -89,9 +89,9 @@ def nvfp4_gemm_cublaslt(a, a_scale, a_global_scale, b, b_scale, b_global_scale, 
 @nvfp4_quantize._quantize_nvfp4_op.register_kernel("cuda")
 def _(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset):
     nvfp4_quantize._check_quantize_op("quantize_nvfp4", x, amax, amax_t, rowwise, columnwise, scaling_2d, rht)
-    return triton_route.kernels().quantize_nvfp4(
+    return list(triton_route.kernels().quantize_nvfp4(
         x.contiguous(), amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed, offset
-    )
+    ))
 
 
 @nvfp4_gemm._nvfp4_gemm_op.register_kernel("cuda")

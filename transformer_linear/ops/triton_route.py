@@ -1,4 +1,4 @@
-"""Which calls run the package's Triton kernels directly, as the ``triton_op``\\ s of ``ops.triton``
+"""Which calls run the package's Triton kernels directly, as the ``triton_op`` ops of ``ops.triton``
 (which torch.compile traces into: Inductor sees and schedules the kernels), rather than inside a custom
 op's CUDA kernel (opaque to it).
 

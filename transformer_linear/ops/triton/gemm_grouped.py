@@ -249,6 +249,7 @@ def _grouped_gemm_op(
     return d
 
 
+@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad")
 def fp8_grouped_gemm_wgrad(
     grad: torch.Tensor,
     grad_scale_inv: torch.Tensor,
@@ -259,18 +260,6 @@ def fp8_grouped_gemm_wgrad(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad (tensorwise); CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
-    return _grouped_wgrad_op(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
-
-
-@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad")
-def _grouped_wgrad_op(
-    grad: torch.Tensor,
-    grad_scale_inv: torch.Tensor,
-    x: torch.Tensor,
-    x_scale_inv: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
     (total, n), k, groups = grad.shape, x.shape[1], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
     if d.numel() == 0:
@@ -284,6 +273,7 @@ def _grouped_wgrad_op(
     return d
 
 
+@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad_blockwise")
 def fp8_grouped_gemm_wgrad_blockwise(
     grad_t: torch.Tensor,
     grad_t_scale_inv: torch.Tensor,
@@ -295,19 +285,6 @@ def fp8_grouped_gemm_wgrad_blockwise(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad_blockwise; CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
-    return _grouped_wgrad_blockwise_op(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
-
-
-@library.triton_op("transformer_linear::triton_fp8_grouped_gemm_wgrad_blockwise")
-def _grouped_wgrad_blockwise_op(
-    grad_t: torch.Tensor,
-    grad_t_scale_inv: torch.Tensor,
-    x_t: torch.Tensor,
-    x_t_scale_inv: torch.Tensor,
-    offs: torch.Tensor,
-    out_dtype: torch.dtype,
-    token_block: int,
-) -> torch.Tensor:
     (n, total), k, groups = grad_t.shape, x_t.shape[0], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x_t.device)
     if d.numel() == 0:

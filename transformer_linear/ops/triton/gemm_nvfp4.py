@@ -75,6 +75,7 @@ def _nvfp4_gemm_kernel(
 _autotuned = triton.autotune(configs=_GPU_CONFIGS, key=["M", "N", "K"])(_nvfp4_gemm_kernel)
 
 
+@library.triton_op("transformer_linear::triton_nvfp4_gemm")
 def nvfp4_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -83,26 +84,12 @@ def nvfp4_gemm(
     b_scale: torch.Tensor,
     b_global_scale: torch.Tensor,
     out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The ``transformer_linear::nvfp4_gemm`` op for operands it checked: a (M, K/2) and b (N, K/2) uint8 (or
     float4_e2m1fn_x2), (rows, K/16) float8_e4m3fn scales, one-element float32 global decode scales;
     CUDA or (interpreter) CPU tensors."""
     check_hp_dtype("nvfp4_gemm", "out_dtype", out_dtype)
-    return _nvfp4_gemm_op(a, a_scale, a_global_scale, b, b_scale, b_global_scale, out_dtype, bias)
-
-
-@library.triton_op("transformer_linear::triton_nvfp4_gemm")
-def _nvfp4_gemm_op(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    a_global_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    b_global_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor],
-) -> torch.Tensor:
     a, b = a.view(torch.uint8).contiguous(), b.view(torch.uint8).contiguous()
     sa, sb = a_scale.view(torch.uint8).contiguous(), b_scale.view(torch.uint8).contiguous()
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]

@@ -204,27 +204,8 @@ def _launch(view: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, scales:
     )
 
 
-def quantize_nvfp4(
-    x: torch.Tensor,
-    amax: torch.Tensor,
-    amax_t: torch.Tensor | None,
-    rowwise: bool,
-    columnwise: bool,
-    scaling_2d: bool,
-    rht: bool,
-    stochastic_rounding: bool,
-    seed: int,
-    offset: int,
-) -> list[torch.Tensor]:
-    """The ``transformer_linear::quantize_nvfp4`` op's six outputs (uint8 data, E4M3 scales, float32 global
-    decode scales; a copy not asked for empty, its global scale 0) for a CUDA or (interpreter) CPU ``x``."""
-    check_quantize_shape("quantize_nvfp4", tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
-    return list(_quantize_nvfp4_op(x, amax, amax_t, rowwise, columnwise, scaling_2d, rht, stochastic_rounding, seed,
-                                   offset))
-
-
 @library.triton_op("transformer_linear::triton_quantize_nvfp4")
-def _quantize_nvfp4_op(
+def quantize_nvfp4(
     x: torch.Tensor,
     amax: torch.Tensor,
     amax_t: Optional[torch.Tensor],
@@ -236,6 +217,9 @@ def _quantize_nvfp4_op(
     seed: int,
     offset: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``transformer_linear::quantize_nvfp4`` op's six outputs (uint8 data, E4M3 scales, float32 global
+    decode scales; a copy not asked for empty, its global scale 0) for a CUDA or (interpreter) CPU ``x``."""
+    check_quantize_shape("quantize_nvfp4", tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
     m, k = x.shape
     dev = x.device
     empty = (0, 0)
