@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 import transformer_linear as tl
 from transformer_linear import recipe
 from transformer_linear.modules.fp8_all_gather import FP8AllGatherWeight, check_shardable
+from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight
 
 IN, HIDDEN, OUT = 128, 256, 256
 STEPS = 5
@@ -176,3 +177,37 @@ def _grouped_rank(rank, world):
         runs.append(torch.stack(losses))
     assert_bitwise_equal(runs[0], runs[1], f"rank {rank}: GroupedLinear losses, FP8 vs high-precision gather")
     assert dist.get_world_size() == world
+
+
+def test_quantized_model_init_experts_under_plain_fully_shard():
+    run_ranks(_grouped_quantized_init_rank, world_size=2, timeout=TIMEOUT)
+
+
+def _grouped_quantized_init_rank(rank, world):
+    """A GroupedLinear built under quantized_model_init and sharded by torch's fully_shard gathers its experts
+    in FP8 (each rank's whole experts), training bitwise as the same layer converted with fp8_all_gather."""
+
+    def build(convert):
+        torch.manual_seed(3)
+        with tl.quantized_model_init(recipe=recipe.from_name("mxfp8"), preserve_high_precision_init_val=True):
+            experts = tl.GroupedLinear(4, IN, OUT, recipe=recipe.from_name("mxfp8"))
+        if convert:
+            experts = tl.convert_to_fp8(experts, fp8_all_gather=True, fp8_state=None)
+        return fully_shard(experts, mesh=init_device_mesh("cpu", (world,)))
+
+    sizes = [8, 0, 16, 8]
+    runs = []
+    for convert in (False, True):
+        model = build(convert)
+        assert isinstance(model.weight.to_local(), GroupedFP8AllGatherWeight)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(4 + rank)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(sum(sizes), IN, generator=g), sizes).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append(torch.stack(losses))
+    assert_bitwise_equal(runs[0], runs[1], f"rank {rank}: GroupedLinear losses, quantized_model_init vs converted")
