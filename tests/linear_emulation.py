@@ -1,5 +1,6 @@
-"""A Linear's forward and backward GEMMs emulated from the reference alone: the one oracle the FP8 recipe
-tests compare ``tl.Linear`` against.
+"""A Linear's forward and backward emulated from the reference alone: the one oracle the recipe tests
+compare ``tl.Linear`` against (FP8 recipes: :func:`emulate_linear`'s GEMM results; NVFP4:
+:func:`nvfp4_copies`, the quantized operands its GEMMs read).
 
 A recipe is written out here as what it means (TE / DeepSeek-V3 / OCP MX / torchao), independently of
 the package's quantization.py: per tensor role, the FP8 dtype, the blocks (``None``: one current scale
@@ -18,11 +19,12 @@ takes: ``reference.fp8_gemm_blockwise`` in float64, and torch.mm of the dequanti
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
 from transformer_linear import reference
+from transformer_linear.reference import nvfp4 as ref_nvfp4
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 ROW = "row"
@@ -105,3 +107,31 @@ def emulate_linear(r: EmulatedRecipe, x: torch.Tensor, w: torch.Tensor, bias: Op
     dx = gemm(r.grad_output.quantize(dy), qw_t)
     dw = gemm(r.grad_output.quantize(dy.t().contiguous()), r.input.quantize(x.t().contiguous()))
     return Emulated(gemm(qx, qw, bias), dx, dw)
+
+
+class NVFP4Copies(NamedTuple):
+    """The NVFP4 copies (reference.nvfp4.quantize_nvfp4's, both usages) of the Linear's three tensors: the
+    forward reads x's and w's rowwise copies, dgrad grad_output's rowwise and w's columnwise copy, wgrad the
+    columnwise copies of grad_output and x."""
+
+    x: Any
+    w: Any
+    grad_output: Any
+
+
+def nvfp4_amax(t: torch.Tensor, rht: bool = False) -> torch.Tensor:
+    """The global amax of t's NVFP4 copy (of its transpose's Hadamard transform with ``rht``)."""
+    v = ref_nvfp4.hadamard_transform(t.t()) if rht else t.float()
+    return v.abs().amax()
+
+
+def nvfp4_copies(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, rht: bool, stochastic_rounding: bool,
+                 weight_2d: bool, seed: int) -> NVFP4Copies:
+    """The copies TE's NVFP4 recipe makes: the activations' and gradients' columnwise copies Hadamard-
+    transformed (``rht``), grad_output rounded stochastically from ``seed`` (``stochastic_rounding``), the
+    weight in 16x16 tiles (``weight_2d``); each with its tensor's global amax."""
+    qx = ref_nvfp4.quantize_nvfp4(x, nvfp4_amax(x), nvfp4_amax(x, rht), rowwise=True, columnwise=True, rht=rht)
+    qw = ref_nvfp4.quantize_nvfp4(w, nvfp4_amax(w), rowwise=True, columnwise=True, scaling_2d=weight_2d)
+    qg = ref_nvfp4.quantize_nvfp4(dy, nvfp4_amax(dy), nvfp4_amax(dy, rht), rowwise=True, columnwise=True, rht=rht,
+                                  stochastic_rounding=stochastic_rounding, seed=seed, offset=0)
+    return NVFP4Copies(qx, qw, qg)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch._dynamo.testing
+from linear_emulation import nvfp4_amax, nvfp4_copies
 from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 
 import transformer_linear as tl
@@ -67,19 +68,10 @@ def _run(layer, x, dy, **kw):
     return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-def _amax(t, rht=False):
-    v = ref.hadamard_transform(t.t()) if rht else t.float()
-    return v.abs().amax()
-
-
 def _emulate(r, x, w, dy, seed):
     """The three tensors' NVFP4 copies as reference/nvfp4 makes them under the recipe's rules."""
     rht, sr, w2d = _features(r)
-    qx = ref.quantize_nvfp4(x, _amax(x), _amax(x, rht), rowwise=True, columnwise=True, rht=rht)
-    qw = ref.quantize_nvfp4(w, _amax(w), rowwise=True, columnwise=True, scaling_2d=w2d)
-    qg = ref.quantize_nvfp4(dy, _amax(dy), _amax(dy, rht), rowwise=True, columnwise=True, rht=rht,
-                            stochastic_rounding=sr, seed=seed, offset=0)
-    return qx, qw, qg
+    return nvfp4_copies(x, w, dy, rht=rht, stochastic_rounding=sr, weight_2d=w2d, seed=seed)
 
 
 def _spy(monkeypatch):
@@ -375,8 +367,8 @@ def test_inference_takes_any_row_count():
     layer = _layer(VARIANTS["default"], w, b)
     with torch.no_grad():
         out = layer(x)
-    qx = ref.quantize_nvfp4(x, _amax(x))
-    qw = ref.quantize_nvfp4(w, _amax(w), scaling_2d=True)
+    qx = ref.quantize_nvfp4(x, nvfp4_amax(x))
+    qw = ref.quantize_nvfp4(w, nvfp4_amax(w), scaling_2d=True)
     expected = ref.nvfp4_gemm(qx.data, qx.scale, qx.global_scale, qw.data, qw.scale, qw.global_scale, bias=b)
     assert_bitwise_equal(out, expected, "out")
 
@@ -491,11 +483,11 @@ def test_packed_scales_hold_the_reference_copies(rows, cols):
     block scales; nvfp4_gemm_packed is nvfp4_gemm of the unpacked operands, bitwise."""
     x, w = torch.randn(rows, cols), torch.randn(32, cols)
     data, scales, _, _ = nvfp4_ops.quantize_nvfp4_packed(x)
-    q = ref.quantize_nvfp4(x, _amax(x) if rows else torch.tensor(0.0))
+    q = ref.quantize_nvfp4(x, nvfp4_amax(x) if rows else torch.tensor(0.0))
     _assert_copy_equal(data, scales, q.data, q.scale, q.global_scale, "x")
     assert scales.shape == (nvfp4_ops.packed_scale_numel(rows, cols),)
     qw = nvfp4_ops.quantize_nvfp4_packed(w)
-    rw = ref.quantize_nvfp4(w, _amax(w))
+    rw = ref.quantize_nvfp4(w, nvfp4_amax(w))
     expected = ref.nvfp4_gemm(q.data, q.scale, q.global_scale, rw.data, rw.scale, rw.global_scale)
     assert_bitwise_equal(nvfp4_ops.nvfp4_gemm_packed(data, scales, qw[0], qw[1]), expected, "gemm")
 
@@ -509,7 +501,7 @@ def test_packed_columnwise_copy_pads_the_tokens(rows, scaling_2d, rht, sr):
     padded = torch.cat([x, x.new_zeros((-rows % 16, 64))])
     seed = torch.tensor(7, dtype=torch.int64)
     data, scales, data_t, scales_t = nvfp4_ops.quantize_nvfp4_packed(x, True, True, scaling_2d, rht, sr, seed)
-    q = ref.quantize_nvfp4(padded, _amax(padded), _amax(padded, rht), rowwise=True, columnwise=True,
+    q = ref.quantize_nvfp4(padded, nvfp4_amax(padded), nvfp4_amax(padded, rht), rowwise=True, columnwise=True,
                            scaling_2d=scaling_2d, rht=rht, stochastic_rounding=sr, seed=7)
     _assert_copy_equal(data, scales, q.data[:rows], q.scale[:rows], q.global_scale, "rowwise")
     _assert_copy_equal(data_t, scales_t, q.data_t, q.scale_t, q.global_scale_t, "columnwise (padded tokens)")
@@ -559,7 +551,7 @@ def test_numerics_range_stats_and_labels():
     x[0, 0] = 1.0
     spec = tl.recipe.quantization.quantization_spec(VARIANTS["default"])
     stats = quantizer_range_stats(x, spec.input, None)
-    codes = ref.unpack_e2m1(ref.quantize_nvfp4(x, _amax(x)).data)
+    codes = ref.unpack_e2m1(ref.quantize_nvfp4(x, nvfp4_amax(x)).data)
     assert stats["underflow"] == float(((codes & 7) == 0).sum()) / x.numel() > 0
     assert stats["amax"] == float(x.abs().max()) and stats["saturation"] == 0.0
     assert recipe_label(VARIANTS["default"]) == "NVFP4BlockScaling(E2M1)"
