@@ -102,7 +102,8 @@ class TestOpcheck:
         _opcheck(torch.ops.transformer_linear.delayed_scaling_flush.default, (torch.rand(4, 3), torch.ones(3), 123))
 
     def test_schema_comes_from_the_dataclass(self):
-        """A tensor field is a parameter, a config's tensors one list, and the plain values one string."""
+        """A tensor field is a parameter, a config's tensors one list (its ints parameters of their own), and
+        the plain values one string."""
         schema = linear_ops.linear_fwd.op._opoverload._schema
         types = {a.name: str(a.type) for a in schema.arguments}
         assert types == {
@@ -111,6 +112,9 @@ class TestOpcheck:
             "bias": "Optional[Tensor]",
             "cached_weight": "List[Optional[Tensor]]",
             "delayed": "List[Optional[Tensor]]",
+            # A tensor config's ints (a layer's handles: symbolic where torch.compile traces them so).
+            "delayed__amax_reduction_group": "Optional[int]",
+            "delayed__reduction_handle": "Optional[int]",
             "main_grad": "Optional[Tensor]",
             "wgrad_queue": "int",  # SymInt in the schema
             "options": "str",
@@ -130,7 +134,8 @@ class TestOpcheck:
         plain_fields = [f for f in LinearFwdArgs.__dataclass_fields__ if f not in types and f != "quantization"]
         assert [k for k in keys if "." not in k] == plain_fields
         assert [k for k in keys if k.startswith("delayed.")] == [
-            f"delayed.{f}" for f in DelayedScalingArgs.__dataclass_fields__ if f not in tensor_leaves["delayed"]
+            f"delayed.{f}" for f in DelayedScalingArgs.__dataclass_fields__
+            if f not in tensor_leaves["delayed"] and f"delayed__{f}" not in types
         ]
 
     @pytest.mark.parametrize("name", list(RECIPES))

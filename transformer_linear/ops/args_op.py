@@ -11,8 +11,12 @@ each saying what it holds:
 - a field whose type is a dataclass is a config. The tensors of a config (``CachedWeight``'s, the
   delayed-scaling state's), nested configs' included, are one ``Tensor?[]`` parameter named after it,
   one entry per tensor leaf in declaration order;
-- every other value (bools, floats, strings, dtypes, and the plain leaves of configs, such as the
-  recipe's whole ``QuantizationSpec``) is written into one ``str`` parameter, ``options``, as
+- an ``int`` of a config holding tensors (a layer's handles, which differ from layer to layer and which
+  torch.compile may trace as symbolic ints) is a ``SymInt`` parameter named by its path
+  (``delayed__reduction_handle``);
+- every other value (bools, floats, strings, dtypes, and the leaves of configs of plain values only, such
+  as the recipe's whole ``QuantizationSpec``, whose ints are constants) is written into one ``str``
+  parameter, ``options``, as
   ``path=value`` pairs: ``fp8=True,...,quantization.input.dtype=torch.float8_e4m3fn,
   quantization.input.block_shape=1x128,...``. An exported program shows the quantizers it was traced
   with, and one of another version of the package is refused with the leaf that differs.
@@ -85,6 +89,8 @@ def _text(path: str, value: Any) -> str:
         text = "None"
     elif isinstance(value, list):
         text = "x".join([str(int(v)) for v in value])
+    elif isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        text = str(int(value))  # a traced int is specialized: these are a recipe's constants
     else:
         text = str(value)
         if isinstance(value, str) and ("," in text or "=" in text or text == "None"):
@@ -164,11 +170,11 @@ class _Node(NamedTuple):
             parts.append(self._cached_text(value))
         else:
             own = [] if tensors is None and self.tensors else None
+            if own is not None:
+                params.append(own)  # filled below: the list comes before the config's int parameters
             for child in self.children:
                 child.put(None if value is None else getattr(value, child.attr), params, parts,
                           own if own is not None else tensors)
-            if own is not None:
-                params.append(own)
 
     def _cached_text(self, value: Any) -> str:
         # torch.compile traces this code (the op's caller): there the cache would be graph state.
@@ -220,21 +226,23 @@ def _remember(cache: dict, key: Any, value: Any) -> None:
     cache[key] = value
 
 
-def _node(cls: type, name: str, path: str, top: bool, nullable: bool = False) -> _Node:
-    """The :class:`_Node` of field ``name`` of ``cls`` (``nullable``: inside an optional config)."""
+def _node(cls: type, name: str, path: str, top: bool, nullable: bool = False, within_plain: bool = False) -> _Node:
+    """The :class:`_Node` of field ``name`` of ``cls`` (``nullable``: inside an optional config;
+    ``within_plain``: inside a config of plain values only, whose ints are constants)."""
     hint = typing.get_type_hints(cls)[name]
     inner = _optional_of(hint)
     config, optional = (inner, True) if _is_config(inner) else (hint, False)
     if not _is_config(config):
         if _is_tensor(hint):
             return _Node(name, path, hint, "param" if top else "tensor")
-        if top and _is_size(hint):
-            return _Node(name, path, hint, "param")
+        if _is_size(hint) and (top or not within_plain):
+            return _Node(name, path, hint, "param", nullable=nullable)
         if (_optional_of(hint) or hint) not in _PLAIN and hint != list[int]:
             raise TypeError(f"args_op: field '{path}' of type {hint} cannot cross an op")
         return _Node(name, path, hint, "text", nullable=nullable)
+    plain = within_plain or _all_plain(config)
     children = tuple(
-        _node(config, f.name, f"{path}.{f.name}", False, nullable or optional) for f in dataclasses.fields(config)
+        _node(config, f.name, f"{path}.{f.name}", False, nullable or optional, plain) for f in dataclasses.fields(config)
     )
     node = _Node(name, path, config, "config", optional, children)
     leaves = list(node.leaves())
@@ -245,12 +253,22 @@ def _node(cls: type, name: str, path: str, top: bool, nullable: bool = False) ->
     return node._replace(tensors=tensors if top else 0, cached=top and tensors == 0)
 
 
+def _all_plain(config: type) -> bool:
+    """No leaf of ``config`` (nested configs included) is a tensor."""
+    hints = typing.get_type_hints(config)
+    for field in dataclasses.fields(config):
+        hint = hints[field.name]
+        inner = _optional_of(hint) or hint
+        if (_is_config(inner) and not _all_plain(inner)) or _is_tensor(hint):
+            return False
+    return True
+
+
 def _param_hint(node: _Node) -> Any:
-    if node.place == "config":
-        return list[Optional[Tensor]]
-    if typing.get_origin(node.hint) is list:  # the empty list crosses as None (module doc)
-        return Optional[node.hint]
-    return node.hint
+    hint = _optional_of(node.hint) or node.hint
+    if typing.get_origin(hint) is list or node.nullable or _optional_of(node.hint) is not None:
+        return Optional[hint]  # an empty list crosses as None (module doc)
+    return hint
 
 
 class ArgsOp:
@@ -265,7 +283,14 @@ class ArgsOp:
         self.result = result
         self._all_fields = tuple(f.name for f in dataclasses.fields(cls))
         self._nodes = tuple(_node(cls, f, f, True) for f in self.fields)
-        params = [(n.attr, _param_hint(n)) for n in self._nodes if n.place == "param" or n.tensors]
+        params = []
+        for node in self._nodes:
+            if node.place == "param":
+                params.append((node.attr, _param_hint(node)))
+            elif node.tensors:
+                params.append((node.attr, list[Optional[Tensor]]))
+            params += [(leaf.path.replace(".", "__"), _param_hint(leaf)) for leaf in node.leaves()
+                       if leaf.place == "param" and leaf is not node]
         self._texts = [leaf for n in self._nodes for leaf in n.leaves() if leaf.place == "text"]
         """The options string's leaves, in order."""
         self._keys = [leaf.path for leaf in self._texts]
