@@ -27,7 +27,8 @@ echo "isa_paths.sh: the suite ran on $auto (measured); now on: ${others:-nothing
 # reruns, which the whole suite each time would push CI past its time limit.
 mapfile -t per_path_files < <(grep -l -e "from cpu_paths import" -e "from dist_harness import" tests/test_*.py)
 ignores=()
-per_path_files+=(tests/test_aoti.py)
+# test_triton_ops_traced.py traces the Triton ops' graphs (no CPU kernel runs in them).
+per_path_files+=(tests/test_aoti.py tests/test_triton_ops_traced.py)
 for f in "${per_path_files[@]}"; do ignores+=(--ignore "$f"); done
 IFS=, read -r -a paths <<< "$others"
 for isa in "${paths[@]}"; do
