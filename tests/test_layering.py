@@ -8,7 +8,7 @@ The layers, bottom to top (the docs/architecture.md):
 - ``ops``: the custom ops and their backends (the C++ extension, CUDA routing, Triton kernels);
 - ``recipe``: recipes, their quantizers and the delayed-scaling state;
 - ``modules``: ``Linear`` and the ways to turn FP8 on;
-- the tools on top: ``distributed``, ``numerics``, ``cli`` and the package's ``__init__``.
+- the tools on top: ``distributed``, ``numerics``, ``cli``, ``integrations`` and the package's ``__init__``.
 
 ``_handles`` and ``_compile_cache`` are utilities below every layer.
 """
@@ -23,7 +23,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "transformer_linear"
 
 LAYERS = ("_handles", "_compile_cache", "_C", "formats", "reference", "ops", "recipe", "modules")
-TOP = ("distributed", "optim", "numerics", "cli", "__init__", "__main__")
+TOP = ("distributed", "optim", "numerics", "cli", "integrations", "__init__", "__main__")
 
 # Function-local imports of the package's own modules, each with its reason.
 LOCAL_IMPORTS_ALLOWED = {
