@@ -68,7 +68,9 @@ _PER_PASS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDiction
 
 def _param_group(module: nn.Module) -> Any:
     """The FSDP2 parameter group holding ``module``'s weight (FSDP2 hands ``fsdp_pre_all_gather`` the
-    parameter's module, which need not be the ``fully_shard``-ed one), or None."""
+    parameter's module, which need not be the ``fully_shard``-ed one), or None. Any parameter of ``module``
+    finds it: a module's parameters are in one group, and a torchtitan experts module's weights are
+    ``w1_EFD``, ``w2_EDF``, ``w3_EFD``."""
     ref = _PARAM_GROUPS.get(module)
     if ref is not None and ref() is not None:
         return ref()
@@ -77,7 +79,7 @@ def _param_group(module: nn.Module) -> Any:
         for group in getattr(state, "_fsdp_param_groups", ()):
             for fsdp_param in group.fsdp_params:
                 info = fsdp_param._module_info
-                if info.module is module and info.param_name == "weight":
+                if info.module is module:
                     _PARAM_GROUPS[module] = weakref.ref(group)
                     return group
     return None
