@@ -32,6 +32,7 @@ Example (the figures in docs/torchtitan.md):
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -296,6 +297,7 @@ def train(config: Trainer.Config) -> dict[str, Any]:
         return log(step, global_avg_loss, *args, **kwargs)
 
     trainer.metrics_processor.log = record
+    module_types = collections.Counter(type(m).__name__ for part in trainer.model_parts for m in part.modules())
     start = time.perf_counter()
     try:
         with AllGatherBytes() as counter:
@@ -303,7 +305,7 @@ def train(config: Trainer.Config) -> dict[str, Any]:
     finally:
         trainer.close()
     steps = max(1, len(losses))
-    return {"losses": losses, "seconds": time.perf_counter() - start,
+    return {"losses": losses, "seconds": time.perf_counter() - start, "module_types": dict(module_types),
             "gather_bytes_per_step": {k: v / steps for k, v in counter.bytes.items()}}
 
 
@@ -402,6 +404,7 @@ def main() -> None:
             row["resume_bitwise"] = resumed["losses"] == after
             row["checkpointing_run_bitwise"] = saved["losses"] == out["losses"]
             row["resume_losses"] = resumed["losses"]
+        row["converted"] = {k: v for k, v in out["module_types"].items() if k.startswith("TL")}
         row["losses"] = out["losses"]
         print(json.dumps(row), flush=True)
 

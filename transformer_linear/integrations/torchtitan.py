@@ -42,11 +42,7 @@ from transformer_linear.modules.autocast import layer_recipe
 from transformer_linear.modules.fp8_all_gather import checked_cached_weight, gathered_weight, weight_for_op
 from transformer_linear.modules.fp8_all_gather_params import gather_spec, make_fp8_all_gathered
 from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight, check_grouped_gatherable
-from transformer_linear.modules.grouped_linear_functional import (
-    check_grouped_linear_args,
-    high_precision_grouped_linear,
-    run_grouped_linear,
-)
+from transformer_linear.modules.grouped_linear_functional import check_grouped_linear_args, run_grouped_linear
 from transformer_linear.modules.grouped_linear_quantize import check_grouped_quantization
 from transformer_linear.modules.hf_experts import ExpertsFP8State
 from transformer_linear.modules.linear import Linear as TLLinearBase
