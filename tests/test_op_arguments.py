@@ -29,13 +29,14 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from test_triton_ops_traced import TRITON_OPS as TRITON_OP_NAMES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_linear as tl
 from transformer_linear import _C, ops, recipe
 from transformer_linear._handles import NO_HANDLE
 from transformer_linear.modules import fsdp_gather_usages
-from transformer_linear.ops import descriptors, grouped, grouped_nvfp4, grouped_quantize
+from transformer_linear.ops import descriptors, grouped, grouped_nvfp4, grouped_quantize, triton_route
 from transformer_linear.ops import nvfp4 as n4
 from transformer_linear.recipe import delayed_scaling
 
@@ -250,9 +251,16 @@ def wrong_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64 if t.dtype != torch.float64 else torch.float32)
 
 
+# The Triton ops run on CUDA tensors (CPU ones only under TRITON_INTERPRET=1, set before triton is imported):
+# test_triton_ops_traced.py opchecks them on a GPU and checks their refusal of CPU tensors here.
+TRITON_OPS = {f"triton_{name}" for name in TRITON_OP_NAMES}
+
+
 def test_every_registered_op_has_a_valid_call():
     """A new op in the namespace fails here until OP_CALLS has a call that makes it."""
-    assert sorted(OP_CALLS) == registered_ops()
+    triton_route.kernels()  # registers the Triton ops (imported on first GPU use)
+    assert sorted(OP_CALLS) == sorted(set(registered_ops()) - TRITON_OPS)
+    assert TRITON_OPS <= set(registered_ops())
     assert set(recorded_calls()) >= set(OP_CALLS)
 
 
@@ -296,7 +304,10 @@ def test_registered_op_refuses_a_wrong_dtype(op, arg):
 # Modules whose public functions reach no kernel of their own, and why.
 NO_KERNEL_MODULES = {
     "descriptors": "builds the kernels' descriptors (the C++ side validates them: the raw-kernel walk below)",
-    "eager": "calls an op's CPU kernel where the dispatcher would add nothing (the ops check their arguments)",
+    "library": "defines the ops, and calls an op's CPU kernel where the dispatcher would add nothing (the ops "
+    "check their arguments)",
+    "args_op": "registers the Linear's ops on their args dataclasses (walked above: linear_fwd, ...)",
+    "triton_route": "decides which CUDA calls of the public ops take the Triton ops (their checks first)",
     "nvfp4_checks": "the NVFP4 ops' argument checks",
     "nvfp4_packed_scales": "torch ops packing and unpacking NVFP4 scales",
     "torch_cuda": "the CUDA ops' torch fallbacks and their registration, reached after the ops' checks",

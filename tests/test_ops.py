@@ -7,9 +7,11 @@ import itertools
 import pytest
 import torch
 import torch._dynamo.testing
+from test_triton_ops_traced import TRITON_OPS
 from tolerances import assert_bitwise_equal
 
 from transformer_linear import ops
+from transformer_linear.ops import triton_route
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.transformer_linear
@@ -38,6 +40,7 @@ def fp8_operand(shape, dtype, device):
 
 def test_every_op_is_covered():
     """New ops in the namespace must be added to the opcheck tests below."""
+    triton_route.kernels()  # registers the Triton ops (imported on first GPU use)
     registered = {name for name in dir(OPS) if isinstance(getattr(OPS, name), torch._ops.OpOverloadPacket)}
     # in test_linear_compile.py:
     linear_ops = {"linear_fwd", "linear_dgrad", "linear_wgrad", "delayed_scaling_update", "delayed_scaling_flush"}
@@ -55,7 +58,10 @@ def test_every_op_is_covered():
     grouped_ops |= {"nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"}
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     expected |= {"fsdp_gather_rowwise_if_missing"}  # in test_fsdp_fp8_all_gather.py
-    assert registered == expected | nvfp4_ops | grouped_ops
+    # The Triton ops: opchecked on a GPU, traced and refusing CPU tensors in test_triton_ops_traced.py, run
+    # under the interpreter in test_blockwise_triton.py, test_grouped_gemm.py and test_nvfp4_triton.py.
+    triton_ops = {f"triton_{name}" for name in TRITON_OPS}
+    assert registered == expected | nvfp4_ops | grouped_ops | triton_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -21,8 +21,9 @@ from torch._dynamo.backends.common import aot_autograd
 from triton_interpreted import run_interpreted
 
 from transformer_linear import ops, reference
-from transformer_linear.ops import grouped, triton_route
+from transformer_linear.ops import grouped, grouped_quantize, triton_route
 from transformer_linear.ops import nvfp4 as nvfp4_ops
+from transformer_linear.reference import nvfp4 as ref_nvfp4
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -45,6 +46,52 @@ def nvfp4_quantize(x, amax):
 
 
 BLOCK_SCALINGS = {"1x128": ((1, 128), torch.float32), "128x128": ((128, 128), torch.float32), "mx": ((1, 32), E8M0)}
+
+TRITON_OPS = ("fp8_gemm_block", "fp8_grouped_gemm", "fp8_grouped_gemm_wgrad", "fp8_grouped_gemm_wgrad_blockwise",
+              "nvfp4_gemm", "quantize_blockwise", "quantize_nvfp4")
+"""The ``transformer_linear::triton_*`` ops."""
+
+
+def triton_op_args(name: str, device: str) -> tuple:
+    """A valid call's arguments of the op ``triton_<name>`` on ``device`` (made on the CPU by the reference)."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([16, 16, 48], dtype=torch.int32)
+
+    def fp8(shape, fmt=E4M3):
+        return reference.quantize_current(torch.randn(*shape, generator=g), fmt)[:2]
+
+    def nvfp4(rows):
+        t = torch.randn(rows, 64, generator=g)
+        q = ref_nvfp4.quantize_nvfp4(t, t.abs().amax())
+        return q.data.view(torch.uint8), q.scale, q.global_scale
+
+    if name == "fp8_gemm_block":
+        a = reference.quantize_blockwise_ref(torch.randn(32, 256, generator=g), E4M3, (1, 128), torch.float32)
+        b = reference.quantize_blockwise_ref(torch.randn(48, 256, generator=g), E4M3, (128, 128), torch.float32)
+        args = (*a, *b, torch.float32, None, [1, 128], [128, 128])
+    elif name == "fp8_grouped_gemm":
+        (a, sa), (b, _) = fp8((48, 32)), fp8((3, 16, 32))
+        args = (a, sa, b, torch.ones(3), offs, torch.float32, None, [0, 0], [0, 0])
+    elif name == "fp8_grouped_gemm_wgrad":
+        args = (*fp8((48, 16), E5M2), *fp8((48, 8)), offs, torch.float32)
+    elif name == "fp8_grouped_gemm_wgrad_blockwise":
+        gq = grouped_quantize.quantize_grouped_columnwise(torch.randn(48, 16, generator=g), offs, E4M3, 128)
+        xq = grouped_quantize.quantize_grouped_columnwise(torch.randn(48, 8, generator=g), offs, E4M3, 128)
+        args = (gq.data_t, gq.scale_inv_t, xq.data_t, xq.scale_inv_t, offs, torch.float32, 128)
+    elif name == "nvfp4_gemm":
+        args = (*nvfp4(32), *nvfp4(16), torch.float32, None)
+    elif name == "quantize_blockwise":
+        args = (torch.randn(64, 256, generator=g), E4M3, [1, 32], E8M0, False, True, True, False)
+    else:
+        x = torch.randn(32, 64, generator=g)
+        args = (x, x.abs().amax(), None, True, True, False, False, False, 0, 0)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def triton_op(name: str):
+    triton_route.kernels()  # registers the Triton ops (imported on first GPU use)
+    return getattr(torch.ops.transformer_linear, f"triton_{name}").default
+
 
 
 if not INTERPRETED:
@@ -73,6 +120,19 @@ if not INTERPRETED:
 
     def test_triton_ops_run_interpreted(tmp_path):
         run_interpreted(__file__, tmp_path)
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    @pytest.mark.parametrize("name", TRITON_OPS)
+    def test_opcheck_triton_op(name):
+        torch.library.opcheck(triton_op(name), triton_op_args(name, "cuda"))
+
+    @pytest.mark.parametrize("name", TRITON_OPS)
+    def test_triton_ops_refuse_cpu_tensors_outside_the_interpreter(name):
+        """A Triton op called (through torch.ops) with CPU tensors where no interpreter runs them: a TypeError
+        naming the first argument, not a failure inside Triton."""
+        with pytest.raises(TypeError, match="must be a CUDA tensor .* for the Triton kernel, got one on cpu"):
+            triton_op(name)(*triton_op_args(name, "cpu"))
 
     @pytest.mark.parametrize("scaling", list(BLOCK_SCALINGS))
     def test_quantize_blockwise(triton_for_cpu, scaling):

@@ -22,7 +22,7 @@ from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.dtypes import E8M0_DTYPE
 from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
-from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
+from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2, check_launchable
 
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
@@ -117,6 +117,8 @@ def _fp8_gemm_block_op(
     a_block: list[int],
     b_block: list[int],
 ) -> torch.Tensor:
+    check_launchable("fp8_gemm", {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv,
+                                  "bias": bias})
     (m, k), n = a.shape, b.shape[0]
     d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:

@@ -32,7 +32,7 @@ from transformer_linear.formats.grouped_scaling import (
 )
 from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import e8m0_to_float
-from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2
+from transformer_linear.ops.triton.quantize_block import INTERPRETED, _next_pow2, check_launchable
 
 # A block spanning a whole dimension, as an int32 kernel argument: larger than any row or K index
 # (rows are addressed by int32 offs).
@@ -218,6 +218,8 @@ def _grouped_gemm_op(
     a_block: list[int],
     b_block: list[int],
 ) -> torch.Tensor:
+    check_launchable("fp8_grouped_gemm", {"a": a, "a_scale_inv": a_scale_inv, "b": b, "b_scale_inv": b_scale_inv,
+                                          "offs": offs, "bias": bias})
     (total, k), (groups, n, _) = a.shape, b.shape
     # Rows past the last group are zeros; the kernel writes every row of every group.
     d = torch.zeros((total, n), dtype=out_dtype, device=a.device)
@@ -260,6 +262,8 @@ def fp8_grouped_gemm_wgrad(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad (tensorwise); CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_args(grad, grad_scale_inv, x, x_scale_inv, offs, out_dtype)
+    check_launchable("fp8_grouped_gemm_wgrad", {"grad": grad, "grad_scale_inv": grad_scale_inv, "x": x,
+                                                "x_scale_inv": x_scale_inv, "offs": offs})
     (total, n), k, groups = grad.shape, x.shape[1], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x.device)
     if d.numel() == 0:
@@ -285,6 +289,8 @@ def fp8_grouped_gemm_wgrad_blockwise(
 ) -> torch.Tensor:
     """Same contract as ops.grouped.fp8_grouped_gemm_wgrad_blockwise; CUDA or (interpreter) CPU tensors."""
     check_grouped_wgrad_blockwise_args(grad_t, grad_t_scale_inv, x_t, x_t_scale_inv, offs, out_dtype, token_block)
+    check_launchable("fp8_grouped_gemm_wgrad_blockwise", {"grad_t": grad_t, "grad_t_scale_inv": grad_t_scale_inv,
+                                                          "x_t": x_t, "x_t_scale_inv": x_t_scale_inv, "offs": offs})
     (n, total), k, groups = grad_t.shape, x_t.shape[0], offs.shape[0]
     d = torch.empty((groups, n, k), dtype=out_dtype, device=x_t.device)
     if d.numel() == 0:

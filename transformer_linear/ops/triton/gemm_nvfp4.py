@@ -24,7 +24,7 @@ from torch.library import wrap_triton
 from transformer_linear.formats.checks import check_hp_dtype
 from transformer_linear.formats.nvfp4 import BLOCK
 from transformer_linear.ops import library
-from transformer_linear.ops.triton.quantize_block import INTERPRETED
+from transformer_linear.ops.triton.quantize_block import INTERPRETED, check_launchable
 from transformer_linear.ops.triton.quantize_nvfp4 import e2m1_to_float, e4m3_to_float
 
 __all__ = ["nvfp4_gemm"]
@@ -90,6 +90,8 @@ def nvfp4_gemm(
     float4_e2m1fn_x2), (rows, K/16) float8_e4m3fn scales, one-element float32 global decode scales;
     CUDA or (interpreter) CPU tensors."""
     check_hp_dtype("nvfp4_gemm", "out_dtype", out_dtype)
+    check_launchable("nvfp4_gemm", {"a": a, "a_scale": a_scale, "a_global_scale": a_global_scale, "b": b,
+                                    "b_scale": b_scale, "b_global_scale": b_global_scale, "bias": bias})
     a, b = a.view(torch.uint8).contiguous(), b.view(torch.uint8).contiguous()
     sa, sb = a_scale.view(torch.uint8).contiguous(), b_scale.view(torch.uint8).contiguous()
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]

@@ -10,10 +10,12 @@ columnwise copy is the same kernel run over x's transposed view.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 from transformer_linear.formats.block_scaling import (
@@ -27,6 +29,21 @@ from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import block_scales, e4m3_bits, e5m2_bits, saturate
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_launchable(op: str, tensors: dict[str, Optional[torch.Tensor]]) -> None:
+    """Raise unless every tensor is where the Triton kernels run: on a GPU, or on the CPU under
+    TRITON_INTERPRET=1. Fake and traced tensors pass (tracing launches no kernel).
+
+    Raises:
+        TypeError: naming the argument and its device.
+    """
+    for name, t in tensors.items():
+        if t is None or is_fake(t):
+            continue
+        if not (t.device.type == "cuda" or (INTERPRETED and t.device.type == "cpu")):
+            raise TypeError(f"{op}: argument '{name}' must be a CUDA tensor (a CPU one under TRITON_INTERPRET=1) "
+                            f"for the Triton kernel, got one on {t.device}")
 
 
 @triton.jit
@@ -164,6 +181,7 @@ def _quantize_blockwise_op(
     columnwise: bool,
     e8m0_floor: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_launchable("quantize_blockwise", {"x": x})
     block = (block_shape[0], block_shape[1])
     x = x.contiguous()
     if scale_dtype == E8M0_DTYPE:

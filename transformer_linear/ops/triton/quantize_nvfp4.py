@@ -23,7 +23,7 @@ from triton.language.random import philox_impl
 from transformer_linear.formats.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, RHT_SIGNS, check_quantize_shape
 from transformer_linear.ops import library
 from transformer_linear.ops.triton._fp8_bits import FLOAT_MAX, e4m3_bits
-from transformer_linear.ops.triton.quantize_block import INTERPRETED
+from transformer_linear.ops.triton.quantize_block import INTERPRETED, check_launchable
 
 __all__ = ["quantize_nvfp4"]
 
@@ -220,6 +220,7 @@ def quantize_nvfp4(
     """The ``transformer_linear::quantize_nvfp4`` op's six outputs (uint8 data, E4M3 scales, float32 global
     decode scales; a copy not asked for empty, its global scale 0) for a CUDA or (interpreter) CPU ``x``."""
     check_quantize_shape("quantize_nvfp4", tuple(x.shape), rowwise, columnwise, scaling_2d, rht)
+    check_launchable("quantize_nvfp4", {"x": x, "amax": amax, "amax_t": amax_t})
     m, k = x.shape
     dev = x.device
     empty = (0, 0)
