@@ -76,16 +76,26 @@ def _parity_rank(rank, world, name):
             on(_batches(rank, world)[0])
         return None
     with _GatherCounter() as counter:
-        losses_on, params_on = _train(on, rank, world)
-    losses_off, params_off = _train(_model(name, False, world), rank, world)
-    assert_bitwise_equal(losses_on, losses_off, f"{name}: losses with FP8 all-gather vs high precision")
-    for i, (a, b) in enumerate(zip(params_on, params_off)):
-        assert_bitwise_equal(a, b, f"{name}: parameter {i} after {STEPS} steps")
-    for key, t in on.state_dict().items():
+        run = _train(on, rank, world)
+    _assert_same_run(on, run, _train(_model(name, False, world), rank, world), f"{name}: FP8 vs high-precision gather")
+    return _gathered_vs_fp32(counter, world) if world > 1 else None
+
+
+def _assert_same_run(model, run, reference, what):
+    """``run`` (losses, parameters) bitwise ``reference``'s, and ``model``'s state_dict holding plain shards."""
+    (losses, params), (ref_losses, ref_params) = run, reference
+    assert_bitwise_equal(losses, ref_losses, f"{what}: losses")
+    for i, (a, b) in enumerate(zip(params, ref_params, strict=True)):
+        assert_bitwise_equal(a, b, f"{what}: parameter {i} after {STEPS} steps")
+    for key, t in model.state_dict().items():
         if key.endswith("weight"):
             assert type(t.to_local()) is torch.Tensor, f"{key}: the saved shard is a {type(t.to_local()).__name__}"
+
+
+def _gathered_vs_fp32(counter, world):
+    """The bytes a rank all-gathered against its fp32 weight shards' (one forward and one backward gather a step)."""
     weights = HIDDEN * IN + OUT * HIDDEN
-    return counter.bytes / (weights * 4 / world * STEPS * 2) if world > 1 else None  # per forward + backward gather
+    return counter.bytes / (weights * 4 / world * STEPS * 2)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -101,9 +111,9 @@ def test_one_rank_gathers_high_precision_and_quantizes_after(name):
     run_ranks(_parity_rank, name, world_size=1, timeout=TIMEOUT)
 
 
-def _quantized_init_model(name, world, convert):
+def _quantized_init_model(name, world, convert, shard=fully_shard):
     """The same two layers built under quantized_model_init (``convert``: then converted with
-    fp8_all_gather=True, the explicit way), sharded by torch's fully_shard."""
+    fp8_all_gather=True, the explicit way), sharded by ``shard`` (torch's fully_shard)."""
     torch.manual_seed(0)
     with tl.quantized_model_init(recipe=recipe.from_name(name), preserve_high_precision_init_val=True):
         model = nn.Sequential(tl.Linear(IN, HIDDEN, recipe=recipe.from_name(name)), nn.GELU(),
@@ -112,31 +122,28 @@ def _quantized_init_model(name, world, convert):
         model = tl.convert_to_fp8(model, recipe=recipe.from_name(name), fp8_all_gather=True, fp8_state=None)
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        shard(layer, mesh=mesh)
+    return shard(model, mesh=mesh)
 
 
 def _quantized_init_rank(rank, world, name):
     if not _gathers_quantized(name, world):
+        # Gathered in high precision: as tl.distributed.fully_shard(fp8_all_gather=False) shards the same model.
         with pytest.warns(UserWarning, match="gathers in high precision"):
             model = _quantized_init_model(name, world, convert=False)
         assert type(model[0].weight.to_local()) is torch.Tensor
-        _train(model, rank, world)
+        reference = _train(_quantized_init_model(name, world, convert=False, shard=tl.distributed.fully_shard), rank,
+                           world)
+        _assert_same_run(model, _train(model, rank, world), reference, f"{name}: high-precision gather")
         return None
     model = _quantized_init_model(name, world, convert=False)
     assert isinstance(model[0].weight.to_local(), FP8AllGatherWeight)
     with _GatherCounter() as counter:
-        losses, params = _train(model, rank, world)
+        run = _train(model, rank, world)
     assert counter.fp8_gathers > 0
-    losses_converted, params_converted = _train(_quantized_init_model(name, world, convert=True), rank, world)
-    assert_bitwise_equal(losses, losses_converted, f"{name}: losses, quantized_model_init vs converted")
-    for i, (a, b) in enumerate(zip(params, params_converted)):
-        assert_bitwise_equal(a, b, f"{name}: parameter {i} after {STEPS} steps")
-    for key, t in model.state_dict().items():
-        if key.endswith("weight"):
-            assert type(t.to_local()) is torch.Tensor, f"{key}: the saved shard is a {type(t.to_local()).__name__}"
-    weights = HIDDEN * IN + OUT * HIDDEN
-    return counter.bytes / (weights * 4 / world * STEPS * 2)
+    reference = _train(_quantized_init_model(name, world, convert=True), rank, world)
+    _assert_same_run(model, run, reference, f"{name}: quantized_model_init vs converted")
+    return _gathered_vs_fp32(counter, world)
 
 
 @pytest.mark.parametrize("name", NAMES)
