@@ -241,7 +241,7 @@ class TestGroupedExpertsConverter:
             tl_grouped_experts_class(TitanLinear)
 
 
-def test_the_package_imports_without_torchtitan():
+def test_the_package_imports_without_torchtitan(tmp_path):
     code = (
         "import sys; sys.modules['torchtitan'] = None\n"
         "import transformer_linear, transformer_linear.integrations\n"
@@ -250,8 +250,9 @@ def test_the_package_imports_without_torchtitan():
         "except ImportError as e:\n"
         "    print(e)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+    # Outside the checkout: there `import transformer_linear` would find the source folder, which a
+    # non-editable install leaves without the compiled extension.
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert 'pip install "transformer_linear[torchtitan]"' in run.stdout, run.stdout
 
