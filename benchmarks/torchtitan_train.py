@@ -203,16 +203,17 @@ def converters(recipe: Optional[str], moe: bool, fp8_all_gather: bool) -> Option
         return None
     out = [TLLinearConverter.Config(recipe=recipe, fp8_all_gather=fp8_all_gather)]
     if moe:
-        # NVFP4 experts gather in high precision (the NVFP4 kind has no grouped FP4 gather yet).
-        out.append(TLGroupedExpertsConverter.Config(recipe=recipe, fp8_all_gather=fp8_all_gather and recipe != "nvfp4"))
+        out.append(TLGroupedExpertsConverter.Config(recipe=recipe, fp8_all_gather=fp8_all_gather))
     return out
 
 
 def cpu_trainer_config(model: str, recipe: Optional[str], *, steps: int, seq_len: int, batch: int,
                        layers: Optional[int], compile: bool, dump_folder: str, fp8_all_gather: bool = True,
-                       checkpoint_interval: int = 0, load_step: int = -1, lr: float = 2e-3) -> Trainer.Config:
+                       checkpoint_interval: int = 0, load_step: int = -1, lr: float = 2e-3,
+                       activation_checkpoint: bool = False) -> Trainer.Config:
     """torchtitan's debug trainer config for ``model`` with the converters of ``recipe``, sized and
-    adapted for the CPU (see the module docstring for each change)."""
+    adapted for the CPU (see the module docstring for each change); ``activation_checkpoint``: keep the
+    model config's own (the debug models': selective, per op), else none."""
     make_config, registry, flavor = MODELS[model]
     config = make_config()
     config.model_spec = registry(flavor, converters=converters(recipe, model == "qwen3_moe", fp8_all_gather))
@@ -233,7 +234,8 @@ def cpu_trainer_config(model: str, recipe: Optional[str], *, steps: int, seq_len
     config.optimizer = default_adamw(lr=lr)
     config.validator.enable = False
     config.debug.seed = 0  # the same init in every run (the comparisons start from one init)
-    config.activation_checkpoint = None
+    if not activation_checkpoint:
+        config.activation_checkpoint = None
     config.compile.enable = compile
     config.compile.components = ["model"]  # the loss stays eager (its compile has nothing of ours)
     config.metrics.log_freq = 1
@@ -369,11 +371,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="keep this many of the model's layers")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--no-fp8-all-gather", action="store_true")
+    parser.add_argument("--activation-checkpoint", action="store_true",
+                        help="keep the debug model's activation checkpointing (selective), else none")
     parser.add_argument("--resume-at", type=int, default=0, help="also: save at this step, resume, compare")
     parser.add_argument("--last", type=int, default=5, help="losses compared: the mean of the last N steps")
     args = parser.parse_args()
     common = dict(model=args.model, steps=args.steps, seq_len=args.seq_len, batch=args.batch, layers=args.layers,
-                  compile=args.compile, fp8_all_gather=not args.no_fp8_all_gather)
+                  compile=args.compile, fp8_all_gather=not args.no_fp8_all_gather,
+                  activation_checkpoint=args.activation_checkpoint)
     baseline = None
     for name in args.recipes:
         recipe = None if name == "none" else name

@@ -38,7 +38,7 @@ from transformer_linear.modules.fp8_all_gather import (
     is_fp8_all_gathered,
     whole_weight_of_gathered,
 )
-from transformer_linear.modules.fsdp_gather_usages import gather_rowwise_if_missing
+from transformer_linear.modules.fsdp_gather_usages import rowwise_copies, rowwise_copy
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.numerics.model import GPTConfig, SyntheticText, TinyGPT, lm_loss
 from transformer_linear.recipe.quantization import quantization_spec
@@ -280,7 +280,11 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-def _checkpointed_rank(rank, world, name, compile_backend=None):
+def _checkpointed_rank(rank, world, name, compile_backend=None, compile_region=False):
+    """``compile_region``: each checkpointed block is compiled whole (as torchtitan compiles its blocks), so
+    the compiled backward graph recomputes the forward from the forward's inputs, the gathered weight's
+    tensors among them, which backward's gather has refilled with the columnwise copy; else the Linears are
+    compiled and checkpointing recomputes them eagerly."""
     torch._dynamo.utils.counters.clear()
 
     def build(fp8_all_gather):
@@ -292,15 +296,16 @@ def _checkpointed_rank(rank, world, name, compile_backend=None):
         for block in model:
             tl.distributed.fully_shard(block, mesh=mesh, fp8_all_gather=fp8_all_gather)
             if compile_backend is not None:
-                for layer in (first, last):
-                    layer.compile(backend=compile_backend, fullgraph=True)
+                for compiled in [block] if compile_region else (first, last):
+                    compiled.compile(backend=compile_backend, fullgraph=True)
         return tl.distributed.fully_shard(model, mesh=mesh, fp8_all_gather=fp8_all_gather)
 
     _assert_same_training(
-        rank, world, build(True), build(False), f"{name} under activation checkpointing, {compile_backend}",
+        rank, world, build(True), build(False),
+        f"{name} under activation checkpointing, {compile_backend}, compile_region={compile_region}",
         batches=_batches(rank, world, name=name),
     )
-    if compile_backend is not None:
+    if compile_backend is not None and not compile_region:
         # Both layers share Linear.forward's code, whose graphs torch.compile specializes on the weight's shape
         # and type and the input's requires_grad: one graph per layer and model (FP8 and high-precision gather).
         # A pass whose gather carried other copies of the weight (MXFP8: the forward's rowwise copy, backward's
@@ -526,8 +531,9 @@ class TestFP8AllGather:
         run_ranks(_parity_rank, name, torch.bfloat16, OUT, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize("name", ["current", "delayed", "block", "mxfp8", "nvfp4"])
-    def test_compiled_layers(self, name):
-        run_ranks(_parity_rank, name, None, OUT, "aot_eager", world_size=WORLD, timeout=TIMEOUT)
+    @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+    def test_compiled_layers(self, name, backend):
+        run_ranks(_parity_rank, name, None, OUT, backend, world_size=WORLD, timeout=TIMEOUT)
 
     def test_uneven_shards(self):
         run_ranks(_parity_rank, "current", None, OUT - 1, world_size=WORLD, timeout=TIMEOUT)
@@ -537,12 +543,14 @@ class TestFP8AllGather:
         run_ranks(_autocast_rank, name, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.parametrize(
-        "name, compile_backend",
-        [("current", None), ("delayed", None), ("mxfp8", None), ("mxfp8", "aot_eager"), ("nvfp4", None)],
-        ids=["current", "delayed", "mxfp8", "mxfp8-compiled", "nvfp4"],
+        "name, compile_backend, compile_region",
+        [("current", None, False), ("delayed", None, False), ("mxfp8", None, False), ("nvfp4", None, False),
+         ("mxfp8", "aot_eager", False), ("mxfp8", "inductor", False), ("mxfp8", "inductor", True)],
+        ids=["current", "delayed", "mxfp8", "nvfp4", "mxfp8-compiled", "mxfp8-inductor",
+             "mxfp8-inductor-compiled_region"],
     )
-    def test_activation_checkpointing(self, name, compile_backend):
-        run_ranks(_checkpointed_rank, name, compile_backend, world_size=WORLD, timeout=TIMEOUT)
+    def test_activation_checkpointing(self, name, compile_backend, compile_region):
+        run_ranks(_checkpointed_rank, name, compile_backend, compile_region, world_size=WORLD, timeout=TIMEOUT)
 
     @pytest.mark.filterwarnings("ignore:DTensor random operators")
     def test_deferred_init_on_meta_device(self):
@@ -664,19 +672,24 @@ def test_gathered_weight_raises_outside_the_linear(use):
         uses[use]()
 
 
-def test_gather_rowwise_if_missing_op():
-    """The recompute's rowwise gather is one opaque op in every forward: it leaves a weight holding its rowwise
-    copy as it is (its schema, fake and autograd registrations checked by opcheck), and refuses a handle whose
-    shard is gone."""
+def test_rowwise_copy_op():
+    """The recompute's rowwise gather is one functional op in every compiled forward: it copies the rowwise
+    copy of a weight that holds it (its schema, fake and autograd registrations checked by opcheck; eager
+    reads the held tensors, no copy), and refuses a handle whose shard is gone."""
     quantizer = quantization_spec(RECIPES["mxfp8"]).weight
     q = quantizer.quantize(torch.randn(64, 64), rowwise=True, columnwise=False)
     held = torch.full((), NO_HANDLE, dtype=torch.int64)
-    data, scale_inv = q.data.clone(), q.scale_inv.clone()
     # test_schema compares inputs with arithmetic that FP8 tensors lack: the op is checked on their bytes.
-    torch.library.opcheck(gather_rowwise_if_missing, (held, data.view(torch.uint8), scale_inv.view(torch.uint8)))
-    gather_rowwise_if_missing(held, data, scale_inv)
-    assert_bitwise_equal(data.view(torch.uint8), q.data.view(torch.uint8), "rowwise data left as held")
-    assert_bitwise_equal(scale_inv.view(torch.uint8), q.scale_inv.view(torch.uint8), "rowwise scales left as held")
+    torch.library.opcheck(rowwise_copy, (held, q.data.view(torch.uint8), q.scale_inv.view(torch.uint8)))
+    data, scale_inv = rowwise_copy(held, q.data, q.scale_inv)
+    assert data.data_ptr() != q.data.data_ptr() and scale_inv.data_ptr() != q.scale_inv.data_ptr()
+    assert_bitwise_equal(data.view(torch.uint8), q.data.view(torch.uint8), "rowwise data copied")
+    assert_bitwise_equal(scale_inv.view(torch.uint8), q.scale_inv.view(torch.uint8), "rowwise scales copied")
+    data, scale_inv = rowwise_copies(held, q.data, q.scale_inv)
+    assert data is q.data and scale_inv is q.scale_inv
     gone = torch.full((), 2**62, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="its shard is gone"):
-        gather_rowwise_if_missing(gone, data, scale_inv)
+    for call in (rowwise_copy, rowwise_copies):
+        with pytest.raises(RuntimeError, match="its shard is gone"):
+            call(gone, q.data, q.scale_inv)
+    with pytest.raises(TypeError, match="missing_rowwise"):
+        rowwise_copies(held.to("meta"), q.data, q.scale_inv)

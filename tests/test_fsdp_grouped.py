@@ -31,6 +31,7 @@ from transformer_linear.modules.fp8_all_gather import GatheredFP8Weight
 from transformer_linear.modules.fsdp_gather_grouped import GroupedFP8AllGatherWeight
 from transformer_linear.modules.fsdp_gather_usages import BOTH, COLUMNWISE, ROWWISE
 from transformer_linear.modules.quantized_init import QuantizedWeight
+from transformer_linear.recipe.kind_nvfp4 import FP4_STORAGE_DTYPE
 
 QUANTIZED_INIT_RECIPES = ["current", "delayed", "block", "mxfp8"]
 
@@ -153,7 +154,8 @@ def _dequantized_master_rank(rank, world):
 # ---------------------------------------------------------------------------
 
 GATHER_EXPERTS, GATHER_HIDDEN, GATHER_FFN, GATHER_ROWS = 4, 64, 128, 32
-GATHER_RECIPES = ["current", "block", "mxfp8", "rowwise"]
+GATHER_RECIPES = ["current", "block", "mxfp8", "rowwise", "nvfp4"]
+GATHER_RECIPE_OBJECTS = {**RECIPES, "nvfp4": tl.recipe.from_name("nvfp4")}
 SEPARATE_COLUMNWISE = {"rowwise"}  # both copies gathered: the columnwise copy has blocks of its own, of other numels
 # FP8 data is 1 byte an element against fp32's 4; the per-expert scales and the fp32 biases take the rest
 # (measured: 0.26 for current and block, 0.27 for MXFP8's forward gathering the rowwise copy and backward the
@@ -209,14 +211,15 @@ def _gather_step_bytes(model, rank, world):
 
 
 def _gather_bytes_rank(rank, world, name):
-    r = RECIPES[name]
+    r = GATHER_RECIPE_OBJECTS[name]
     fp8, seen = _gather_step_bytes(_shard(_GatherExperts(r), fp8_all_gather=True), rank, world)
     fp32, seen_off = _gather_step_bytes(_shard(_GatherExperts(r)), rank, world)
     # Each layer's weight gathered in forward and again in backward (reshard_after_forward), in FP8.
     assert len(fp8.gathered) == 4 and not fp32.gathered, (fp8.gathered, fp32.gathered)
     for tensors, _ in fp8.gathered:
         dtypes = [dtype for dtype, _ in tensors]
-        assert dtypes[0] in FP8_DTYPES, f"{name}: the experts' data gathered as {dtypes[0]}, expected FP8"
+        expected = (FP4_STORAGE_DTYPE,) if name == "nvfp4" else FP8_DTYPES  # FP4: two values a byte
+        assert dtypes[0] in expected, f"{name}: the experts' data gathered as {dtypes[0]}, expected {expected}"
         if name in SEPARATE_COLUMNWISE:
             assert len(dtypes) == 4 and dtypes[2] in FP8_DTYPES, f"{name}: gathered {dtypes}, expected both copies"
     # MXFP8's columnwise copy (1x32 blocks down the rows) is gathered by backward's gather alone.
@@ -233,7 +236,9 @@ def _gather_bytes_rank(rank, world, name):
 
 def _assert_same_training(rank, world, on, off, what, opt_cls=torch.optim.AdamW):
     batches = _gather_batches(STEPS)
+    torch.manual_seed(3)  # NVFP4 rounds grad_output stochastically, with seeds from the default generator
     losses_on, grads_on = _train(on, opt_cls(on.parameters(), lr=1e-2), batches, rank, world)
+    torch.manual_seed(3)
     losses_off, grads_off = _train(off, opt_cls(off.parameters(), lr=1e-2), batches, rank, world)
     for step, (l_on, l_off, g_on, g_off) in enumerate(zip(losses_on, losses_off, grads_on, grads_off)):
         assert_bitwise_equal(l_on, l_off, f"{what}: loss of step {step}")
@@ -247,11 +252,11 @@ def _gather_parity_rank(rank, world, name, variant):
     """``variant``: None, "quantized_model_init", "bf16" (a bf16 MixedPrecisionPolicy: the shards cast before
     they are quantized), "dequantized" (backward_override: dgrad reads the forward's gathered rowwise copy, so
     backward's gather carries it too), "no_reshard" (one gather serves forward and backward) or "checkpointed"
-    (activation checkpointing: the forward recomputed after backward's gather) or "compiled" (each layer under
-    torch.compile(fullgraph=True), aot_eager)."""
+    (activation checkpointing: the forward recomputed after backward's gather) or "compiled" / "inductor"
+    (each layer under torch.compile(fullgraph=True), aot_eager / Inductor)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else RECIPES[name]
+    r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else GATHER_RECIPE_OBJECTS[name]
     kwargs = {}
     if variant == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -263,13 +268,13 @@ def _gather_parity_rank(rank, world, name, variant):
         on = _shard(_GatherExperts(r, checkpointed=checkpointed), fp8_all_gather=True, **kwargs)
     assert isinstance(on.up.weight.to_local(), GroupedFP8AllGatherWeight)
     off = _shard(_GatherExperts(r, checkpointed=checkpointed), **kwargs)
-    if variant == "compiled":
+    if variant in ("compiled", "inductor"):
         # Per layer, as FSDP2 models are compiled (its hooks and all-gathers outside the graphs).
         torch._dynamo.utils.counters.clear()
         for layer in (on.up, on.down, off.up, off.down):
-            layer.compile(backend="aot_eager", fullgraph=True)
+            layer.compile(backend="aot_eager" if variant == "compiled" else "inductor", fullgraph=True)
     _assert_same_training(rank, world, on, off, f"fp8_all_gather {name}, {variant}")
-    if variant == "compiled":
+    if variant in ("compiled", "inductor"):
         # One graph per layer and model (the layers' shapes differ); MXFP8's forward and backward gathers,
         # which carry different copies, run the same graph.
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -281,10 +286,11 @@ def _gather_parity_rank(rank, world, name, variant):
 def _gather_errors_rank(rank, world):
     for name, match in (
         ("delayed", "delayed scaling quantizes every expert with the layer's one history scale"),
-        ("nvfp4", "NVFP4 experts are not gathered in FP4"),
+        ("nvfp4", r"NVFP4 \[1, 16\] weight blocks: only 16x16 ones are gathered in FP4"),
     ):
+        options = {"disable_2d_quantization": True} if name == "nvfp4" else {}
         with pytest.raises(ValueError, match=match):
-            _shard(_GatherExperts(tl.recipe.from_name(name)), fp8_all_gather=True)
+            _shard(_GatherExperts(tl.recipe.from_name(name, **options)), fp8_all_gather=True)
     with pytest.raises(ValueError, match=r"GroupedLinear '<root>'.*3 experts over 2 ranks: each rank must hold whole"):
         _shard(_GatherExperts(RECIPES["current"], experts=3), fp8_all_gather=True)
     with pytest.raises(ValueError, match="backward_override='high_precision' reads the high-precision weight"):
@@ -309,7 +315,8 @@ class TestFP8AllGather:
         [(name, None) for name in GATHER_RECIPES]
         + [("current", "quantized_model_init"), ("current", "bf16"), ("block", "dequantized")]
         + [("current", "compiled")]
-        + [("mxfp8", variant) for variant in ("no_reshard", "dequantized", "checkpointed", "compiled")],
+        + [("mxfp8", variant) for variant in ("no_reshard", "dequantized", "checkpointed", "compiled", "inductor")]
+        + [("nvfp4", variant) for variant in ("quantized_model_init", "checkpointed", "inductor")],
     )
     def test_training_bitwise_matches_high_precision_gather(self, name, variant):
         run_ranks(_gather_parity_rank, name, variant, timeout=TIMEOUT)

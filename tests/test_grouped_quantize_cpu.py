@@ -118,3 +118,19 @@ def test_fake_tensors_take_the_torch_ops_path():
         meta = quantize_grouped_columnwise(x.to("meta"), offs.to("meta"), E4M3, token_block)
         assert meta.data_t.shape == real.data_t.shape and meta.scale_inv_t.shape == real.scale_inv_t.shape
         assert meta.scale_inv_t.dtype == real.scale_inv_t.dtype
+
+
+@pytest.mark.parametrize("token_block", TOKEN_BLOCKS)
+def test_traced_cpu_calls_hold_the_kernel_op(token_block):
+    """Traced on the CPU, the copy is the C++ kernel's op, opaque to the graph (Inductor's CPU code has no
+    E8M0 type to compute MXFP8's scales in): bitwise eager's under Inductor, with any routing, and the op
+    passes opcheck."""
+    x = torch.randn(130, 24)
+    torch.library.opcheck(grouped_quantize._quantize_cpu_op, (x, offsets([60, 0, 70]), E4M3, token_block, False, "ceil"))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, offs: quantize_grouped_columnwise(x, offs, E4M3, token_block),
+                             backend="inductor", fullgraph=True)
+    for sizes in ([60, 0, 70], [130, 0, 0], [10, 20, 30]):
+        offs = offsets(sizes)
+        _assert_same_bits(compiled(x, offs), quantize_grouped_columnwise(x, offs, E4M3, token_block),
+                          f"token_block {token_block}, groups {sizes}")

@@ -135,7 +135,8 @@ OP_CALLS: dict[str, Callable[[], Any]] = {
     "linear_wgrad": lambda: layer_step("current"),
     "delayed_scaling_flush": lambda: delayed_scaling.delayed_scaling_flush(torch.zeros(4, 3), torch.ones(3),
                                                                            NO_HANDLE),
-    "fsdp_gather_rowwise_if_missing": lambda: fsdp_gather_usages.gather_rowwise_if_missing(
+    "quantize_grouped_columnwise": lambda: grouped_quantize._quantize_cpu_op(torch.randn(32, 16), offs(), E4M3, 128, False, "ceil"),
+    "fsdp_rowwise_copy": lambda: fsdp_gather_usages.rowwise_copy(
         torch.full((), NO_HANDLE, dtype=torch.int64), *fp8((4, 8))),
     "nvfp4_gemm": lambda: n4.nvfp4_gemm(*n4.quantize_nvfp4(X, torch.ones(()))[:3],
                                         *n4.quantize_nvfp4(X[:8], torch.ones(()))[:3], torch.float32,
@@ -157,7 +158,7 @@ OP_CALLS: dict[str, Callable[[], Any]] = {
 # Ops of the layers: their tensors are what the layer made, so only their devices are walked (torch
 # arithmetic takes their state in any floating dtype).
 LAYER_OPS = {"linear_fwd", "linear_dgrad", "linear_wgrad", "grouped_linear_fwd", "delayed_scaling_update",
-             "delayed_scaling_flush", "quantize_grad_output", "fsdp_gather_rowwise_if_missing",
+             "delayed_scaling_flush", "quantize_grad_output", "fsdp_rowwise_copy",
              "quantize_blockwise_flat"}
 # Arguments of no one device or dtype, and why.
 ANY_DEVICE = {("nvfp4_sr_seed", "like"): "only orders the draw after the tensor it rounds (the seed is on the CPU)"}

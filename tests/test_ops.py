@@ -52,12 +52,13 @@ def test_every_op_is_covered():
     nvfp4_ops |= {"quantize_nvfp4_packed", "nvfp4_gemm_packed", "nvfp4_sr_seed"}
     grouped_ops = {"fp8_grouped_gemm", "fp8_grouped_gemm_wgrad"}  # in test_grouped_gemm.py
     grouped_ops |= {"fp8_grouped_gemm_wgrad_blockwise"}  # in test_grouped_wgrad_blockwise.py
+    grouped_ops |= {"quantize_grouped_columnwise"}  # in test_grouped_quantize_cpu.py
     grouped_ops |= {"grouped_linear_fwd"}  # in test_grouped_linear.py
     grouped_ops |= {"grouped_mm_dgrad", "grouped_mm_wgrad"}  # in test_grouped_backward_override.py
     # in test_grouped_nvfp4_kernels.py:
     grouped_ops |= {"nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"}
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
-    expected |= {"fsdp_gather_rowwise_if_missing"}  # in test_fsdp_fp8_all_gather.py
+    expected |= {"fsdp_rowwise_copy"}  # in test_fsdp_fp8_all_gather.py
     # The Triton ops: opchecked on a GPU, traced and refusing CPU tensors in test_triton_ops_traced.py, run
     # under the interpreter in test_blockwise_triton.py, test_grouped_gemm.py and test_nvfp4_triton.py.
     triton_ops = {f"triton_{name}" for name in TRITON_OPS}

@@ -55,8 +55,11 @@ freed (it holds nothing and costs nothing until backward), and backward's gather
 place (the version counter kept), so the forward's saved tensors hold the backward's gather; they never
 alias the buffers, which then hold the rowwise copy of the next forward. A forward that runs after
 backward's columnwise-only gather (activation checkpointing's recompute) all-gathers the rowwise copy
-itself, once, from the current shard (bitwise the forward's: the same shard, the same quantizer), into the
-buffers, in an op that is part of every forward's graph and does nothing where the copy is held.
+itself from the current shard (bitwise the forward's: the same shard, the same quantizer). Traced, that is
+a functional op in every forward's graph, which returns a copy of the held rowwise copy where nothing is
+missing: one graph for every pass, right also where a compiled checkpointed region recomputes the forward
+inside its backward graph, at the cost of copying the FP8 weight once a compiled forward
+(:func:`~transformer_linear.modules.fsdp_gather_usages.rowwise_copies`).
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
 the layer), so dgrad reads bitwise the forward's FP8 weight, also under delayed scaling, whose scales
@@ -80,8 +83,9 @@ from transformer_linear.modules.fsdp_gather_usages import (
     ROWWISE,
     GatheredUsages,
     RowwiseSource,
-    gather_rowwise_if_missing,
+    rowwise_copies,
     rowwise_source_handle,
+    set_missing_rowwise,
     usages_to_gather,
 )
 from transformer_linear.modules.linear_args import CachedWeight
@@ -396,7 +400,7 @@ class FP8AllGatherWeight(torch.Tensor):
             gathered.rowwise_source = source  # kept alive with the weight: the handle refers to it weakly
             gathered.rowwise_source_handle = rowwise_source_handle(source)
         # Data, not metadata: a compiled forward runs the same graph whichever copies this gather carried.
-        gathered.missing_rowwise.fill_(NO_HANDLE if usages.rowwise else gathered.rowwise_source_handle)
+        set_missing_rowwise(gathered.missing_rowwise, usages, gathered.rowwise_source_handle)
         if out is not None:
             return None
         return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)
@@ -500,7 +504,7 @@ class GatheredFP8Weight(torch.Tensor):
         """A weight gathered one copy per pass (MXFP8 under ``reshard_after_forward``): a 0-d int64 tensor,
         :data:`NO_HANDLE` where the rowwise fields hold the rowwise copy, else (after backward's columnwise-only
         gather, when they view buffers holding the columnwise copy) the handle a recomputed forward gathers the
-        rowwise copy with (:func:`gather_rowwise_if_missing`). None where the rowwise copy is always held."""
+        rowwise copy with (:func:`~transformer_linear.modules.fsdp_gather_usages.rowwise_copies`). None where the rowwise copy is always held."""
         self.rowwise_source: Optional[RowwiseSource] = None
         self.rowwise_source_handle = NO_HANDLE
 
@@ -581,9 +585,11 @@ def checked_cached_weight(weight: GatheredFP8Weight, quantizer: TensorQuantizer)
     # Without autograd no GEMM reads the columnwise copy: a weight that would make it now does not.
     cached = weight.cached_weight if torch.is_grad_enabled() else weight.stored_copies
     if weight.missing_rowwise is not None:
-        # A forward recomputed after backward's columnwise-only gather gathers the rowwise copy (an opaque op
-        # that does nothing otherwise: the forward's graph is the same in every pass).
-        gather_rowwise_if_missing(weight.missing_rowwise, cached.weight_fp8, cached.weight_scale_inv)
+        # A forward recomputed after backward's columnwise-only gather gathers the rowwise copy (traced, an
+        # opaque op in every pass: the forward's graph is the same in every pass).
+        weight_fp8, weight_scale_inv = rowwise_copies(weight.missing_rowwise, cached.weight_fp8,
+                                                      cached.weight_scale_inv)
+        cached = dataclasses.replace(cached, weight_fp8=weight_fp8, weight_scale_inv=weight_scale_inv)
     return cached
 
 

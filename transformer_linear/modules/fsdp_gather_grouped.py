@@ -51,6 +51,7 @@ from transformer_linear.modules.fsdp_gather_usages import (
     GatheredUsages,
     RowwiseSource,
     rowwise_source_handle,
+    set_missing_rowwise,
     usages_to_gather,
 )
 from transformer_linear.modules.linear_args import CachedWeight
@@ -263,7 +264,7 @@ class GroupedFP8AllGatherWeight(FP8AllGatherWeight):
             gathered.rowwise_source = source  # kept alive with the weight: the handle refers to it weakly
             gathered.rowwise_source_handle = rowwise_source_handle(source)
         # Data, not metadata: a compiled forward runs the same graph whichever copy this gather carried.
-        gathered.missing_rowwise.fill_(NO_HANDLE if usages.rowwise else gathered.rowwise_source_handle)
+        set_missing_rowwise(gathered.missing_rowwise, usages, gathered.rowwise_source_handle)
         if out is not None:
             return None
         return gathered, (gathered.weight_fp8_t, gathered.weight_scale_inv_t)

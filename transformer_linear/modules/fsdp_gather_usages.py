@@ -8,7 +8,7 @@ rowwise copy only and backward's the columnwise copy only (as Transformer Engine
 otherwise one gather serves both passes and carries both. The choice is made at the parameter's first
 gather and kept: FSDP2 fixes its all-gather buffers then (:mod:`transformer_linear.modules.fp8_all_gather`
 explains why either copy fits them). A forward recomputed after backward's columnwise-only gather
-(activation checkpointing) gathers the rowwise copy itself (:func:`gather_rowwise_if_missing`).
+(activation checkpointing) gathers the rowwise copy itself (:func:`rowwise_copies`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ __all__ = [
     "ROWWISE",
     "GatheredUsages",
     "RowwiseSource",
-    "gather_rowwise_if_missing",
+    "rowwise_copies",
+    "rowwise_copy",
     "rowwise_source_handle",
+    "set_missing_rowwise",
     "usages_to_gather",
 ]
 
@@ -140,26 +142,43 @@ _ROWWISE_SOURCES: HandleTable[RowwiseSource] = HandleTable()
 
 
 def rowwise_source_handle(source: RowwiseSource) -> int:
-    """A handle of ``source`` for :func:`gather_rowwise_if_missing` (the caller keeps ``source`` alive)."""
+    """A handle of ``source`` for :func:`rowwise_copy` (the caller keeps ``source`` alive)."""
     return _ROWWISE_SOURCES.add(source)
+
+
+def set_missing_rowwise(missing_rowwise: Tensor, usages: GatheredUsages, handle: int) -> None:
+    """Record in a gathered weight's ``missing_rowwise`` whether this gather carried its rowwise copy
+    (:data:`NO_HANDLE`) or not (``handle``, its :class:`RowwiseSource`'s).
+
+    Its version is kept: a compiled checkpointed region saves the tensor in forward and reads it when its
+    backward recomputes the forward, after backward's gather wrote it, which is the value that recompute
+    must read (FSDP2 refills the gathered parameter's storage the same way).
+    """
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(missing_rowwise):
+        missing_rowwise.fill_(NO_HANDLE if usages.rowwise else handle)
 
 
 # The handle travels as a tensor, not as an int of the schema: torch.compile would guard on an int's value,
 # specializing the layer's graph per layer and per pass; a tensor's value it does not guard on, so every pass
 # (forward, recompute) and every layer of one shape runs one graph.
-@library.custom_op(
-    "transformer_linear::fsdp_gather_rowwise_if_missing",
-    mutates_args=("missing_rowwise", "weight_fp8", "weight_scale_inv"),
-)
-def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
-    """Fill a gathered weight's rowwise copy where its last gather carried only the columnwise copy.
+#
+# The op is functional (it returns the copy, it does not write FSDP2's buffers): Inductor cannot lower an
+# in-place write to a float8_e8m0fnu tensor (its decompose_auto_functionalized pass skips nodes reading that
+# dtype, then asserts the node is gone), and a compiled activation-checkpointed region recomputes the forward
+# inside the backward graph from the forward's inputs, which only a functional op reads right: there the
+# buffers hold the columnwise copy backward gathered, and the op, recomputed, gathers the rowwise one.
+@library.custom_op("transformer_linear::fsdp_rowwise_copy", mutates_args=())
+def rowwise_copy(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+    """A gathered weight's rowwise copy (its data and scales), for a forward.
 
-    ``missing_rowwise`` (0-d int64) is :data:`NO_HANDLE` where the weight holds its rowwise copy (nothing to
-    do), else the handle of its :class:`RowwiseSource`: the rowwise copy is then all-gathered from the current
-    shard (bitwise the forward's: the same shard and quantizer) into ``weight_fp8`` / ``weight_scale_inv``
-    (views of FSDP2's all-gather buffers, whose columnwise copy was already copied out), and
-    ``missing_rowwise`` is set to :data:`NO_HANDLE`. Every rank recomputes the same layers in the same order,
-    so the collectives match.
+    ``missing_rowwise`` (0-d int64) is :data:`NO_HANDLE` where ``weight_fp8`` / ``weight_scale_inv`` (views of
+    FSDP2's all-gather buffers) hold the rowwise copy: the copy is theirs, copied. Else it is the handle of the
+    weight's :class:`RowwiseSource` (backward's gather carried only the columnwise copy, and this forward is a
+    recompute): the rowwise copy is all-gathered from the current shard, bitwise the forward's (the same shard
+    and quantizer). Every rank recomputes the same layers in the same order, so the collectives match.
+
+    Returns:
+        The rowwise data and scales, new tensors of ``weight_fp8``'s and ``weight_scale_inv``'s shapes.
 
     Raises:
         RuntimeError: the handle names no live source.
@@ -167,13 +186,19 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
     _check_gather_args(missing_rowwise, weight_fp8, weight_scale_inv)
     handle = int(missing_rowwise)
     if handle == NO_HANDLE:
-        return
+        return weight_fp8.clone(), weight_scale_inv.clone()
     source = _ROWWISE_SOURCES.get(handle)
     if source is None:
         raise RuntimeError(
             "Linear: the weight holds only the columnwise copy FSDP2 gathered for backward and its shard is gone, "
             "so its rowwise copy cannot be gathered for this forward"
         )
+    return gather_rowwise(source, weight_fp8, weight_scale_inv)
+
+
+def gather_rowwise(source: RowwiseSource, weight_fp8: Tensor, weight_scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+    """All-gather the rowwise copy of ``source``'s weight from its current shard (of the shapes and dtypes of
+    ``weight_fp8`` / ``weight_scale_inv``, the gathered weight's rowwise fields)."""
     shard = source.shard._tensor.contiguous()
     if shard.dtype != source.dtype:
         shard = shard.to(source.dtype)  # FSDP2's param_dtype, as fsdp_pre_all_gather casts it
@@ -184,20 +209,34 @@ def gather_rowwise_if_missing(missing_rowwise: Tensor, weight_fp8: Tensor, weigh
         else:
             q = source.quantizer.quantize(shard, rowwise=True, columnwise=False)
         data, scale_inv = (_all_gather_rows(t, world_size, source.group) for t in (q.data, q.scale_inv))
-        weight_fp8.copy_(data[: source.rows])
-        weight_scale_inv.copy_(scale_inv)
-        missing_rowwise.fill_(NO_HANDLE)
+    return data[: source.rows].contiguous(), scale_inv
 
 
-@gather_rowwise_if_missing.register_fake
-def _(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
+def rowwise_copies(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+    """The rowwise data and scales a forward reads of a weight gathered one copy per pass.
+
+    Eager: the weight's own tensors where they hold the rowwise copy (the host handle says so; no copy), else
+    the copy gathered now. Traced: always :func:`rowwise_copy`, an op that decides when the graph runs, so a
+    layer's forward and its recompute run one graph.
+    """
+    if torch.compiler.is_compiling():
+        return rowwise_copy(missing_rowwise, weight_fp8, weight_scale_inv)
     _check_gather_args(missing_rowwise, weight_fp8, weight_scale_inv)
+    if int(missing_rowwise) == NO_HANDLE:
+        return weight_fp8, weight_scale_inv
+    return rowwise_copy(missing_rowwise, weight_fp8, weight_scale_inv)
+
+
+@rowwise_copy.register_fake
+def _(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> tuple[Tensor, Tensor]:
+    _check_gather_args(missing_rowwise, weight_fp8, weight_scale_inv)
+    return torch.empty_like(weight_fp8), torch.empty_like(weight_scale_inv)
 
 
 def _check_gather_args(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor) -> None:
     """The weight's copies on one device, the handle there or on the CPU (it is read on the host); the fake
-    implementation checks too (a meta argument would route a call to it: a silent no-op)."""
-    op = "fsdp_gather_rowwise_if_missing"
+    implementation checks too (a meta argument would route a call to it: silent garbage)."""
+    op = "fsdp_rowwise_copy"
     check_same_device(op, {"weight_fp8": weight_fp8, "weight_scale_inv": weight_scale_inv})
     check_host_tensor(op, "missing_rowwise", missing_rowwise, weight_fp8, "weight_fp8")
 

@@ -9,9 +9,11 @@ group comes from ``searchsorted`` over ``offs`` and each block's amax from a ``s
 ``torch.compile`` for every routing). Per block it computes what the block quantizers compute
 (``reference.quantize_blockwise_ref``, checked bitwise in tests/test_grouped_gemm.py).
 
-Real CPU tensors take the C++ kernel instead (csrc/cpu/quantize_grouped_cpu.cpp: ``offs`` read on the
-host, which costs no sync there), bitwise the same numbers; CUDA, meta and fake tensors, and tracing,
-keep the PyTorch ops, so a compiled graph never depends on the routing.
+CPU tensors take the C++ kernel instead (csrc/cpu/quantize_grouped_cpu.cpp: ``offs`` read on the host,
+which costs no sync there), bitwise the same numbers: called directly in eager, and traced as the op
+``transformer_linear::quantize_grouped_columnwise``, opaque to the graph, so a compiled graph never
+depends on the routing (and Inductor's CPU code, which has no E8M0 type, never computes E8M0 scales).
+CUDA and meta tensors (and a CPU tensor subclass in eager) keep the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformer_linear import _C
 from transformer_linear.formats.checks import check_fp8_dtype, check_hp_dtype, check_same_device
 from transformer_linear.formats.dtypes import E8M0_DTYPE, fp8_max
 from transformer_linear.formats.grouped_scaling import TOKEN_BLOCKS, WHOLE, check_offs, token_scale_cols
+from transformer_linear.ops import library
 from transformer_linear.ops.descriptors import desc, stream_for
 
 __all__ = ["GroupedColumnwise", "quantize_grouped_columnwise"]
@@ -74,6 +77,44 @@ def _on_host(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
+def _check_args(x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, token_block: int, e8m0_rounding: str) -> None:
+    op = "quantize_grouped_columnwise"
+    if isinstance(token_block, bool) or token_block not in TOKEN_BLOCKS:
+        raise ValueError(f"{op}: argument 'token_block' must be 128, 32 or 0 (the whole group), got {token_block!r}")
+    if e8m0_rounding not in ("ceil", "floor"):
+        raise ValueError(f"{op}: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
+    check_same_device(op, {"x": x, "offs": offs})
+    check_hp_dtype(op, "x", x.dtype)
+    check_fp8_dtype(op, "dtype", dtype)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: argument 'x' must be 2-D (total_tokens, C), got shape {list(x.shape)}")
+    check_offs(op, offs, offs.shape[0])
+
+
+def _traced_on_cpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CPU tensor that torch.compile / torch.export is tracing (a fake tensor)."""
+    return x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+@library.custom_op("transformer_linear::quantize_grouped_columnwise", mutates_args=(), device_types="cpu")
+def _quantize_cpu_op(
+    x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, token_block: int, power_2_scale: bool,
+    e8m0_rounding: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ kernel's copy, as an op a traced graph holds."""
+    _check_args(x, offs, dtype, token_block, e8m0_rounding)
+    width = token_scale_cols(x.shape[0], offs.shape[0], token_block)
+    return tuple(_quantize_cpu(x, offs, dtype, token_block, power_2_scale, e8m0_rounding, width))
+
+
+@_quantize_cpu_op.register_fake
+def _(x, offs, dtype, token_block, power_2_scale, e8m0_rounding):
+    _check_args(x, offs, dtype, token_block, e8m0_rounding)  # a meta argument routes a real call here
+    width = token_scale_cols(x.shape[0], offs.shape[0], token_block)
+    scale_dtype = E8M0_DTYPE if TOKEN_BLOCKS[token_block] == E8M0_DTYPE else torch.float32
+    return x.new_empty((x.shape[1], x.shape[0]), dtype=dtype), x.new_empty((x.shape[1], width), dtype=scale_dtype)
+
+
 def _quantize_cpu(
     x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype, token_block: int, power_2_scale: bool,
     e8m0_rounding: str, width: int,
@@ -120,21 +161,13 @@ def quantize_grouped_columnwise(
         ValueError: a wrong rank or an unsupported token_block or rounding; on the CPU, ``offs`` not
             nondecreasing in [0, total].
     """
-    op = "quantize_grouped_columnwise"
-    if isinstance(token_block, bool) or token_block not in TOKEN_BLOCKS:
-        raise ValueError(f"{op}: argument 'token_block' must be 128, 32 or 0 (the whole group), got {token_block!r}")
-    if e8m0_rounding not in ("ceil", "floor"):
-        raise ValueError(f"{op}: argument 'e8m0_rounding' must be 'ceil' or 'floor', got {e8m0_rounding!r}")
-    check_same_device(op, {"x": x, "offs": offs})
-    check_hp_dtype(op, "x", x.dtype)
-    check_fp8_dtype(op, "dtype", dtype)
-    if x.dim() != 2:
-        raise ValueError(f"{op}: argument 'x' must be 2-D (total_tokens, C), got shape {list(x.shape)}")
-    check_offs(op, offs, offs.shape[0])
+    _check_args(x, offs, dtype, token_block, e8m0_rounding)
     total, groups = x.shape[0], offs.shape[0]
     width = token_scale_cols(total, groups, token_block)
     if _on_host(x) and _on_host(offs):
         return _quantize_cpu(x, offs, dtype, token_block, power_2_scale, e8m0_rounding, width)
+    if _traced_on_cpu(x) and _traced_on_cpu(offs):
+        return GroupedColumnwise(*_quantize_cpu_op(x, offs, dtype, token_block, power_2_scale, e8m0_rounding))
     tokens = torch.arange(total, device=x.device, dtype=torch.int32)
     group = torch.searchsorted(offs, tokens, right=True)  # G past offs[-1]
     if token_block == WHOLE:

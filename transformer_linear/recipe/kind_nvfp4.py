@@ -192,8 +192,14 @@ class NVFP4Kind(ScalingKind):
         return super().shard_problem(q, rows, world_size)
 
     def experts_gather_problem(self, q: QuantizerFields) -> Optional[str]:
-        # The grouped path's FP4 gather (stacked packed scales, 1x16 copies of their own) is not built.
-        return "NVFP4 experts are not gathered in FP4"
+        # Each rank quantizes whole experts (each its own global scale, packed with its block scales): the
+        # stacked packed form gathers as it is, and a 16x16 weight's columnwise copy is made after the gather.
+        # A 1x16 weight's columnwise copy has blocks of its own (and with RHT its own global scale), whose
+        # packed scales FSDP2's fixed buffers would have to hold beside the rowwise ones: not gathered.
+        if list(q.block_shape) != [BLOCK, BLOCK]:
+            return (f"NVFP4 {list(q.block_shape)} weight blocks: only 16x16 ones are gathered in FP4 (their "
+                    "columnwise copy is the rowwise one transposed)")
+        return None
 
     def whole_tensor_amax(self, q: QuantizerFields, shard: Tensor) -> Optional[Tensor]:
         return ops.nvfp4.nvfp4_amax(shard).reshape(1)
