@@ -108,7 +108,16 @@ def gemm_rows(shape: tuple[int, int, int], old_C: ModuleType, repeats: int, cloc
             return ops.fp8_gemm(qa, qsa, qb, qsb, torch.bfloat16)
         fns[f"{name} old"] = _with_build(old_C, holders, gemm)
         fns[f"{name} new"] = gemm
-    print(f"\n### FP8 GEMM, M x N x K = {m} x {n} x {k}, bf16 out\n")
+    # NVFP4 (16-element E4M3 block scales, per-tensor global scales): the GEMM of the nvfp4 recipe.
+    fa = ops.nvfp4.quantize_nvfp4(a_hp, ops.nvfp4.nvfp4_amax(a_hp))
+    fb = ops.nvfp4.quantize_nvfp4(b_hp, ops.nvfp4.nvfp4_amax(b_hp))
+
+    def nvfp4_gemm():
+        return ops.nvfp4.nvfp4_gemm(fa.data, fa.scale, fa.global_scale, fb.data, fb.scale, fb.global_scale,
+                                    torch.bfloat16)
+    fns["nvfp4 old"] = _with_build(old_C, holders, nvfp4_gemm)
+    fns["nvfp4 new"] = nvfp4_gemm
+    print(f"\n### FP8 and NVFP4 GEMMs, M x N x K = {m} x {n} x {k}, bf16 out\n")
     print("| variant | ms | GFLOP/s | / fp32 torch.mm |\n|---|---:|---:|---:|")
     _report(ab_builds.time_interleaved(fns, repeats, clock), "fp32 torch.mm", 2.0 * m * n * k)
 

@@ -1,6 +1,7 @@
 // AVX2 micro-kernel and packing of the NVFP4 CPU GEMM (see gemm_nvfp4_cpu.h): a 6 x 16 register
-// tile (the tile of gemm_cpu_avx2.cpp), fused multiply-adds from zero over each 16-k block
-// (exact there), then one addition of the block's sums into the fp32 total in memory.
+// tile (the tile of gemm_cpu_avx2.cpp), each 16-k block summed in registers from its first
+// product by fused multiply-adds (exact there), then one addition of the block's sums into the
+// fp32 total in memory, as the reference does.
 //
 // Packing decodes 16 E2M1 codes of a row at a time: vpermps looks their magnitudes up in a
 // register (its index is the code's low 3 bits), the code's bit 3 becomes the sign, and one
@@ -21,29 +22,46 @@ namespace cpu {
 namespace gemm_nvfp4 {
 namespace {
 
+// One 16-k block: acc = its products, summed from the first product (a multiply) in k order.
+template <int MR, int NV>
+inline void block_sums(const float* a, const float* b, __m256 (&acc)[MR][NV]) {
+  {
+    __m256 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_mul_ps(av, bv[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int k = 1; k < kBlockK; ++k) {
+    __m256 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + k * 8 * NV + 8 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + k * MR + i);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+}
+
+// The block's sums start from its first product rather than from a zeroed register (an FMA
+// into zero): the same exact sums but for the sign of an all-zero block's sum, which the
+// addition into the total (never -0: it starts at +0) does not see. Measured with the 16-k
+// loop fully unrolled: 70 -> 81 GFLOP/s for panels in L1/L2 (AMD Zen 3, one thread), the rate
+// of a plain fp32 micro-kernel that sums all of K in registers.
 template <int MR, int NV>
 void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, float* total, int64_t ld_total) {
   const float* a = static_cast<const float*>(a_packed);
   const float* b = static_cast<const float*>(b_packed);
-  for (int64_t k0 = 0; k0 < kc; k0 += kBlockK) {
+  for (int64_t k0 = 0; k0 < kc; k0 += kBlockK, a += kBlockK * MR, b += kBlockK * 8 * NV) {
     __m256 acc[MR][NV];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
-    }
-#pragma GCC unroll 2
-    for (int k = 0; k < kBlockK; ++k, a += MR, b += 8 * NV) {
-      __m256 bv[NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
-#pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) {
-        const __m256 av = _mm256_broadcast_ss(a + i);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
-      }
-    }
+    block_sums<MR, NV>(a, b, acc);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
