@@ -253,7 +253,9 @@ def cpu_trainer_config(model: str, recipe: Optional[str], *, steps: int, seq_len
 class AllGatherBytes(contextlib.AbstractContextManager):
     """Counts the bytes this rank sends into FSDP2's all-gathers (its shard of each gathered tensor), split
     into the transformer blocks' gathers (``blocks``: what the converters convert, plus the blocks' norms)
-    and the rest (``other``: embeddings, final norm, output projection)."""
+    and the rest (``other``: embeddings, final norm, output projection). The blocks' count includes the
+    package's own all-gathers outside FSDP2's: an MXFP8 weight's rowwise copy that a forward recomputed
+    after backward's columnwise-only gather gathers (activation checkpointing)."""
 
     def __init__(self) -> None:
         self.bytes = {"blocks": 0, "other": 0}
@@ -266,7 +268,8 @@ class AllGatherBytes(contextlib.AbstractContextManager):
 
         @functools.wraps(self._all_gather)
         def all_gather(output_tensor, input_tensor, *args, **kwargs):
-            blocks = counter._group is not None and any(hasattr(m, "attention") for m in counter._group.modules)
+            group = counter._group
+            blocks = group is None or any(hasattr(m, "attention") for m in group.modules)
             counter.bytes["blocks" if blocks else "other"] += input_tensor.numel() * input_tensor.element_size()
             return counter._all_gather(output_tensor, input_tensor, *args, **kwargs)
 

@@ -257,9 +257,10 @@ def test_the_package_imports_without_torchtitan(tmp_path):
     assert 'pip install "transformer_linear[torchtitan]"' in run.stdout, run.stdout
 
 
-def _trainer_rank(rank: int, world: int, folder: str) -> dict:
+def _trainer_rank(rank: int, world: int, folder: str, compiled: bool) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)  # torchtitan picks its device by it (torchrun sets it)
-    common = dict(model="llama3", steps=4, seq_len=32, batch=2, layers=2, compile=False)
+    common = dict(model="llama3", steps=4, seq_len=32, batch=2, layers=2, compile=compiled,
+                  activation_checkpoint=compiled)
     base = torchtitan_train.train(torchtitan_train.cpu_trainer_config(**common, recipe=None,
                                                                       dump_folder=f"{folder}/none"))
     tl = dict(common, recipe="mxfp8", dump_folder=f"{folder}/tl", checkpoint_interval=2)
@@ -268,16 +269,23 @@ def _trainer_rank(rank: int, world: int, folder: str) -> dict:
     return {"base": base, "converted": converted, "resumed": resumed}
 
 
-def test_torchtitan_trainer_fsdp2_two_ranks(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-activation_checkpointing"])
+def test_torchtitan_trainer_fsdp2_two_ranks(tmp_path, compiled):
     """torchtitan's Trainer, 2 gloo ranks, FSDP2 with FP8 all-gather (MXFP8): converted layers, losses as the
     unconverted run's, the blocks' all-gathers at most 0.3x the fp32 run's bytes, and a DCP checkpoint at
-    step 2 resumed gives bitwise the uninterrupted run's losses."""
-    runs = run_ranks(_trainer_rank, str(tmp_path), timeout=300)[0]
+    step 2 resumed gives bitwise the uninterrupted run's losses. ``compiled``: torchtitan's compile (Inductor,
+    each block) and the debug model's own activation checkpointing (selective), whose compiled backward
+    recomputes the forward after backward's columnwise-only MXFP8 gather."""
+    runs = run_ranks(_trainer_rank, str(tmp_path), compiled, timeout=600)[0]
     base, converted, resumed = runs["base"], runs["converted"], runs["resumed"]
     assert converted["module_types"]["TLLinear"] == 10 and "TLLinear" not in base["module_types"]
     assert sorted(converted["losses"]) == [1, 2, 3, 4]
     for step, loss in base["losses"].items():
         assert abs(converted["losses"][step] / loss - 1) < 0.01, (step, converted["losses"], base["losses"])
     ratio = converted["gather_bytes_per_step"]["blocks"] / base["gather_bytes_per_step"]["blocks"]
-    assert ratio <= 0.3, f"the blocks all-gathered {ratio:.3f}x the fp32 bytes"
+    # Each MXFP8 gather carries one copy (1 byte an element and its scales, against fp32's 4 bytes in each of
+    # the forward's and backward's gathers); under activation checkpointing a third gathers the rowwise copy
+    # for the recomputed forward (measured: 0.258x eager, 0.387x checkpointed).
+    bound = 0.4 if compiled else 0.3
+    assert ratio <= bound, f"the blocks all-gathered {ratio:.3f}x the fp32 bytes"
     assert resumed["losses"] == {s: v for s, v in converted["losses"].items() if s > 2}
