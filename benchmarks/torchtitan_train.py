@@ -22,7 +22,8 @@ What is changed for a CPU run (``cpu_trainer_config`` and ``cpu_shim``), and not
   bigram language (``SyntheticDataLoader``, a torchtitan dataloader whose state is its step, so DCP resumes
   it) and a tokenizer that only reports the vocabulary size.
 - Sizes for two cores: ``--seq-len``, ``--batch``, ``--layers`` (fewer of the debug model's identical
-  layers), the validator and activation checkpointing off, fp32 parameters (FSDP2 ``param_dtype``).
+  layers), the validator off, activation checkpointing off unless ``--activation-checkpoint`` (the debug
+  models' own, selective), fp32 parameters (FSDP2 ``param_dtype``).
 
 Example (the figures in docs/torchtitan.md):
 
