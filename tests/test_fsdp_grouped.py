@@ -256,7 +256,9 @@ def _gather_parity_rank(rank, world, name, variant):
     (each layer under torch.compile(fullgraph=True), aot_eager / Inductor)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    r = tl.recipe.from_name(name, backward_override="dequantized") if variant == "dequantized" else GATHER_RECIPE_OBJECTS[name]
+    r = GATHER_RECIPE_OBJECTS[name]
+    if variant == "dequantized":
+        r = tl.recipe.from_name(name, backward_override="dequantized")
     kwargs = {}
     if variant == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -126,7 +126,8 @@ def test_traced_cpu_calls_hold_the_kernel_op(token_block):
     E8M0 type to compute MXFP8's scales in): bitwise eager's under Inductor, with any routing, and the op
     passes opcheck."""
     x = torch.randn(130, 24)
-    torch.library.opcheck(grouped_quantize._quantize_cpu_op, (x, offsets([60, 0, 70]), E4M3, token_block, False, "ceil"))
+    torch.library.opcheck(grouped_quantize._quantize_cpu_op,
+                          (x, offsets([60, 0, 70]), E4M3, token_block, False, "ceil"))
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, offs: quantize_grouped_columnwise(x, offs, E4M3, token_block),
                              backend="inductor", fullgraph=True)

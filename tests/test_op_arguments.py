@@ -135,7 +135,8 @@ OP_CALLS: dict[str, Callable[[], Any]] = {
     "linear_wgrad": lambda: layer_step("current"),
     "delayed_scaling_flush": lambda: delayed_scaling.delayed_scaling_flush(torch.zeros(4, 3), torch.ones(3),
                                                                            NO_HANDLE),
-    "quantize_grouped_columnwise": lambda: grouped_quantize._quantize_cpu_op(torch.randn(32, 16), offs(), E4M3, 128, False, "ceil"),
+    "quantize_grouped_columnwise": lambda: grouped_quantize._quantize_cpu_op(
+        torch.randn(32, 16), offs(), E4M3, 128, False, "ceil"),
     "fsdp_rowwise_copy": lambda: fsdp_gather_usages.rowwise_copy(
         torch.full((), NO_HANDLE, dtype=torch.int64), *fp8((4, 8))),
     "nvfp4_gemm": lambda: n4.nvfp4_gemm(*n4.quantize_nvfp4(X, torch.ones(()))[:3],

@@ -58,7 +58,7 @@ backward's columnwise-only gather (activation checkpointing's recompute) all-gat
 itself from the current shard (bitwise the forward's: the same shard, the same quantizer). Traced, that is
 a functional op in every forward's graph, which returns a copy of the held rowwise copy where nothing is
 missing: one graph for every pass, right also where a compiled checkpointed region recomputes the forward
-inside its backward graph, at the cost of copying the FP8 weight once a compiled forward
+inside its backward graph, at the cost of one copy of the FP8 weight per compiled forward
 (:func:`~transformer_linear.modules.fsdp_gather_usages.rowwise_copies`).
 
 Backward all-gathers a resharded weight again; it is quantized with the scale its forward used (kept on
@@ -504,7 +504,8 @@ class GatheredFP8Weight(torch.Tensor):
         """A weight gathered one copy per pass (MXFP8 under ``reshard_after_forward``): a 0-d int64 tensor,
         :data:`NO_HANDLE` where the rowwise fields hold the rowwise copy, else (after backward's columnwise-only
         gather, when they view buffers holding the columnwise copy) the handle a recomputed forward gathers the
-        rowwise copy with (:func:`~transformer_linear.modules.fsdp_gather_usages.rowwise_copies`). None where the rowwise copy is always held."""
+        rowwise copy with (:func:`~transformer_linear.modules.fsdp_gather_usages.rowwise_copies`). None where the
+        rowwise copy is always held."""
         self.rowwise_source: Optional[RowwiseSource] = None
         self.rowwise_source_handle = NO_HANDLE
 
