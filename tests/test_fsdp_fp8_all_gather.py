@@ -693,3 +693,7 @@ def test_rowwise_copy_op():
             call(gone, q.data, q.scale_inv)
     with pytest.raises(TypeError, match="missing_rowwise"):
         rowwise_copies(held.to("meta"), q.data, q.scale_inv)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.float32)):
+        for call in (rowwise_copy, rowwise_copies):
+            with pytest.raises(ValueError, match="'missing_rowwise' must be a 0-d int64 tensor"):
+                call(bad, q.data, q.scale_inv)

@@ -239,6 +239,9 @@ def _check_gather_args(missing_rowwise: Tensor, weight_fp8: Tensor, weight_scale
     op = "fsdp_rowwise_copy"
     check_same_device(op, {"weight_fp8": weight_fp8, "weight_scale_inv": weight_scale_inv})
     check_host_tensor(op, "missing_rowwise", missing_rowwise, weight_fp8, "weight_fp8")
+    if missing_rowwise.dtype != torch.int64 or missing_rowwise.dim() != 0:
+        raise ValueError(f"{op}: argument 'missing_rowwise' must be a 0-d int64 tensor (a handle), got "
+                         f"{missing_rowwise.dtype} of shape {list(missing_rowwise.shape)}")
 
 
 def _all_gather_rows(shard: Tensor, world_size: int, group: Any) -> Tensor:
