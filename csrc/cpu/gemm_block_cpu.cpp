@@ -7,8 +7,8 @@
 // with the two block scales (acc += part * (sa[i] * sb[j]), DeepGEMM's
 // promotion); the K-block g is the smaller of the operands' block widths.
 // Loop nest as in gemm_cpu.cpp: NC blocks of B rows, KC chunks of k (a
-// multiple of g), the B chunk packed by all threads, A blocks per thread;
-// threads claim B panels and A blocks one at a time (for_each_claimed), and
+// multiple of g), the B chunk packed by all threads, A blocks per thread, the
+// chunks run with no barrier between them (run_passes, gemm_passes.h), and
 // the next B panel is prefetched while the current one runs.
 #include <algorithm>
 #include <cstdlib>
@@ -19,6 +19,7 @@
 #include "cpu_features.h"
 #include "gemm_block_cpu.h"
 #include "gemm_cpu.h"
+#include "gemm_passes.h"
 #include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/block_math.h"
@@ -130,9 +131,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   const std::vector<float> sb = folded ? unit_scales(n, n_pad) : expand_scales(p.b_scale_inv, p.b_block, n, n_pad, g, k_blocks);
   const int64_t a_bk = std::min(p.a_block.cols, k), b_bk = std::min(p.b_block.cols, k);
 
-  constexpr double kMinParallelFlops = 1 << 22;
-  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
-  const int threads = serial ? 1 : get_num_threads();
+  const int threads = gemm::gemm_threads(m, n, k);
   // Partial sums are promoted every `step` k: each K-block, or every KC when one
   // block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
   const int64_t step = g >= k ? std::min<int64_t>(k, ks.kc) : g;
@@ -146,93 +145,95 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
     nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
   }
   const int64_t kc_max = std::min(kc, k);
-  Buffer b_buffer = aligned_buffer(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr), "fp8_gemm");
+  const int64_t passes = ceil_div(k, kc);
+  const int64_t slots = gemm::pass_slots(threads, passes);
+  const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
+  Buffer b_buffer = aligned_buffer(slots * b_chunk_bytes, "fp8_gemm");
   Buffer totals_buffer = multi_pass ? aligned_buffer(m_pad * nc * sizeof(float), "fp8_gemm") : nullptr;
   uint8_t* b_packed = b_buffer.get();
   float* totals = reinterpret_cast<float*>(totals_buffer.get());
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
   const int mr = ks.mr, nr = ks.nr;
-
+  // Work units: A blocks of mc rows (a multiple of mr) x slices of the B panels.
+  const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
+  const int64_t mc = round_up(ceil_div(m, blocks), mr);
+  const int64_t m_blocks = ceil_div(m, mc);
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, nr);
-    for (int64_t pc = 0; pc < k; pc += kc) {
-      const int64_t kb = std::min(kc, k - pc);
-      const bool first = pc == 0, last = pc + kb == k;
-      const size_t b_panel_bytes = ks.panel_bytes(kb, nr);
-      for_each_claimed(threads, b_panels, [&](int64_t q) {
-        const int64_t j = jc + q * nr;
-        ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr, b_packed + q * b_panel_bytes);
-        if (folded) {
-          int32_t exps[kMaxFoldExps];
-          panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
-          fold(b_packed + q * b_panel_bytes, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
-        }
-      });
-      // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
-      const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
-      const int64_t mc = round_up(ceil_div(m, blocks), mr);
-      const int64_t m_blocks = ceil_div(m, mc);
-      const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
-      const size_t a_panel_bytes = ks.panel_bytes(kb, mr);
-      for_each_claimed(threads, m_blocks * n_splits, [&](int64_t w) {
-        // Grown once per thread, reused by every call (like the tensorwise GEMM's).
-        thread_local Buffer a_buffer;
-        thread_local size_t a_capacity = 0;
-        const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
-        if (a_bytes > a_capacity) {
-          a_buffer = aligned_buffer(a_bytes, "fp8_gemm");
-          a_capacity = a_bytes;
-        }
-        alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-        alignas(64) float acc[64 * 64];
-        const int64_t ic = (w / n_splits) * mc;
-        const int64_t split = w % n_splits;
-        const int64_t mb = std::min(mc, m - ic);
-        ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
-        for (int64_t ir = 0; folded && ir < mb; ir += mr) {
-          int32_t exps[kMaxFoldExps];
-          panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
-          fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
-        }
-        if (ks.prepare) ks.prepare();
-        const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
-        for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
-          const int64_t j = q * nr;  // within the NC block
-          const uint8_t* b_panel = b_packed + q * b_panel_bytes;
-          const uint8_t* next_b = q + 1 < q_end ? b_panel + b_panel_bytes : nullptr;
-          for (int64_t ir = 0; ir < mb; ir += mr) {
-            const int64_t i = ic + ir;
-            if (next_b) gemm::prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
-            const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
-            // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
-            float* total = totals ? totals + i * nc + j : acc;
-            int64_t ld_total = totals ? nc : nr;
-            if (folded) {  // unit scales: the micro-kernel adds into the total itself
-              // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
-              ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
-                       last ? nr : ld_total);
-              if (last) total = acc, ld_total = nr;
-            }
-            for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
-              // Packed panels store k in order: a sub-panel at k offset s0 starts
-              // s0 * rows elements in (step is a multiple of the kernel's k_align).
-              ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
-                       b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
-              const int64_t s = (pc + s0) / g;
-              promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
-                      first && s0 == 0, total, ld_total);
-            }
-            if (last) {
-              store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
-                              std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
-                              p.accumulate, d + i * n + jc + j, n);
+    const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+    gemm::run_passes(
+        threads, passes, b_panels, m_blocks * n_splits,
+        [&](int64_t pass, int64_t slot, int64_t q) {
+          const int64_t pc = pass * kc, kb = std::min(kc, k - pc), j = jc + q * nr;
+          uint8_t* panel = b_packed + slot * b_chunk_bytes + q * ks.panel_bytes(kb, nr);
+          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr, panel);
+          if (folded) {
+            int32_t exps[kMaxFoldExps];
+            panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
+            fold(panel, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
+          }
+        },
+        [&](int64_t pass, int64_t slot, int64_t w) {
+          const int64_t pc = pass * kc, kb = std::min(kc, k - pc);
+          const bool first = pc == 0, last = pc + kb == k;
+          const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
+          // Grown once per thread, reused by every call (like the tensorwise GEMM's).
+          thread_local Buffer a_buffer;
+          thread_local size_t a_capacity = 0;
+          const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
+          if (a_bytes > a_capacity) {
+            a_buffer = aligned_buffer(a_bytes, "fp8_gemm");
+            a_capacity = a_bytes;
+          }
+          alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+          alignas(64) float acc[64 * 64];
+          const int64_t ic = (w / n_splits) * mc;
+          const int64_t split = w % n_splits;
+          const int64_t mb = std::min(mc, m - ic);
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
+          for (int64_t ir = 0; folded && ir < mb; ir += mr) {
+            int32_t exps[kMaxFoldExps];
+            panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
+            fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
+          }
+          if (ks.prepare) ks.prepare();
+          const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
+          for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
+            const int64_t j = q * nr;  // within the NC block
+            const uint8_t* b_panel = b_packed + slot * b_chunk_bytes + q * b_panel_bytes;
+            const uint8_t* next_b = q + 1 < q_end ? b_panel + b_panel_bytes : nullptr;
+            for (int64_t ir = 0; ir < mb; ir += mr) {
+              const int64_t i = ic + ir;
+              if (next_b) gemm::prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
+              const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+              // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
+              float* total = totals ? totals + i * nc + j : acc;
+              int64_t ld_total = totals ? nc : nr;
+              if (folded) {  // unit scales: the micro-kernel adds into the total itself
+                // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
+                ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
+                         last ? nr : ld_total);
+                if (last) total = acc, ld_total = nr;
+              }
+              for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
+                // Packed panels store k in order: a sub-panel at k offset s0 starts
+                // s0 * rows elements in (step is a multiple of the kernel's k_align).
+                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
+                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
+                const int64_t s = (pc + s0) / g;
+                promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
+                        first && s0 == 0, total, ld_total);
+              }
+              if (last) {
+                store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
+                                std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
+                                p.accumulate, d + i * n + jc + j, n);
+              }
             }
           }
-        }
-      });
-    }
+        });
   }
 }
 

@@ -14,10 +14,9 @@
 // Paths (cpu::current_isa(), measured or forced: isa_select.cpp): generic
 // (portable C++, below), avx2 (8-lane fp32 FMA micro-kernel), avx512 (16-lane
 // fp32 FMA micro-kernel), avx512_bf16 (AMX tiles where present, else
-// vdpbf16ps). Threads claim packing and compute
-// items one at a time (for_each_claimed, parallel.h), so a busy machine that
-// deschedules one thread does not leave the others idle at the end of each
-// pass. While the A micro-panels run against one B panel, the next B panel is
+// vdpbf16ps). Threads run the KC passes of an NC block with no barrier
+// between them (run_passes, gemm_passes.h), so a busy machine that deschedules
+// one thread does not leave the others idle at the end of each pass. While the A micro-panels run against one B panel, the next B panel is
 // prefetched into L2 a slice per micro-kernel call (prefetch_slice).
 #include "gemm_cpu.h"
 
@@ -32,6 +31,7 @@
 
 #include "../common/backend.h"
 #include "cpu_features.h"
+#include "gemm_passes.h"
 #include "memory_cpu.h"
 #include "parallel.h"
 #include "transformer_linear/check.h"
@@ -143,13 +143,6 @@ Partition partition(const KernelSet& ks, int64_t m, int64_t b_panels, int thread
   return part;
 }
 
-// Tiny products (tens of microseconds) run on one thread: waking the
-// others would cost more than it saves.
-int threads_for(const GemmParams& p) {
-  constexpr double kMinParallelFlops = 1 << 22;
-  return 2.0 * p.m * p.n * p.k < kMinParallelFlops ? 1 : get_num_threads();
-}
-
 template <typename Out>
 void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   using T = typename Out::storage;
@@ -176,9 +169,11 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
     nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
   }
   const int64_t kc_max = std::min(ks.kc, k);
+  const int64_t passes = ceil_div(k, ks.kc);
+  const int64_t slots = pass_slots(threads, passes);
+  const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
   AlignedBuffer b_buffer, scratch_buffer;
-  uint8_t* b_packed =
-      static_cast<uint8_t*>(b_buffer.get(ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr)));
+  uint8_t* b_packed = static_cast<uint8_t*>(b_buffer.get(slots * b_chunk_bytes));
   float* scratch =
       multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
@@ -187,51 +182,49 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, ks.nr);
-    for (int64_t pc = 0; pc < k; pc += ks.kc) {
-      const int64_t kb = std::min(ks.kc, k - pc);
-      const bool first = pc == 0, last = pc + kb == k;
-      const size_t b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-      for_each_claimed(threads, b_panels, [&](int64_t q) {
-        const int64_t j = jc + q * ks.nr;
-        ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
-                  b_packed + q * b_panel_bytes);
-      });
-
-      const Partition part = partition(ks, m, b_panels, threads);
-      const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr);
-      const int64_t work_items = part.m_blocks * part.n_splits;
-      for_each_claimed(threads, work_items, [&](int64_t w) {
-        thread_local AlignedBuffer a_buffer;
-        uint8_t* a_packed =
-            static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
-        alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-        const int64_t ic = (w / part.n_splits) * part.mc;
-        const int64_t split = w % part.n_splits;
-        const int64_t mb = std::min(part.mc, m - ic);
-        ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
-        if (ks.prepare) ks.prepare();
-        const int64_t q_begin = split * b_panels / part.n_splits;
-        const int64_t q_end = (split + 1) * b_panels / part.n_splits;
-        const int64_t a_panels = ceil_div(mb, ks.mr);
-        for (int64_t q = q_begin; q < q_end; ++q) {
-          const int64_t j = q * ks.nr;  // within the NC block
-          const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
-          const uint8_t* next_b = q + 1 < q_end ? b_packed + (q + 1) * b_panel_bytes : nullptr;
-          for (int64_t ir = 0; ir < mb; ir += ks.mr) {
-            const int64_t i = ic + ir;
-            if (next_b) prefetch_slice(next_b, b_panel_bytes, ir / ks.mr, a_panels);
-            float* partial = scratch ? scratch + i * nc + j : nullptr;
-            float* out = last ? tile : partial;
-            ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_packed + q * b_panel_bytes,
-                     first ? nullptr : partial, nc, out, last ? ks.nr : nc);
-            if (last) {
-              store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
-                              bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+    const Partition part = partition(ks, m, b_panels, threads);
+    run_passes(
+        threads, passes, b_panels, part.m_blocks * part.n_splits,
+        [&](int64_t pass, int64_t slot, int64_t q) {
+          const int64_t pc = pass * ks.kc, kb = std::min(ks.kc, k - pc), j = jc + q * ks.nr;
+          ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
+                    b_packed + slot * b_chunk_bytes + q * ks.panel_bytes(kb, ks.nr));
+        },
+        [&](int64_t pass, int64_t slot, int64_t w) {
+          const int64_t pc = pass * ks.kc, kb = std::min(ks.kc, k - pc);
+          const bool first = pc == 0, last = pc + kb == k;
+          const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr), b_panel_bytes = ks.panel_bytes(kb, ks.nr);
+          const uint8_t* b_chunk = b_packed + slot * b_chunk_bytes;
+          thread_local AlignedBuffer a_buffer;
+          uint8_t* a_packed =
+              static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
+          alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+          const int64_t ic = (w / part.n_splits) * part.mc;
+          const int64_t split = w % part.n_splits;
+          const int64_t mb = std::min(part.mc, m - ic);
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
+          if (ks.prepare) ks.prepare();
+          const int64_t q_begin = split * b_panels / part.n_splits;
+          const int64_t q_end = (split + 1) * b_panels / part.n_splits;
+          const int64_t a_panels = ceil_div(mb, ks.mr);
+          for (int64_t q = q_begin; q < q_end; ++q) {
+            const int64_t j = q * ks.nr;  // within the NC block
+            const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
+            const uint8_t* next_b = q + 1 < q_end ? b_chunk + (q + 1) * b_panel_bytes : nullptr;
+            for (int64_t ir = 0; ir < mb; ir += ks.mr) {
+              const int64_t i = ic + ir;
+              if (next_b) prefetch_slice(next_b, b_panel_bytes, ir / ks.mr, a_panels);
+              float* partial = scratch ? scratch + i * nc + j : nullptr;
+              float* out = last ? tile : partial;
+              ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_chunk + q * b_panel_bytes,
+                       first ? nullptr : partial, nc, out, last ? ks.nr : nc);
+              if (last) {
+                store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
+                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+              }
             }
           }
-        }
-      });
-    }
+        });
   }
 }
 
@@ -340,7 +333,7 @@ void fp8_gemm(const GemmParams& p) {
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
   dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",
                           [&](auto out_tag) {
-                            gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::threads_for(p));
+                            gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::gemm_threads(p.m, p.n, p.k));
                           });
 }
 

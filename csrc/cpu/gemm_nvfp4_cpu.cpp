@@ -8,8 +8,8 @@
 // the micro-kernel only has to add each block's sum to the fp32 total in K order, as
 // reference/nvfp4.py nvfp4_gemm does. The fp32 totals stay in a tile on the stack when
 // one chunk covers K, else in an M x NC buffer (tile by tile) across chunks; the global scales (alpha)
-// and the bias come in the fp32 epilogue. Threads claim B panels and A blocks one at a time
-// (for_each_claimed), and the next B panel is prefetched while the current one runs. Every output element is computed the same way
+// and the bias come in the fp32 epilogue. The chunks run with no barrier between them
+// (run_passes, gemm_passes.h), and the next B panel is prefetched while the current one runs. Every output element is computed the same way
 // whatever the thread count, so results do not depend on it.
 #include <algorithm>
 #include <cstdlib>
@@ -20,6 +20,7 @@
 #include "cpu_features.h"
 #include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
+#include "gemm_passes.h"
 #include "memory_cpu.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
@@ -163,71 +164,73 @@ void run(const GemmView& p, const KernelSet& ks) {
     nc = std::max<int64_t>(nr, std::min(nc, budget_cols / nr * nr));
   }
   const int64_t kc_max = std::min(kc, k);
+  const int threads = gemm::gemm_threads(m, n, k);
+  const int64_t passes = ceil_div(k, kc);
+  const int64_t slots = gemm::pass_slots(threads, passes);
+  const size_t b_chunk_bytes = static_cast<size_t>(ceil_div(nc, nr) * kc_max * nr * elem_bytes);
   // Kept by the calling thread for its next calls: freshly allocated, megabytes of scratch cost a page
   // fault per 4 KiB page on every call (a quarter of a 1024^3 GEMM's time).
   thread_local ScratchCache b_cache, totals_cache;
   Buffer b_owned, totals_owned;
-  uint8_t* b_packed = b_cache.get(static_cast<size_t>(ceil_div(nc, nr) * kc_max * nr * elem_bytes), b_owned);
+  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned);
   float* totals = multi_pass ? reinterpret_cast<float*>(
                                    totals_cache.get(static_cast<size_t>(m_pad * nc) * sizeof(float), totals_owned))
                              : nullptr;
   const Operand a_op{p.a, p.a_scale, p.a_ld};
   const Operand b_op{p.b, p.b_scale, p.b_ld};
-  constexpr double kMinParallelFlops = 1 << 22;
-  const bool serial = 2.0 * m * n * k < kMinParallelFlops;
-  const int threads = serial ? 1 : get_num_threads();
+  // Work units: A blocks of mc rows (a multiple of mr) x slices of the B panels.
+  const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
+  const int64_t mc = round_up(ceil_div(m, blocks), mr);
+  const int64_t m_blocks = ceil_div(m, mc);
 
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, nr);
-    for (int64_t pc = 0; pc < k; pc += kc) {
-      const int64_t kb = std::min(kc, k - pc);
-      const bool first = pc == 0, last = pc + kb == k;
-      const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
-      for_each_claimed(threads, b_panels, [&](int64_t q) {
-        const int64_t j = jc + q * nr;
-        pack_rows(ks, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr, b_packed + q * panel_bytes);
-      });
-      // Work items: A blocks of mc rows (a multiple of mr) x slices of the B panels.
-      const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
-      const int64_t mc = round_up(ceil_div(m, blocks), mr);
-      const int64_t m_blocks = ceil_div(m, mc);
-      const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
-      const size_t a_panel_bytes = static_cast<size_t>(kb) * mr * elem_bytes;
-      for_each_claimed(threads, m_blocks * n_splits, [&](int64_t w) {
-        // Grown once per thread, reused by every call.
-        thread_local Buffer a_buffer;
-        thread_local size_t a_capacity = 0;
-        const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
-        if (a_bytes > a_capacity) {
-          a_buffer = aligned_buffer(a_bytes, "nvfp4_gemm");
-          a_capacity = a_bytes;
-        }
-        alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-        const int64_t ic = (w / n_splits) * mc;
-        const int64_t split = w % n_splits;
-        const int64_t mb = std::min(mc, m - ic);
-        pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_buffer.get());
-        const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
-        for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
-          const int64_t j = q * nr;  // within the NC block
-          const uint8_t* b_panel = b_packed + q * panel_bytes;
-          const uint8_t* next_b = q + 1 < q_end ? b_panel + panel_bytes : nullptr;
-          for (int64_t ir = 0; ir < mb; ir += mr) {
-            const int64_t i = ic + ir;
-            if (next_b) gemm::prefetch_slice(next_b, panel_bytes, ir / mr, a_panels);
-            // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
-            float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
-            if (first) std::fill(total, total + mr * nr, 0.0f);
-            ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
-            if (last) {
-              gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
-                                    p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
+    const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+    gemm::run_passes(
+        threads, passes, b_panels, m_blocks * n_splits,
+        [&](int64_t pass, int64_t slot, int64_t q) {
+          const int64_t pc = pass * kc, kb = std::min(kc, k - pc), j = jc + q * nr;
+          pack_rows(ks, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr,
+                    b_packed + slot * b_chunk_bytes + q * static_cast<size_t>(kb) * nr * elem_bytes);
+        },
+        [&](int64_t pass, int64_t slot, int64_t w) {
+          const int64_t pc = pass * kc, kb = std::min(kc, k - pc);
+          const bool first = pc == 0, last = pc + kb == k;
+          const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
+          const size_t a_panel_bytes = static_cast<size_t>(kb) * mr * elem_bytes;
+          // Grown once per thread, reused by every call.
+          thread_local Buffer a_buffer;
+          thread_local size_t a_capacity = 0;
+          const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
+          if (a_bytes > a_capacity) {
+            a_buffer = aligned_buffer(a_bytes, "nvfp4_gemm");
+            a_capacity = a_bytes;
+          }
+          alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
+          const int64_t ic = (w / n_splits) * mc;
+          const int64_t split = w % n_splits;
+          const int64_t mb = std::min(mc, m - ic);
+          pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_buffer.get());
+          const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
+          for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
+            const int64_t j = q * nr;  // within the NC block
+            const uint8_t* b_panel = b_packed + slot * b_chunk_bytes + q * panel_bytes;
+            const uint8_t* next_b = q + 1 < q_end ? b_panel + panel_bytes : nullptr;
+            for (int64_t ir = 0; ir < mb; ir += mr) {
+              const int64_t i = ic + ir;
+              if (next_b) gemm::prefetch_slice(next_b, panel_bytes, ir / mr, a_panels);
+              // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+              float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
+              if (first) std::fill(total, total + mr * nr, 0.0f);
+              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
+              if (last) {
+                gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
+                                      p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
+              }
             }
           }
-        }
-      });
-    }
+        });
   }
 }
 

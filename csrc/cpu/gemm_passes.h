@@ -1,0 +1,139 @@
+// The K passes of one NC block of the blocked CPU GEMMs (tensorwise, block
+// scaled, NVFP4), run by a team of threads with no barrier between passes.
+//
+// A blocked GEMM walks K in chunks (passes). Each pass packs its chunk of B
+// once for all threads, then every unit of work (a block of A rows, or a slice
+// of one) adds that chunk's products into its own tiles; a unit's passes must
+// run in order (its partial sums carry over, and the order fixes the bits).
+// Ending each pass with a barrier makes every thread wait for the slowest one
+// once per pass: on a machine shared with another busy process the OS
+// deschedules a thread for milliseconds now and then, and its sibling idled at
+// every barrier (two threads beside a busy process lost 40-50% of their rate,
+// a one-barrier-per-call GEMM about a quarter). Here each unit carries its own
+// next pass, and a thread takes whichever free unit is furthest behind, so a
+// descheduled thread holds back only the one unit it holds. The chunks of B
+// live in a ring of kPassSlots buffers: chunk p is packed into slot
+// p % slots once every unit has finished pass p - slots, which bounds how far
+// the fastest unit may run ahead (and the memory) without a barrier.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <thread>
+
+#include "parallel.h"
+
+namespace tl {
+namespace cpu {
+namespace gemm {
+
+/*! \brief Buffers of packed B chunks a multi-threaded NC block cycles through. */
+constexpr int64_t kPassSlots = 4;
+
+/*!
+ * \brief Threads for an M x N x K GEMM: the call's count (tl::get_num_threads()), or one for tiny
+ *        products (tens of microseconds), where waking the others would cost more than it saves.
+ */
+inline int gemm_threads(int64_t m, int64_t n, int64_t k) {
+  constexpr double kMinParallelFlops = 1 << 22;
+  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) < kMinParallelFlops
+             ? 1
+             : get_num_threads();
+}
+
+/*! \brief Packed-B chunk buffers run_passes uses: one for one thread (passes run in turn). */
+inline int64_t pass_slots(int threads, int64_t passes) {
+  return threads <= 1 ? 1 : std::min(passes, kPassSlots);
+}
+
+/*!
+ * \brief Runs `passes` K passes over `units` units of work on up to `threads` threads.
+ *
+ * `pack(pass, slot, panel)` packs panel `panel` (of `panels`) of the pass's B chunk into buffer
+ * `slot` (below pass_slots(threads, passes)); every panel of a pass is packed before any unit runs
+ * it. `run(pass, slot, unit)` runs one unit's share of a pass, reading the chunk in `slot`; each
+ * unit's passes run in order, one thread at a time, and a unit's writes are visible to whichever
+ * thread runs its next pass. One thread runs pass by pass, units in order (the passes' barriers
+ * cost nothing there). Exceptions propagate as in parallel_for: a throwing thread marks the team
+ * failed, the others stop taking work, and the first exception is rethrown.
+ */
+template <typename Pack, typename Run>
+void run_passes(int threads, int64_t passes, int64_t panels, int64_t units, Pack&& pack, Run&& run) {
+  if (passes <= 0 || units <= 0) return;
+  threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), units));
+  if (threads <= 1) {
+    for (int64_t p = 0; p < passes; ++p) {
+      for (int64_t q = 0; q < panels; ++q) pack(p, int64_t{0}, q);
+      for (int64_t u = 0; u < units; ++u) run(p, int64_t{0}, u);
+    }
+    return;
+  }
+  const int64_t slots = pass_slots(threads, passes);
+  // Per pass: panels claimed and packed, units finished. Per unit: 2 * next pass, + 1 while held.
+  std::unique_ptr<std::atomic<int64_t>[]> claimed(new std::atomic<int64_t>[passes]);
+  std::unique_ptr<std::atomic<int64_t>[]> packed(new std::atomic<int64_t>[passes]);
+  std::unique_ptr<std::atomic<int64_t>[]> finished(new std::atomic<int64_t>[passes]);
+  std::unique_ptr<std::atomic<int64_t>[]> state(new std::atomic<int64_t>[units]);
+  for (int64_t p = 0; p < passes; ++p) claimed[p] = packed[p] = finished[p] = 0;
+  for (int64_t u = 0; u < units; ++u) state[u] = 0;
+  std::atomic<int64_t> remaining{passes * units};
+  std::atomic<bool> failed{false};
+  // A thread with nothing to take (every free unit waits on a slot or on a unit held elsewhere)
+  // spins briefly, then yields its core: the thread it waits for may need that core to run.
+  const auto wait_a_little = [](int& spins) {
+    if (++spins < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  };
+  parallel_for(threads, threads, 1, [&](int64_t, int64_t) {  // one chunk per thread: its work loop
+    int spins = 0;
+    try {
+      while (remaining.load(std::memory_order_acquire) > 0 && !failed.load(std::memory_order_relaxed)) {
+        // The free unit furthest behind whose chunk's slot is free (the lowest index among equals:
+        // units then run in the order of one thread's loop, A rows in order against one chunk).
+        int64_t unit = -1, pass = std::numeric_limits<int64_t>::max(), seen = 0;
+        for (int64_t u = 0; u < units; ++u) {
+          const int64_t s = state[u].load(std::memory_order_acquire);
+          const int64_t p = s / 2;
+          if ((s & 1) || p >= passes || p >= pass) continue;
+          if (p >= slots && finished[p - slots].load(std::memory_order_acquire) < units) continue;
+          unit = u, pass = p, seen = s;
+        }
+        if (unit < 0 || !state[unit].compare_exchange_strong(seen, seen + 1, std::memory_order_acq_rel)) {
+          wait_a_little(spins);
+          continue;
+        }
+        spins = 0;
+        const int64_t slot = pass % slots;
+        for (int64_t q = claimed[pass].fetch_add(1, std::memory_order_relaxed); q < panels;
+             q = claimed[pass].fetch_add(1, std::memory_order_relaxed)) {
+          pack(pass, slot, q);
+          packed[pass].fetch_add(1, std::memory_order_release);
+        }
+        int wait_spins = 0;
+        while (packed[pass].load(std::memory_order_acquire) < panels) {
+          if (failed.load(std::memory_order_relaxed)) return;
+          wait_a_little(wait_spins);
+        }
+        run(pass, slot, unit);
+        finished[pass].fetch_add(1, std::memory_order_release);
+        state[unit].store(2 * (pass + 1), std::memory_order_release);
+        remaining.fetch_sub(1, std::memory_order_acq_rel);
+      }
+    } catch (...) {
+      failed.store(true, std::memory_order_relaxed);
+      throw;  // parallel_for keeps the first exception and rethrows it after the region
+    }
+  });
+}
+
+}  // namespace gemm
+}  // namespace cpu
+}  // namespace tl
