@@ -29,6 +29,14 @@ def _seed():
 
 
 @pytest.fixture
+def restore_torch_threads():
+    """Tests that set torch's thread count get the previous count back afterwards."""
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture
 def allclose_on_fp8(monkeypatch):
     """opcheck's test_schema compares every input before and after the call with torch.allclose, which has
     no kernel for 8-bit floats: compare those (FP8 data, E4M3 and E8M0 scales) bit for bit instead."""

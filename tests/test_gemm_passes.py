@@ -37,13 +37,6 @@ def gemm_isa(request):
     _C.set_cpu_isa("auto")
 
 
-@pytest.fixture
-def restore_threads():
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
-
-
 def _tensorwise(m, n, k):
     torch.manual_seed(0)
     a, a_scale_inv = ops.quantize(torch.randn(m, k), torch.tensor([8.0]), E4M3)
@@ -77,7 +70,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_thread_counts_give_the_same_bits(gemm_isa, family, shape, restore_threads):
+def test_thread_counts_give_the_same_bits(gemm_isa, family, shape, restore_torch_threads):
     gemm = FAMILIES[family](*SHAPES[shape])
     torch.set_num_threads(1)
     expected = gemm()
@@ -87,7 +80,7 @@ def test_thread_counts_give_the_same_bits(gemm_isa, family, shape, restore_threa
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_busy_process_beside_the_threads_changes_no_bits(family, restore_threads):
+def test_a_busy_process_beside_the_threads_changes_no_bits(family, restore_torch_threads):
     gemm = FAMILIES[family](*SHAPES["rows_in_many_blocks"])
     torch.set_num_threads(1)
     expected = gemm()

@@ -36,13 +36,6 @@ def isa(request):
     _C.set_cpu_isa("auto")
 
 
-@pytest.fixture
-def restore_torch_threads():
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
-
-
 def boundary_positions(n: int, chunk: int, threads: int) -> list[int]:
     """Flat indices at the edges of chunks and of the threads' parts (element and row splits)."""
     part = -(-n // threads)

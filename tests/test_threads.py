@@ -22,13 +22,6 @@ FLIP_COUNTS = (1, 64)
 DURATION_S = 3.0
 
 
-@pytest.fixture
-def restore_torch_threads():
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
-
-
 def _cases():
     """(name, call, check) triples; each call is large enough to run in parallel."""
     # The largest magnitude sits in the last chunk: a call that kept only the

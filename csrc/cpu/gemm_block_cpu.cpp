@@ -148,10 +148,12 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   const int64_t passes = ceil_div(k, kc);
   const int64_t slots = gemm::pass_slots(threads, passes);
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
-  Buffer b_buffer = aligned_buffer(slots * b_chunk_bytes, "fp8_gemm");
-  Buffer totals_buffer = multi_pass ? aligned_buffer(m_pad * nc * sizeof(float), "fp8_gemm") : nullptr;
-  uint8_t* b_packed = b_buffer.get();
-  float* totals = reinterpret_cast<float*>(totals_buffer.get());
+  thread_local ScratchCache b_cache, totals_cache;
+  Buffer b_owned, totals_owned;
+  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned, "fp8_gemm");
+  float* totals = multi_pass ? reinterpret_cast<float*>(
+                                   totals_cache.get(m_pad * nc * sizeof(float), totals_owned, "fp8_gemm"))
+                             : nullptr;
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
   const int mr = ks.mr, nr = ks.nr;
@@ -179,24 +181,18 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           const int64_t pc = pass * kc, kb = std::min(kc, k - pc);
           const bool first = pc == 0, last = pc + kb == k;
           const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
-          // Grown once per thread, reused by every call (like the tensorwise GEMM's).
-          thread_local Buffer a_buffer;
-          thread_local size_t a_capacity = 0;
-          const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
-          if (a_bytes > a_capacity) {
-            a_buffer = aligned_buffer(a_bytes, "fp8_gemm");
-            a_capacity = a_bytes;
-          }
+          thread_local GrowingBuffer a_buffer;  // grown once per thread, reused by every call
+          uint8_t* a_packed = a_buffer.get(ceil_div(mc, mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           alignas(64) float acc[64 * 64];
           const int64_t ic = (w / n_splits) * mc;
           const int64_t split = w % n_splits;
           const int64_t mb = std::min(mc, m - ic);
-          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_buffer.get());
+          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_packed);
           for (int64_t ir = 0; folded && ir < mb; ir += mr) {
             int32_t exps[kMaxFoldExps];
             panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
-            fold(a_buffer.get() + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
+            fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
           }
           if (ks.prepare) ks.prepare();
           const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
@@ -207,7 +203,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
             for (int64_t ir = 0; ir < mb; ir += mr) {
               const int64_t i = ic + ir;
               if (next_b) gemm::prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
-              const uint8_t* a_panel = a_buffer.get() + (ir / mr) * a_panel_bytes;
+              const uint8_t* a_panel = a_packed + (ir / mr) * a_panel_bytes;
               // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
               float* total = totals ? totals + i * nc + j : acc;
               int64_t ld_total = totals ? nc : nr;

@@ -65,26 +65,6 @@ std::array<uint16_t, 128> make_bf16_table() {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-// A 64-byte aligned scratch buffer that only grows.
-class AlignedBuffer {
- public:
-  void* get(size_t bytes) {
-    if (bytes > capacity_) {
-      capacity_ = round_up(static_cast<int64_t>(std::max<size_t>(bytes, 64)), 64);
-      data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity_)));
-      TL_CHECK(data_ != nullptr, "fp8_gemm: out of memory allocating ", capacity_, " bytes");
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint8_t, Free> data_;
-  size_t capacity_ = 0;
-};
-
 // ---- generic path: fp32 panels, kpack = 1 --------------------------------
 
 void pack_generic(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) {
@@ -172,10 +152,12 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   const int64_t passes = ceil_div(k, ks.kc);
   const int64_t slots = pass_slots(threads, passes);
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
-  AlignedBuffer b_buffer, scratch_buffer;
-  uint8_t* b_packed = static_cast<uint8_t*>(b_buffer.get(slots * b_chunk_bytes));
-  float* scratch =
-      multi_pass ? static_cast<float*>(scratch_buffer.get(m_padded * nc * sizeof(float))) : nullptr;
+  thread_local ScratchCache b_cache, scratch_cache;
+  Buffer b_owned, scratch_owned;
+  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned, "fp8_gemm");
+  float* scratch = multi_pass ? reinterpret_cast<float*>(
+                                    scratch_cache.get(m_padded * nc * sizeof(float), scratch_owned, "fp8_gemm"))
+                              : nullptr;
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
 
@@ -195,9 +177,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
           const bool first = pc == 0, last = pc + kb == k;
           const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr), b_panel_bytes = ks.panel_bytes(kb, ks.nr);
           const uint8_t* b_chunk = b_packed + slot * b_chunk_bytes;
-          thread_local AlignedBuffer a_buffer;
-          uint8_t* a_packed =
-              static_cast<uint8_t*>(a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes));
+          thread_local GrowingBuffer a_buffer;
+          uint8_t* a_packed = a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const int64_t ic = (w / part.n_splits) * part.mc;
           const int64_t split = w % part.n_splits;

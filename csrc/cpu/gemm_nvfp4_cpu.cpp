@@ -35,29 +35,6 @@ namespace {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-// Scratch reused across calls up to kMaxBytes (grown as needed); a larger request gets a buffer
-// of its own, freed after the call (its page faults are small next to a GEMM that large).
-class ScratchCache {
- public:
-  static constexpr size_t kMaxBytes = size_t{16} << 20;
-  uint8_t* get(size_t bytes, Buffer& owned) {
-    if (bytes > kMaxBytes) {
-      owned = aligned_buffer(bytes, "nvfp4_gemm");
-      return owned.get();
-    }
-    if (bytes > capacity_) {
-      buffer_.reset();
-      buffer_ = aligned_buffer(bytes, "nvfp4_gemm");
-      capacity_ = bytes;
-    }
-    return buffer_.get();
-  }
-
- private:
-  Buffer buffer_;
-  size_t capacity_ = 0;
-};
-
 // The two E2M1 values of each byte (low nibble first).
 struct PairTable {
   float v[256][2];
@@ -168,13 +145,11 @@ void run(const GemmView& p, const KernelSet& ks) {
   const int64_t passes = ceil_div(k, kc);
   const int64_t slots = gemm::pass_slots(threads, passes);
   const size_t b_chunk_bytes = static_cast<size_t>(ceil_div(nc, nr) * kc_max * nr * elem_bytes);
-  // Kept by the calling thread for its next calls: freshly allocated, megabytes of scratch cost a page
-  // fault per 4 KiB page on every call (a quarter of a 1024^3 GEMM's time).
   thread_local ScratchCache b_cache, totals_cache;
   Buffer b_owned, totals_owned;
-  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned);
+  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned, "nvfp4_gemm");
   float* totals = multi_pass ? reinterpret_cast<float*>(
-                                   totals_cache.get(static_cast<size_t>(m_pad * nc) * sizeof(float), totals_owned))
+                                   totals_cache.get(static_cast<size_t>(m_pad * nc) * sizeof(float), totals_owned, "nvfp4_gemm"))
                              : nullptr;
   const Operand a_op{p.a, p.a_scale, p.a_ld};
   const Operand b_op{p.b, p.b_scale, p.b_ld};
@@ -199,19 +174,13 @@ void run(const GemmView& p, const KernelSet& ks) {
           const bool first = pc == 0, last = pc + kb == k;
           const size_t panel_bytes = static_cast<size_t>(kb) * nr * elem_bytes;
           const size_t a_panel_bytes = static_cast<size_t>(kb) * mr * elem_bytes;
-          // Grown once per thread, reused by every call.
-          thread_local Buffer a_buffer;
-          thread_local size_t a_capacity = 0;
-          const size_t a_bytes = ceil_div(mc, mr) * a_panel_bytes;
-          if (a_bytes > a_capacity) {
-            a_buffer = aligned_buffer(a_bytes, "nvfp4_gemm");
-            a_capacity = a_bytes;
-          }
+          thread_local GrowingBuffer a_buffer;  // grown once per thread, reused by every call
+          uint8_t* a_packed = a_buffer.get(ceil_div(mc, mr) * a_panel_bytes, "nvfp4_gemm");
           alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const int64_t ic = (w / n_splits) * mc;
           const int64_t split = w % n_splits;
           const int64_t mb = std::min(mc, m - ic);
-          pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_buffer.get());
+          pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_packed);
           const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
           for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
             const int64_t j = q * nr;  // within the NC block
@@ -223,7 +192,7 @@ void run(const GemmView& p, const KernelSet& ks) {
               // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
               float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
               if (first) std::fill(total, total + mr * nr, 0.0f);
-              ks.micro(kb, a_buffer.get() + (ir / mr) * a_panel_bytes, b_panel, total, nr);
+              ks.micro(kb, a_packed + (ir / mr) * a_panel_bytes, b_panel, total, nr);
               if (last) {
                 gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
                                       p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
