@@ -11,7 +11,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -84,29 +83,6 @@ void parallel_for(int threads, int64_t n, int64_t grain, Fn&& fn) {
     }
   }
   if (error) std::rethrow_exception(error);
-}
-
-/*!
- * \brief Run fn(item) for each item in [0, n) on up to `threads` threads, each
- *        thread claiming the next unclaimed item (an atomic counter).
- *
- * For passes whose items take milliseconds (a GEMM's blocks): on a busy
- * machine the OS deschedules one thread now and then, and a static split
- * would leave the others idle at the end of the pass until it returns; with
- * claiming they take its share and wait for one item at most. Exceptions as
- * in parallel_for.
- */
-template <typename Fn>
-void for_each_claimed(int threads, int64_t n, Fn&& fn) {
-  if (threads <= 1 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  const int workers = static_cast<int>(std::min<int64_t>(threads, n));
-  parallel_for(workers, workers, 1, [&](int64_t, int64_t) {  // one chunk per thread: its claim loop
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-  });
 }
 
 /*!
