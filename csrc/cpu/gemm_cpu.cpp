@@ -16,8 +16,9 @@
 // fp32 FMA micro-kernel), avx512_bf16 (AMX tiles where present, else
 // vdpbf16ps). Threads run the KC passes of an NC block with no barrier
 // between them (run_passes, gemm_passes.h), so a busy machine that deschedules
-// one thread does not leave the others idle at the end of each pass. While the A micro-panels run against one B panel, the next B panel is
-// prefetched into L2 a slice per micro-kernel call (prefetch_slice).
+// one thread does not leave the others idle at the end of each pass. While
+// the A micro-panels run against one B panel, the next B panel is prefetched
+// into L2 a slice per micro-kernel call (prefetch_slice).
 #include "gemm_cpu.h"
 
 #include <algorithm>

@@ -8,8 +8,8 @@
 // Ending each pass with a barrier makes every thread wait for the slowest one
 // once per pass: on a machine shared with another busy process the OS
 // deschedules a thread for milliseconds now and then, and its sibling idled at
-// every barrier (two threads beside a busy process lost 40-50% of their rate,
-// a one-barrier-per-call GEMM about a quarter). Here each unit carries its own
+// every barrier (two threads beside a busy process lost 40-50% of their quiet
+// rate, where fp32 torch.mm lost about a quarter). Here each unit carries its own
 // next pass, and a thread takes whichever free unit is furthest behind, so a
 // descheduled thread holds back only the one unit it holds. The chunks of B
 // live in a ring of kPassSlots buffers: chunk p is packed into slot
