@@ -139,37 +139,25 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
            " that does not cover K is not supported");
   const int64_t kc = ks.kc / step * step;
   const bool multi_pass = k > kc;
-  int64_t nc = std::min(ks.nc, n_pad);
-  if (multi_pass) {  // bound the fp32 totals (M x NC) to 64 MiB
-    const int64_t budget_cols = (int64_t{16} << 20) / m_pad;
-    nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
-  }
+  const int64_t nc = gemm::nc_block(ks.nc, ks.nr, n, m_pad, multi_pass);
   const int64_t kc_max = std::min(kc, k);
   const int64_t passes = ceil_div(k, kc);
-  const int64_t slots = gemm::pass_slots(threads, passes);
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
-  thread_local ScratchCache b_cache, totals_cache;
-  Buffer b_owned, totals_owned;
-  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned, "fp8_gemm");
-  float* totals = multi_pass ? reinterpret_cast<float*>(
-                                   totals_cache.get(m_pad * nc * sizeof(float), totals_owned, "fp8_gemm"))
-                             : nullptr;
+  const gemm::PassBuffers buffers(gemm::pass_slots(threads, passes), b_chunk_bytes,
+                                  multi_pass ? static_cast<size_t>(m_pad * nc) : 0, "fp8_gemm");
+  float* totals = buffers.totals();
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
   const int mr = ks.mr, nr = ks.nr;
-  // Work units: A blocks of mc rows (a multiple of mr) x slices of the B panels.
-  const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
-  const int64_t mc = round_up(ceil_div(m, blocks), mr);
-  const int64_t m_blocks = ceil_div(m, mc);
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, nr);
-    const int64_t n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+    const gemm::UnitGrid grid(m, ks.mc, mr, b_panels, threads);
     gemm::run_passes(
-        threads, passes, b_panels, m_blocks * n_splits,
+        threads, passes, b_panels, grid.units(),
         [&](int64_t pass, int64_t slot, int64_t q) {
           const int64_t pc = pass * kc, kb = std::min(kc, k - pc), j = jc + q * nr;
-          uint8_t* panel = b_packed + slot * b_chunk_bytes + q * ks.panel_bytes(kb, nr);
+          uint8_t* panel = buffers.b_chunk(slot) + q * ks.panel_bytes(kb, nr);
           ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr, panel);
           if (folded) {
             int32_t exps[kMaxFoldExps];
@@ -181,13 +169,11 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           const int64_t pc = pass * kc, kb = std::min(kc, k - pc);
           const bool first = pc == 0, last = pc + kb == k;
           const size_t a_panel_bytes = ks.panel_bytes(kb, mr), b_panel_bytes = ks.panel_bytes(kb, nr);
-          thread_local GrowingBuffer a_buffer;  // grown once per thread, reused by every call
-          uint8_t* a_packed = a_buffer.get(ceil_div(mc, mr) * a_panel_bytes, "fp8_gemm");
+          uint8_t* a_packed = gemm::a_block_buffer(ceil_div(grid.mc, mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           alignas(64) float acc[64 * 64];
-          const int64_t ic = (w / n_splits) * mc;
-          const int64_t split = w % n_splits;
-          const int64_t mb = std::min(mc, m - ic);
+          const gemm::UnitGrid::Unit u = grid.unit(w);
+          const int64_t ic = u.row, mb = u.rows, q_end = u.panel_end;
           ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_packed);
           for (int64_t ir = 0; folded && ir < mb; ir += mr) {
             int32_t exps[kMaxFoldExps];
@@ -195,10 +181,10 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
             fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
           }
           if (ks.prepare) ks.prepare();
-          const int64_t q_end = (split + 1) * b_panels / n_splits, a_panels = ceil_div(mb, mr);
-          for (int64_t q = split * b_panels / n_splits; q < q_end; ++q) {
+          const int64_t a_panels = ceil_div(mb, mr);
+          for (int64_t q = u.panel_begin; q < q_end; ++q) {
             const int64_t j = q * nr;  // within the NC block
-            const uint8_t* b_panel = b_packed + slot * b_chunk_bytes + q * b_panel_bytes;
+            const uint8_t* b_panel = buffers.b_chunk(slot) + q * b_panel_bytes;
             const uint8_t* next_b = q + 1 < q_end ? b_panel + b_panel_bytes : nullptr;
             for (int64_t ir = 0; ir < mb; ir += mr) {
               const int64_t i = ic + ir;

@@ -105,25 +105,6 @@ void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, const
 
 // ---- driver ----------------------------------------------------------------
 
-// How the M x (panels of one NC block) work of one KC pass is split among threads.
-struct Partition {
-  int64_t mc;        // rows of A per block (a multiple of mr)
-  int64_t m_blocks;  // blocks of A rows
-  int64_t n_splits;  // slices of the B panels per A block
-};
-
-Partition partition(const KernelSet& ks, int64_t m, int64_t b_panels, int threads) {
-  Partition part;
-  // As many A blocks as fit in cache, rounded to a multiple of the thread count.
-  const int64_t blocks = round_up(ceil_div(m, ks.mc), threads);
-  part.mc = round_up(ceil_div(m, blocks), ks.mr);
-  part.m_blocks = ceil_div(m, part.mc);
-  // Too few A blocks (small M): split the B panels as well; each slice packs
-  // its own copy of the (small) A block.
-  part.n_splits = std::min<int64_t>(b_panels, ceil_div(threads, part.m_blocks));
-  return part;
-}
-
 template <typename Out>
 void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   using T = typename Out::storage;
@@ -143,53 +124,40 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
 
   const bool multi_pass = k > ks.kc;
   const int64_t m_padded = round_up(m, ks.mr);
-  // Bound the fp32 scratch of partial sums (M x NC) to 64 MiB by narrowing NC.
-  int64_t nc = std::min(ks.nc, round_up(n, ks.nr));
-  if (multi_pass) {
-    const int64_t budget_cols = (int64_t{16} << 20) / m_padded;
-    nc = std::max<int64_t>(ks.nr, std::min(nc, budget_cols / ks.nr * ks.nr));
-  }
+  const int64_t nc = nc_block(ks.nc, ks.nr, n, m_padded, multi_pass);
   const int64_t kc_max = std::min(ks.kc, k);
   const int64_t passes = ceil_div(k, ks.kc);
-  const int64_t slots = pass_slots(threads, passes);
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
-  thread_local ScratchCache b_cache, scratch_cache;
-  Buffer b_owned, scratch_owned;
-  uint8_t* b_packed = b_cache.get(slots * b_chunk_bytes, b_owned, "fp8_gemm");
-  float* scratch = multi_pass ? reinterpret_cast<float*>(
-                                    scratch_cache.get(m_padded * nc * sizeof(float), scratch_owned, "fp8_gemm"))
-                              : nullptr;
+  const PassBuffers buffers(pass_slots(threads, passes), b_chunk_bytes, multi_pass ? static_cast<size_t>(m_padded * nc) : 0,
+                            "fp8_gemm");
+  float* scratch = buffers.totals();
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
 
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, ks.nr);
-    const Partition part = partition(ks, m, b_panels, threads);
+    const UnitGrid grid(m, ks.mc, ks.mr, b_panels, threads);
     run_passes(
-        threads, passes, b_panels, part.m_blocks * part.n_splits,
+        threads, passes, b_panels, grid.units(),
         [&](int64_t pass, int64_t slot, int64_t q) {
           const int64_t pc = pass * ks.kc, kb = std::min(ks.kc, k - pc), j = jc + q * ks.nr;
           ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(ks.nr, n - j), kb, ks.nr,
-                    b_packed + slot * b_chunk_bytes + q * ks.panel_bytes(kb, ks.nr));
+                    buffers.b_chunk(slot) + q * ks.panel_bytes(kb, ks.nr));
         },
         [&](int64_t pass, int64_t slot, int64_t w) {
           const int64_t pc = pass * ks.kc, kb = std::min(ks.kc, k - pc);
           const bool first = pc == 0, last = pc + kb == k;
           const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr), b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-          const uint8_t* b_chunk = b_packed + slot * b_chunk_bytes;
-          thread_local GrowingBuffer a_buffer;
-          uint8_t* a_packed = a_buffer.get(ceil_div(part.mc, ks.mr) * a_panel_bytes, "fp8_gemm");
+          const uint8_t* b_chunk = buffers.b_chunk(slot);
+          uint8_t* a_packed = a_block_buffer(ceil_div(grid.mc, ks.mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
-          const int64_t ic = (w / part.n_splits) * part.mc;
-          const int64_t split = w % part.n_splits;
-          const int64_t mb = std::min(part.mc, m - ic);
+          const UnitGrid::Unit u = grid.unit(w);
+          const int64_t ic = u.row, mb = u.rows, q_end = u.panel_end;
           ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
-          const int64_t q_begin = split * b_panels / part.n_splits;
-          const int64_t q_end = (split + 1) * b_panels / part.n_splits;
           const int64_t a_panels = ceil_div(mb, ks.mr);
-          for (int64_t q = q_begin; q < q_end; ++q) {
+          for (int64_t q = u.panel_begin; q < q_end; ++q) {
             const int64_t j = q * ks.nr;  // within the NC block
             const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
             const uint8_t* next_b = q + 1 < q_end ? b_chunk + (q + 1) * b_panel_bytes : nullptr;

@@ -24,6 +24,7 @@
 #include <memory>
 #include <thread>
 
+#include "memory_cpu.h"
 #include "parallel.h"
 
 namespace tl {
@@ -47,6 +48,92 @@ inline int gemm_threads(int64_t m, int64_t n, int64_t k) {
 /*! \brief Packed-B chunk buffers run_passes uses: one for one thread (passes run in turn). */
 inline int64_t pass_slots(int threads, int64_t passes) {
   return threads <= 1 ? 1 : std::min(passes, kPassSlots);
+}
+
+/*!
+ * \brief Columns of one NC block: the kernel's `kernel_nc`, narrowed (to a multiple of `nr`) so a
+ *        multi-pass GEMM's fp32 partial sums (`m_pad` x NC) stay within 64 MiB.
+ */
+inline int64_t nc_block(int64_t kernel_nc, int64_t nr, int64_t n, int64_t m_pad, bool multi_pass) {
+  int64_t nc = std::min(kernel_nc, (n + nr - 1) / nr * nr);
+  if (multi_pass) {
+    const int64_t budget_cols = (int64_t{16} << 20) / m_pad;
+    nc = std::max(nr, std::min(nc, budget_cols / nr * nr));
+  }
+  return nc;
+}
+
+/*!
+ * \brief How the M x (B panels of one NC block) work of a pass is cut into run_passes' units:
+ *        blocks of A rows, each split into slices of the B panels where there are fewer A blocks
+ *        than threads (small M; each slice then packs its own copy of the small A block).
+ */
+struct UnitGrid {
+  /*! \brief One unit: A rows [row, row + rows) against B panels [panel_begin, panel_end). */
+  struct Unit {
+    int64_t row, rows, panel_begin, panel_end;
+  };
+
+  /*! \brief Units for M rows and `b_panels` panels: as many A blocks of at most about `kernel_mc`
+   *         rows (a multiple of `mr`) as make a multiple of `threads`. */
+  UnitGrid(int64_t m, int64_t kernel_mc, int64_t mr, int64_t b_panels, int threads) : m_(m), b_panels_(b_panels) {
+    const auto ceil_div = [](int64_t x, int64_t d) { return (x + d - 1) / d; };
+    const int64_t blocks = ceil_div(ceil_div(m, kernel_mc), threads) * threads;
+    mc = ceil_div(ceil_div(m, blocks), mr) * mr;
+    m_blocks = ceil_div(m, mc);
+    n_splits = std::min<int64_t>(b_panels, ceil_div(threads, m_blocks));
+  }
+
+  int64_t units() const { return m_blocks * n_splits; }
+
+  Unit unit(int64_t w) const {
+    const int64_t row = (w / n_splits) * mc, split = w % n_splits;
+    return Unit{row, std::min(mc, m_ - row), split * b_panels_ / n_splits, (split + 1) * b_panels_ / n_splits};
+  }
+
+  int64_t mc;        //!< rows of A per block (a multiple of mr)
+  int64_t m_blocks;  //!< blocks of A rows
+  int64_t n_splits;  //!< slices of the B panels per A block
+
+ private:
+  int64_t m_, b_panels_;
+};
+
+/*!
+ * \brief The memory of one blocked GEMM call: its ring of packed-B chunks and, for a multi-pass
+ *        GEMM, its fp32 partial sums; kept per calling thread (ScratchCache) across calls and
+ *        across the three drivers, which never run nested on one thread.
+ */
+class PassBuffers {
+ public:
+  /*! \throws tl::Error naming `op` where the memory cannot be had. */
+  PassBuffers(int64_t slots, size_t b_chunk_bytes, size_t total_floats, const char* op)
+      : b_chunk_bytes_(b_chunk_bytes) {
+    thread_local ScratchCache b_cache, totals_cache;
+    b_packed_ = b_cache.get(static_cast<size_t>(slots) * b_chunk_bytes, b_owned_, op);
+    totals_ = total_floats ? reinterpret_cast<float*>(totals_cache.get(total_floats * sizeof(float), totals_owned_, op))
+                           : nullptr;
+  }
+
+  /*! \brief The packed-B chunk in ring slot `slot`. */
+  uint8_t* b_chunk(int64_t slot) const { return b_packed_ + static_cast<size_t>(slot) * b_chunk_bytes_; }
+  /*! \brief The partial sums, or nullptr for a one-pass GEMM. */
+  float* totals() const { return totals_; }
+
+ private:
+  Buffer b_owned_, totals_owned_;
+  size_t b_chunk_bytes_;
+  uint8_t* b_packed_ = nullptr;
+  float* totals_ = nullptr;
+};
+
+/*!
+ * \brief A block of packed A rows for the unit a thread runs: grown once per thread and reused by
+ *        every call (a thread runs one unit at a time). \throws tl::Error naming `op`.
+ */
+inline uint8_t* a_block_buffer(size_t bytes, const char* op) {
+  thread_local GrowingBuffer a_block;
+  return a_block.get(bytes, op);
 }
 
 /*!
