@@ -173,48 +173,40 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           alignas(64) float acc[64 * 64];
           const gemm::UnitGrid::Unit u = grid.unit(w);
-          const int64_t ic = u.row, mb = u.rows, q_end = u.panel_end;
-          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, mr, a_packed);
-          for (int64_t ir = 0; folded && ir < mb; ir += mr) {
+          ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, mr, a_packed);
+          for (int64_t ir = 0; folded && ir < u.rows; ir += mr) {
             int32_t exps[kMaxFoldExps];
-            panel_exponents(ea, m_pad, ic + ir, mr, pc, kb, a_bk, exps);
+            panel_exponents(ea, m_pad, u.row + ir, mr, pc, kb, a_bk, exps);
             fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
           }
           if (ks.prepare) ks.prepare();
-          const int64_t a_panels = ceil_div(mb, mr);
-          for (int64_t q = u.panel_begin; q < q_end; ++q) {
-            const int64_t j = q * nr;  // within the NC block
-            const uint8_t* b_panel = buffers.b_chunk(slot) + q * b_panel_bytes;
-            const uint8_t* next_b = q + 1 < q_end ? b_panel + b_panel_bytes : nullptr;
-            for (int64_t ir = 0; ir < mb; ir += mr) {
-              const int64_t i = ic + ir;
-              if (next_b) gemm::prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
-              const uint8_t* a_panel = a_packed + (ir / mr) * a_panel_bytes;
-              // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
-              float* total = totals ? totals + i * nc + j : acc;
-              int64_t ld_total = totals ? nc : nr;
-              if (folded) {  // unit scales: the micro-kernel adds into the total itself
-                // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
-                ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
-                         last ? nr : ld_total);
-                if (last) total = acc, ld_total = nr;
-              }
-              for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
-                // Packed panels store k in order: a sub-panel at k offset s0 starts
-                // s0 * rows elements in (step is a multiple of the kernel's k_align).
-                ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes,
-                         b_panel + s0 * nr * ks.elem_bytes, nullptr, 0, part, nr);
-                const int64_t s = (pc + s0) / g;
-                promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr,
-                        first && s0 == 0, total, ld_total);
-              }
-              if (last) {
-                store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i),
-                                std::min<int64_t>(nr, nb - j), 1.0f, bias ? bias + jc + j : nullptr,
-                                p.accumulate, d + i * n + jc + j, n);
-              }
+          const uint8_t* b_chunk = buffers.b_chunk(slot);
+          gemm::for_each_tile(u, b_chunk, b_panel_bytes, mr, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+            const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
+            const uint8_t* a_panel = a_packed + (ir / mr) * a_panel_bytes;
+            // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
+            float* total = totals ? totals + i * nc + j : acc;
+            int64_t ld_total = totals ? nc : nr;
+            if (folded) {  // unit scales: the micro-kernel adds into the total itself
+              // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
+              ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
+                       last ? nr : ld_total);
+              if (last) total = acc, ld_total = nr;
             }
-          }
+            for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
+              // Packed panels store k in order: a sub-panel at k offset s0 starts
+              // s0 * rows elements in (step is a multiple of the kernel's k_align).
+              ks.micro(std::min(step, kb - s0), a_panel + s0 * mr * ks.elem_bytes, b_panel + s0 * nr * ks.elem_bytes,
+                       nullptr, 0, part, nr);
+              const int64_t s = (pc + s0) / g;
+              promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr, first && s0 == 0,
+                      total, ld_total);
+            }
+            if (last) {
+              store_tile<Out>(total, ld_total, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), 1.0f,
+                              bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+            }
+          });
         });
   }
 }

@@ -128,8 +128,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   const int64_t kc_max = std::min(ks.kc, k);
   const int64_t passes = ceil_div(k, ks.kc);
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
-  const PassBuffers buffers(pass_slots(threads, passes), b_chunk_bytes, multi_pass ? static_cast<size_t>(m_padded * nc) : 0,
-                            "fp8_gemm");
+  const PassBuffers buffers(pass_slots(threads, passes), b_chunk_bytes,
+                            multi_pass ? static_cast<size_t>(m_padded * nc) : 0, "fp8_gemm");
   float* scratch = buffers.totals();
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
@@ -149,31 +149,23 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
           const int64_t pc = pass * ks.kc, kb = std::min(ks.kc, k - pc);
           const bool first = pc == 0, last = pc + kb == k;
           const size_t a_panel_bytes = ks.panel_bytes(kb, ks.mr), b_panel_bytes = ks.panel_bytes(kb, ks.nr);
-          const uint8_t* b_chunk = buffers.b_chunk(slot);
           uint8_t* a_packed = a_block_buffer(ceil_div(grid.mc, ks.mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const UnitGrid::Unit u = grid.unit(w);
-          const int64_t ic = u.row, mb = u.rows, q_end = u.panel_end;
-          ks.pack_a(sub_operand(a_op, ic, pc), mb, kb, ks.mr, a_packed);
+          ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
-          const int64_t a_panels = ceil_div(mb, ks.mr);
-          for (int64_t q = u.panel_begin; q < q_end; ++q) {
-            const int64_t j = q * ks.nr;  // within the NC block
-            const int64_t cols = std::min<int64_t>(ks.nr, nb - j);
-            const uint8_t* next_b = q + 1 < q_end ? b_chunk + (q + 1) * b_panel_bytes : nullptr;
-            for (int64_t ir = 0; ir < mb; ir += ks.mr) {
-              const int64_t i = ic + ir;
-              if (next_b) prefetch_slice(next_b, b_panel_bytes, ir / ks.mr, a_panels);
-              float* partial = scratch ? scratch + i * nc + j : nullptr;
-              float* out = last ? tile : partial;
-              ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_chunk + q * b_panel_bytes,
-                       first ? nullptr : partial, nc, out, last ? ks.nr : nc);
-              if (last) {
-                store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), cols, alpha,
-                                bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
-              }
+          const uint8_t* b_chunk = buffers.b_chunk(slot);
+          for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+            const int64_t i = u.row + ir, j = q * ks.nr;  // j: within the NC block
+            float* partial = scratch ? scratch + i * nc + j : nullptr;
+            float* out = last ? tile : partial;
+            ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_panel, first ? nullptr : partial, nc, out,
+                     last ? ks.nr : nc);
+            if (last) {
+              store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), std::min<int64_t>(ks.nr, nb - j), alpha,
+                              bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
             }
-          }
+          });
         });
   }
 }

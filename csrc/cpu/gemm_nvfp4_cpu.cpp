@@ -165,26 +165,19 @@ void run(const GemmView& p, const KernelSet& ks) {
           uint8_t* a_packed = gemm::a_block_buffer(ceil_div(grid.mc, mr) * a_panel_bytes, "nvfp4_gemm");
           alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const gemm::UnitGrid::Unit u = grid.unit(w);
-          const int64_t ic = u.row, mb = u.rows, q_end = u.panel_end;
-          pack_rows(ks, a_op, ic, mb, pc, kb, mr, a_packed);
-          const int64_t a_panels = ceil_div(mb, mr);
-          for (int64_t q = u.panel_begin; q < q_end; ++q) {
-            const int64_t j = q * nr;  // within the NC block
-            const uint8_t* b_panel = buffers.b_chunk(slot) + q * panel_bytes;
-            const uint8_t* next_b = q + 1 < q_end ? b_panel + panel_bytes : nullptr;
-            for (int64_t ir = 0; ir < mb; ir += mr) {
-              const int64_t i = ic + ir;
-              if (next_b) gemm::prefetch_slice(next_b, panel_bytes, ir / mr, a_panels);
-              // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
-              float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
-              if (first) std::fill(total, total + mr * nr, 0.0f);
-              ks.micro(kb, a_packed + (ir / mr) * a_panel_bytes, b_panel, total, nr);
-              if (last) {
-                gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j),
-                                      p.alpha, bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
-              }
+          pack_rows(ks, a_op, u.row, u.rows, pc, kb, mr, a_packed);
+          const uint8_t* b_chunk = buffers.b_chunk(slot);
+          gemm::for_each_tile(u, b_chunk, panel_bytes, mr, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+            const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
+            // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+            float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
+            if (first) std::fill(total, total + mr * nr, 0.0f);
+            ks.micro(kb, a_packed + (ir / mr) * a_panel_bytes, b_panel, total, nr);
+            if (last) {
+              gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), p.alpha,
+                                    bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
             }
-          }
+          });
         });
   }
 }
