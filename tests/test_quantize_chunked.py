@@ -1,17 +1,20 @@
-"""Amax passes over inputs of many chunks, on several threads, held bitwise to the reference.
+"""Amax and cast passes over inputs of many chunks, on several threads, held bitwise to the reference.
 
-The CPU amax pass of current scaling splits the input among threads as the cast that follows does
-(elements for the row-major cast, whole rows for the cast + transpose) and walks each thread's part
-backward in chunks of 2 MiB of input (so that it starts on the end of a tensor just written, and the
-cast, which reads forward, starts on what is still in cache); NVFP4's global amaxes walk rows (or
-16-row bands) backward alike. These cases hold the results to transformer_linear.reference where the
-largest magnitude (or a NaN) sits at chunk and thread boundaries, for inputs whose length is a
-multiple of neither, on each CPU path.
+The CPU quantize of current scaling cuts its input into chunks (elements for the row-major cast, whole
+rows for the cast + transpose; at most 2 MiB of input, about four per thread) that the threads claim
+one at a time: the amax pass from the end, walking each chunk backward (so that it starts on the end of
+a tensor just written), the cast that follows from the start (which is then in cache). NVFP4's global
+amaxes walk rows (or 16-row bands) backward in a fixed split among threads. These cases hold the results
+to transformer_linear.reference where the largest magnitude (or a NaN) sits at chunk and thread
+boundaries, for inputs whose length is a multiple of neither, on each CPU path, and with a busy process
+competing for the cores (which changes which thread claims which chunk).
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,7 +28,8 @@ from transformer_linear.ops import nvfp4_quantize
 from transformer_linear.reference import nvfp4 as nvfp4_ref
 
 E4M3 = torch.float8_e4m3fn
-CHUNK_BYTES = 2 << 20  # the amax pass's chunk of input (kAmaxChunkBytes in csrc/cpu/quantize_cpu.cpp)
+CHUNK_BYTES = 2 << 20  # the largest chunk of input (kChunkBytes in csrc/cpu/quantize_cpu.cpp)
+GRAIN = 1 << 16  # the fewest elements of a chunk (kGrain there)
 SHAPE = (1000, 3001)  # 3,001,000 elements: several chunks of every input dtype, rows of no round length
 
 
@@ -36,11 +40,23 @@ def isa(request):
     _C.set_cpu_isa("auto")
 
 
-def boundary_positions(n: int, chunk: int, threads: int) -> list[int]:
-    """Flat indices at the edges of chunks and of the threads' parts (element and row splits)."""
+def claimed_chunk(n: int, unit_bytes: int, threads: int, grain: int) -> int:
+    """Units per chunk of the CPU quantize (claim_chunk in csrc/cpu/parallel.h, chunking in quantize_cpu.cpp)."""
+    parts = 1 if threads <= 1 else threads * 4
+    return max(1, grain, min(max(grain, CHUNK_BYTES // unit_bytes), -(-n // parts)))
+
+
+def boundary_positions(n: int, element_size: int, threads: int) -> list[int]:
+    """Flat indices at the edges of the claimed chunks (element and row cuts), of the amax pass's 2 MiB
+    pieces within them, and of an even split among threads."""
+    rows, cols = SHAPE
+    flat_chunk = -(-claimed_chunk(n, element_size, threads, GRAIN) // 64) * 64
+    row_chunk = claimed_chunk(rows, cols * element_size, threads, max(64, GRAIN // cols)) * cols
+    piece = CHUNK_BYTES // element_size
     part = -(-n // threads)
-    row_part = -(-SHAPE[0] // threads) * SHAPE[1]
-    edges = {0, n - 1, chunk - 1, chunk, 2 * chunk + 1, part - 1, part, row_part - 1, row_part}
+    edges = {0, n - 1, piece - 1, piece, 2 * piece + 1, part - 1, part}
+    for chunk in (flat_chunk, row_chunk):
+        edges |= {chunk - 1, chunk, 2 * chunk - 1, 2 * chunk, n - n % chunk - 1, n - n % chunk}
     return sorted(i for i in edges if 0 <= i < n)
 
 
@@ -61,9 +77,7 @@ def check_current(x: torch.Tensor, what: str) -> None:
 def test_largest_magnitude_at_chunk_and_thread_edges(isa, in_dtype, threads, restore_torch_threads):
     torch.set_num_threads(threads)
     base = (torch.rand(SHAPE) * 2 - 1).to(in_dtype)
-    n = base.numel()
-    chunk = CHUNK_BYTES // base.element_size()
-    for i, pos in enumerate(boundary_positions(n, chunk, threads)):
+    for i, pos in enumerate(boundary_positions(base.numel(), base.element_size(), threads)):
         x = base.clone()
         x.view(-1)[pos] = -37.0 - i  # the largest magnitude, once, and negative
         check_current(x, f"{in_dtype} threads={threads} max at {pos}")
@@ -76,13 +90,27 @@ def test_nan_at_chunk_and_thread_edges(isa, in_dtype, threads, restore_torch_thr
     torch.set_num_threads(threads)
     base = (torch.rand(SHAPE) * 2 - 1).to(in_dtype)
     n = base.numel()
-    chunk = CHUNK_BYTES // base.element_size()
-    for pos in boundary_positions(n, chunk, threads):
+    for pos in boundary_positions(n, base.element_size(), threads):
         x = base.clone()
         x.view(-1)[pos] = math.nan
         x.view(-1)[(pos + n // 2) % n] = 1e4  # a larger finite value elsewhere must not hide the NaN
         check_current(x, f"{in_dtype} threads={threads} NaN at {pos}")
         assert torch.isnan(ops.amax(x)), f"amax op: NaN at {pos} lost"
+
+
+def test_a_busy_process_beside_the_threads_changes_no_bits(restore_torch_threads):
+    torch.set_num_threads(2)
+    base = torch.rand(SHAPE) * 2 - 1
+    positions = boundary_positions(base.numel(), base.element_size(), 2)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for i, pos in enumerate(positions):
+            x = base.clone()
+            x.view(-1)[pos] = -37.0 - i
+            check_current(x, f"2 threads beside a busy process, max at {pos}")
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 NVFP4_SHAPE = (1040, 2049)  # 65 bands of 16 rows; rows of 8,196 bytes in float32: chunks of 240 rows

@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -83,6 +84,63 @@ void parallel_for(int threads, int64_t n, int64_t grain, Fn&& fn) {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+/*!
+ * \brief Run fn(begin, end) over [0, n) in chunks of `chunk` items (the last one shorter) that the
+ *        threads of a team of up to `threads` claim one at a time: from the start, or from the end
+ *        where `from_end`.
+ *
+ * For passes whose chunks combine in any order (elementwise outputs; a maximum each thread keeps
+ * in its slot). parallel_for fixes each thread's share up front, so a thread the OS deschedules (on
+ * a machine shared with another busy process) keeps the others waiting for its whole share; here
+ * it holds back only the chunk it is in. omp_get_thread_num() inside fn is below `threads`; one
+ * thread runs the chunks in the same order. Exceptions as in parallel_for: the others stop
+ * claiming, the first is rethrown after the region.
+ */
+template <typename Fn>
+void parallel_for_claimed(int threads, int64_t n, int64_t chunk, bool from_end, Fn&& fn) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t chunks = n / chunk + (n % chunk != 0);
+  const auto run_chunk = [&](int64_t c) {
+    const int64_t i = from_end ? chunks - 1 - c : c;
+    fn(i * chunk, std::min(n, (i + 1) * chunk));
+  };
+  threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), chunks));
+  if (threads <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) run_chunk(c);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(threads)
+  {
+    try {
+      for (int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+           c < chunks && !failed.load(std::memory_order_relaxed); c = next.fetch_add(1, std::memory_order_relaxed)) {
+        run_chunk(c);
+      }
+    } catch (...) {
+      failed.store(true, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+/*!
+ * \brief Items per chunk for parallel_for_claimed over `n` items: about `per_thread` chunks per
+ *        thread, so a descheduled thread's chunk is a small part of the work (one thread: one
+ *        chunk), but at least `grain` items (below it a chunk costs more to hand out than to run)
+ *        and at most `max_chunk`.
+ */
+inline int64_t claim_chunk(int64_t n, int threads, int64_t grain, int64_t max_chunk, int64_t per_thread = 4) {
+  const int64_t parts = threads <= 1 ? 1 : int64_t{threads} * std::max<int64_t>(per_thread, 1);
+  return std::max<int64_t>(1, std::max(grain, std::min(max_chunk, n / parts + (n % parts != 0))));
 }
 
 /*!

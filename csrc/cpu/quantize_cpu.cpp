@@ -22,11 +22,13 @@ constexpr int64_t kTile = 64;        // transpose tile edge
 // would not stay there anyway, and skipping the read-for-ownership saves
 // a fifth of the traffic of an fp32 -> fp8 cast.
 constexpr int64_t kStreamBytes = 8 << 20;
-// Input bytes per chunk of the amax pass, which walks each thread's range
-// backward (for_chunks_backward): 256 KiB chunks measured 2-6% slower than
-// one forward walk on an input not in cache (the prefetchers ramp up again at
-// each chunk), 2 MiB as fast.
-constexpr int64_t kAmaxChunkBytes = 2 << 20;
+// Input bytes per chunk of the amax and cast passes at most (threads claim
+// chunks, so several per thread let the others go on past a descheduled one),
+// and per piece of the amax pass's backward walk within a chunk
+// (for_chunks_backward): 256 KiB pieces measured 2-6% slower than one forward
+// walk on an input not in cache (the prefetchers ramp up again at each piece),
+// 2 MiB as fast.
+constexpr int64_t kChunkBytes = 2 << 20;
 
 // The vector kernels of the path in use, or null on the portable path.
 const QuantizeKernels* vector_kernels() {
@@ -72,30 +74,46 @@ float amax_range(const typename In::storage* x, int64_t begin, int64_t end) {
   return r;
 }
 
-// Per-thread results are written to a slot per OpenMP thread, so the slots
-// are sized from the same `threads` that sizes the team (read once per call).
-//
-// The input is `n` units of `unit` elements (whole rows where unit is the row
-// length), split among threads as parallel_for(threads, n, grain) splits them:
-// the partition of the cast that follows current scaling's amax, so that each
-// core reads again what it read. Each thread walks its part backward, in
-// chunks (each read forward): the cache then holds the part's beginning, where
-// the cast starts; and a tensor just written or read front to back (the
-// output of the op before) has its end in cache, where this pass starts.
-// The maximum does not depend on the order (but for which NaN's payload).
+// How the amax and cast passes cut their input: `n` units of `unit` elements
+// (whole rows where unit is the row length), in chunks of `chunk` units that
+// the threads claim (parallel_for_claimed).
+struct Chunking {
+  int64_t n, unit, chunk;
+};
+
+// Chunks of at least `grain` units, at most kChunkBytes of input where that
+// is more, about four per thread (one thread: as large as allowed); flat
+// chunks (unit 1) span whole cache lines.
 template <typename In>
-float parallel_amax(const typename In::storage* x, int64_t n, int threads, int64_t unit = 1,
-                    int64_t grain = kGrain) {
+Chunking chunking(int64_t n, int64_t unit, int threads, int64_t grain) {
+  const int64_t unit_bytes = std::max<int64_t>(1, unit) * static_cast<int64_t>(sizeof(typename In::storage));
+  int64_t chunk = claim_chunk(n, threads, grain, std::max(grain, kChunkBytes / unit_bytes));
+  if (unit == 1) chunk = (chunk + 63) / 64 * 64;
+  return Chunking{n, unit, chunk};
+}
+
+// Per-thread results are kept in a slot per OpenMP thread, so the slots are
+// sized from the same `threads` that sizes the team (read once per call).
+//
+// The chunks are claimed from the end, and each is walked backward in pieces
+// (each read forward): a tensor just written or read front to back (the output
+// of the op before) has its end in cache, where this pass starts; the cast that
+// follows current scaling's amax claims the same chunks from the start, which
+// the cache then holds. The maximum does not depend on the order (but for
+// which NaN's payload).
+template <typename In>
+float parallel_amax(const typename In::storage* x, const Chunking& c, int threads) {
   std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
   const QuantizeKernels* vec = vector_kernels();
-  // Chunk bounds at multiples of 64 elements: whole cache lines.
-  const int64_t chunk = std::max<int64_t>(64, kAmaxChunkBytes / static_cast<int64_t>(sizeof(x[0])) / 64 * 64);
-  parallel_for(threads, n, grain, [&](int64_t b, int64_t e) {
+  // Piece bounds at multiples of 64 elements: whole cache lines.
+  const int64_t piece = std::max<int64_t>(64, kChunkBytes / static_cast<int64_t>(sizeof(x[0])) / 64 * 64);
+  parallel_for_claimed(threads, c.n, c.chunk, /*from_end=*/true, [&](int64_t b, int64_t e) {
     float amax = 0.0f;
-    for_chunks_backward(b * unit, e * unit, chunk, [&](int64_t lo, int64_t hi) {
+    for_chunks_backward(b * c.unit, e * c.unit, piece, [&](int64_t lo, int64_t hi) {
       amax = fp8::amax_update(amax, vec ? vec->amax(In::dtype, x, lo, hi) : amax_range<In>(x, lo, hi));
     });
-    partial[static_cast<size_t>(omp_get_thread_num())] = amax;
+    float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
+    slot = fp8::amax_update(slot, amax);
   });
   float r = 0.0f;
   for (float a : partial) r = fp8::amax_update(r, a);
@@ -174,11 +192,13 @@ void quantize_impl(const QuantizeParams& p) {
   const int threads = std::max(1, get_num_threads());
   float scale;
   float known_amax = 0.0f;
-  // The cast+transpose splits rows among threads: the amax pass splits them alike.
+  // The cast+transpose cuts whole rows: the amax pass cuts them alike.
+  const bool transposed = p.output_t.defined() && p.cols > 0;
   const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
+  const Chunking chunks =
+      transposed ? chunking<In>(p.rows, p.cols, threads, row_grain) : chunking<In>(n, 1, threads, kGrain);
   if (p.current_scaling) {
-    known_amax = p.output_t.defined() && p.cols > 0 ? parallel_amax<In>(x, p.rows, threads, p.cols, row_grain)
-                                                    : parallel_amax<In>(x, n, threads);
+    known_amax = parallel_amax<In>(x, chunks, threads);
     scale = fp8::compute_scale(known_amax, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
     *scale_ptr = scale;
   } else {
@@ -202,22 +222,24 @@ void quantize_impl(const QuantizeParams& p) {
       scratch = allocate_scratch(stripe_rows, transpose_scratch_ld(p.cols), threads);  // checks the products
       stripe = stripe_rows * transpose_scratch_ld(p.cols);
     }
-    parallel_for(threads, p.rows, row_grain, [&](int64_t r0, int64_t r1) {
+    parallel_for_claimed(threads, chunks.n, chunks.chunk, /*from_end=*/false, [&](int64_t r0, int64_t r1) {
       const int t = omp_get_thread_num();
-      partial[static_cast<size_t>(t)] =
+      const float amax =
           vec ? vec->cast_transpose(In::dtype, Out::dtype, x, q, qt, scratch.get() + t * stripe, scale, p.rows,
                                     p.cols, r0, r1, stream)
               : cast_transpose_rows<In, Out>(x, q, qt, scale, p.rows, p.cols, r0, r1);
+      partial[static_cast<size_t>(t)] = fp8::amax_update(partial[static_cast<size_t>(t)], amax);
     });
   } else {
     // Under current scaling the amax is known already; only delayed scaling
     // fuses it into the cast.
     const bool want_amax = p.amax.defined() && !p.current_scaling;
     const bool stream = n >= kStreamBytes;
-    parallel_for(threads, n, kGrain, [&](int64_t b, int64_t e) {
-      partial[static_cast<size_t>(omp_get_thread_num())] =
-          vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
-              : cast_range<In, Out>(x, q, scale, b, e);
+    parallel_for_claimed(threads, chunks.n, chunks.chunk, /*from_end=*/false, [&](int64_t b, int64_t e) {
+      const float amax = vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
+                             : cast_range<In, Out>(x, q, scale, b, e);
+      float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
+      slot = fp8::amax_update(slot, amax);
     });
   }
   if (p.amax.defined()) {
@@ -239,8 +261,9 @@ void quantize_impl(const QuantizeParams& p) {
 void amax(const TensorDesc& input, const TensorDesc& amax_out) {
   dispatch_high_precision(input.dtype, "amax: argument 'input'", [&](auto in_tag) {
     using In = decltype(in_tag);
-    *amax_out.ptr<float>() = parallel_amax<In>(input.ptr<typename In::storage>(), input.numel(),
-                                               std::max(1, get_num_threads()));
+    const int threads = std::max(1, get_num_threads());
+    *amax_out.ptr<float>() = parallel_amax<In>(input.ptr<typename In::storage>(),
+                                               chunking<In>(input.numel(), 1, threads, kGrain), threads);
   });
 }
 
