@@ -4,7 +4,7 @@ The CPU quantize of current scaling cuts its input into chunks (elements for the
 rows for the cast + transpose; at most 2 MiB of input, about four per thread) that the threads claim
 one at a time: the amax pass from the end, walking each chunk backward (so that it starts on the end of
 a tensor just written), the cast that follows from the start (which is then in cache). NVFP4's global
-amaxes walk rows (or 16-row bands) backward in a fixed split among threads. These cases hold the results
+amaxes claim groups of rows (or 16-row bands) from the end alike. These cases hold the results
 to transformer_linear.reference where the largest magnitude (or a NaN) sits at chunk and thread
 boundaries, for inputs whose length is a multiple of neither, on each CPU path, and with a busy process
 competing for the cores (which changes which thread claims which chunk).
@@ -40,18 +40,20 @@ def isa(request):
     _C.set_cpu_isa("auto")
 
 
-def claimed_chunk(n: int, unit_bytes: int, threads: int, grain: int) -> int:
-    """Units per chunk of the CPU quantize (claim_chunk in csrc/cpu/parallel.h, chunking in quantize_cpu.cpp)."""
+def claimed_chunk(n: int, threads: int, grain: int, max_chunk: int) -> int:
+    """Items per chunk that the threads claim (claim_chunk in csrc/cpu/parallel.h)."""
     parts = 1 if threads <= 1 else threads * 4
-    return max(1, grain, min(max(grain, CHUNK_BYTES // unit_bytes), -(-n // parts)))
+    return max(1, grain, min(max_chunk, -(-n // parts)))
 
 
 def boundary_positions(n: int, element_size: int, threads: int) -> list[int]:
     """Flat indices at the edges of the claimed chunks (element and row cuts), of the amax pass's 2 MiB
     pieces within them, and of an even split among threads."""
     rows, cols = SHAPE
-    flat_chunk = -(-claimed_chunk(n, element_size, threads, GRAIN) // 64) * 64
-    row_chunk = claimed_chunk(rows, cols * element_size, threads, max(64, GRAIN // cols)) * cols
+    # chunking() in csrc/cpu/quantize_cpu.cpp: elements (whole cache lines), or whole rows.
+    flat_chunk = -(-claimed_chunk(n, threads, GRAIN, max(GRAIN, CHUNK_BYTES // element_size)) // 64) * 64
+    row_grain = max(64, GRAIN // cols)
+    row_chunk = claimed_chunk(rows, threads, row_grain, max(row_grain, CHUNK_BYTES // (cols * element_size))) * cols
     piece = CHUNK_BYTES // element_size
     part = -(-n // threads)
     edges = {0, n - 1, piece - 1, piece, 2 * piece + 1, part - 1, part}
@@ -123,9 +125,12 @@ def test_nvfp4_amaxes_at_chunk_and_thread_edges(isa, in_dtype, threads, restore_
     base = (torch.rand(NVFP4_SHAPE) * 2 - 1).to(in_dtype)
     m, k = NVFP4_SHAPE
     chunk_rows = max(16, CHUNK_BYTES // (k * base.element_size()) // 16 * 16)
-    part_rows = -(-m // threads)
-    part_bands = -(-(m // 16) // threads) * 16
-    rows = {0, m - 1, chunk_rows - 1, chunk_rows, part_rows - 1, part_rows, part_bands - 1, part_bands}
+    # The groups of rows (and of 16-row bands) that the threads claim from the end.
+    group_rows = claimed_chunk(m, threads, 16, chunk_rows)
+    group_bands = 16 * claimed_chunk(-(-m // 16), threads, 1, chunk_rows // 16)
+    rows = {0, m - 1, chunk_rows - 1, chunk_rows}
+    for group in (group_rows, group_bands):
+        rows |= {group - 1, group, m - m % group - 1, m - m % group}
     for i, r in enumerate(sorted(r for r in rows if 0 <= r < m)):
         x = base.clone()
         x[r, (r * 7) % k] = -37.0 - i

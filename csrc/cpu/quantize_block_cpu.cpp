@@ -395,12 +395,16 @@ class Quantizer {
   const bool stream_;
 };
 
-// Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads.
+// Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads, which claim runs of
+// consecutive tiles (at most 512K elements, about four per thread) one at a time, so that a thread
+// the OS deschedules holds back only its run (parallel_for_claimed).
 template <typename Fn>
 void for_each_tile(int threads, int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
+  constexpr int64_t kRunElems = 512 * 1024;
   const int64_t tr = ceil_div(m, h), tc = ceil_div(k, w);
   const int64_t grain = std::max<int64_t>(1, kTileElems / 2 / (h * w));
-  parallel_for(threads, tr * tc, grain, [&](int64_t t0, int64_t t1) {
+  const int64_t run = claim_chunk(tr * tc, threads, grain, std::max<int64_t>(grain, kRunElems / (h * w)));
+  parallel_for_claimed(threads, tr * tc, run, /*from_end=*/false, [&](int64_t t0, int64_t t1) {
     thread_local Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = (t / tc) * h, c0 = (t % tc) * w;

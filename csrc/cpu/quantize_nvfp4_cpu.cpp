@@ -146,7 +146,11 @@ class Nvfp4Quantizer {
     const int64_t band0 = p_.band_end < 0 ? 0 : p_.band_begin;
     const int64_t bands = (p_.band_end < 0 ? all_bands : p_.band_end) - band0;
     const int64_t chunks = (p_.k + kChunkCols - 1) / kChunkCols;
-    parallel_for(bands * chunks, 1, [&](int64_t t0, int64_t t1) {
+    // Threads claim runs of tiles (at most 512K elements, about four per thread) one at a time: a
+    // thread the OS deschedules holds back only its run (parallel_for_claimed).
+    const int threads = std::max(get_num_threads(), 1);
+    const int64_t run = claim_chunk(bands * chunks, threads, 1, (512 * 1024) / (kBlock * kChunkCols));
+    parallel_for_claimed(threads, bands * chunks, run, /*from_end=*/false, [&](int64_t t0, int64_t t1) {
       thread_local Scratch s;
       s.tile.resize(kBlock * kChunkCols);
       s.codes.resize(kBlock * kChunkCols);
@@ -213,26 +217,27 @@ void nvfp4_amaxes(const TensorDesc& x, int64_t k, const AmaxRange& range, float*
   // The plain amax rides along the transform's pass when the bands hold exactly the rows.
   const bool fused = amax != nullptr && amax_rht != nullptr && range.band_begin * kBlock <= range.row_begin &&
                      range.band_end * kBlock >= range.row_end;
-  // Each thread walks its rows backward in groups of about kAmaxChunkBytes (AbsMax does not
-  // depend on the order): a tensor just written has its end in cache, where this pass starts,
-  // and the quantize that follows reads forward from the beginning, which this pass read last.
+  // Threads claim groups of rows (about kAmaxChunkBytes, or fewer for about four per thread) one at
+  // a time from the end, so that a thread the OS deschedules holds back only its group, and a tensor
+  // just written has its end in cache, where this pass starts; the quantize that follows reads
+  // forward from the beginning, which this pass read last. AbsMax does not depend on the order.
   const int64_t row_bytes = std::max<int64_t>(1, k * element_size(x.dtype));
   const int64_t chunk_rows = std::max<int64_t>(kBlock, kAmaxChunkBytes / row_bytes / kBlock * kBlock);
   if (amax_rht != nullptr) {
-    parallel_for(threads, range.band_end - range.band_begin, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t bands = range.band_end - range.band_begin;
+    const int64_t group = claim_chunk(bands, threads, 1, chunk_rows / kBlock);
+    parallel_for_claimed(threads, bands, group, /*from_end=*/true, [&](int64_t b0, int64_t b1) {
       const int t = omp_get_thread_num();
-      for_chunks_backward(b0, b1, chunk_rows / kBlock, [&](int64_t lo, int64_t hi) {
-        AbsMax p;
-        rht[t].add(kernels.bands(x, k, range, range.band_begin + lo, range.band_begin + hi, fused ? &p : nullptr));
-        plain[t].add(p);
-      });
+      AbsMax p;
+      rht[t].add(kernels.bands(x, k, range, range.band_begin + b0, range.band_begin + b1, fused ? &p : nullptr));
+      plain[t].add(p);
     });
   }
   if (amax != nullptr && !fused) {
-    parallel_for(threads, range.row_end - range.row_begin, 16, [&](int64_t i0, int64_t i1) {
-      for_chunks_backward(i0, i1, chunk_rows, [&](int64_t lo, int64_t hi) {
-        plain[omp_get_thread_num()].add(kernels.rows(x, k, range.row_begin + lo, range.row_begin + hi));
-      });
+    const int64_t rows = range.row_end - range.row_begin;
+    const int64_t group = claim_chunk(rows, threads, 16, chunk_rows);
+    parallel_for_claimed(threads, rows, group, /*from_end=*/true, [&](int64_t i0, int64_t i1) {
+      plain[omp_get_thread_num()].add(kernels.rows(x, k, range.row_begin + i0, range.row_begin + i1));
     });
   }
   AbsMax total, total_rht;
