@@ -22,11 +22,13 @@ from transformer_linear.ops import nvfp4
 
 E4M3 = torch.float8_e4m3fn
 THREADS = (2, 3, 5)
-# K of 11 passes of 256 (6 of the AMX path's 512): more than the 4 packed-B buffers. N of two NC blocks
-# (2048 columns on the AVX paths, 1024 on the portable one) and a ragged edge.
+# K of 11 passes of 256: more than the 4 packed-B buffers. N of two NC blocks (2048 columns on the AVX
+# paths, 1024 on the portable one) and a ragged edge. The AMX path takes 2048 k a pass, so its ring is
+# filled by the last shape's K (6 passes).
 SHAPES = {
     "rows_in_many_blocks": (200, 2100, 2608),
     "one_block_of_rows": (5, 700, 2608),  # the threads split the B panels of one A block
+    "k_of_many_amx_passes": (70, 300, 10304),
 }
 
 

@@ -133,6 +133,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
   float* scratch = buffers.totals();
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
+  const StoreTileFn<Out> store = ks.store.get<Out>();
 
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
@@ -155,14 +156,14 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
           ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
-          for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+          for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, ks.prefetch_next_b, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * ks.nr;  // j: within the NC block
             float* partial = scratch ? scratch + i * nc + j : nullptr;
             float* out = last ? tile : partial;
             ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_panel, first ? nullptr : partial, nc, out,
                      last ? ks.nr : nc);
             if (last) {
-              store_tile<Out>(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), std::min<int64_t>(ks.nr, nb - j), alpha,
+              store(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), std::min<int64_t>(ks.nr, nb - j), alpha,
                               bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
             }
           });

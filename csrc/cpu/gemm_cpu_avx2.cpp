@@ -152,10 +152,14 @@ void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, const fl
 constexpr int kMr = 6;
 constexpr int kNv = 2;
 
+struct Avx2Tag {};  // this file's instantiation of store_tile (StoreTiles)
+
 }  // namespace
 
 KernelSet avx2_kernels() {
-  return KernelSet{kMr, 8 * kNv, 1, 4, 256, 144, 2048, pack, pack, micro_fp32<kMr, kNv>};
+  KernelSet ks{kMr, 8 * kNv, 1, 4, 256, 144, 2048, pack, pack, micro_fp32<kMr, kNv>};
+  ks.store = StoreTiles::instantiate<Avx2Tag>();
+  return ks;
 }
 
 }  // namespace gemm

@@ -297,15 +297,22 @@ void micro_fp32(int64_t kc, const void* a_packed, const void* b_packed, const fl
 constexpr int kMr = 14;
 constexpr int kNv = 2;
 
+struct Avx512Tag {};  // this file's instantiation of store_tile (StoreTiles)
+
 }  // namespace
 
+StoreTiles avx512_store_tiles() { return StoreTiles::instantiate<Avx512Tag>(); }
+
 KernelSet avx512_kernels() {
-  return KernelSet{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>};
+  KernelSet ks{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>};
+  ks.store = avx512_store_tiles();
+  return ks;
 }
 
 KernelSet avx512_bf16_kernels() {
-  return KernelSet{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, pack_bf16_pairs,
-                   micro_bf16<kMr, kNv>};
+  KernelSet ks{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, pack_bf16_pairs, micro_bf16<kMr, kNv>};
+  ks.store = avx512_store_tiles();
+  return ks;
 }
 
 }  // namespace gemm

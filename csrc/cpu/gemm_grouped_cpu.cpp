@@ -385,8 +385,8 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
                 }
               }
               if (last) {
-                store_tile<Out>(acc, ld_acc, std::min<int64_t>(mr, mb - ir), std::min<int64_t>(nr, nb - jr), 1.0f,
-                                panel_bias, false, d + q.d_offset + (i0 + ir) * q.ldd + item.j0 + jr, q.ldd);
+                ks.store.get<Out>()(acc, ld_acc, std::min<int64_t>(mr, mb - ir), std::min<int64_t>(nr, nb - jr),
+                                    1.0f, panel_bias, false, d + q.d_offset + (i0 + ir) * q.ldd + item.j0 + jr, q.ldd);
               }
             }
           }

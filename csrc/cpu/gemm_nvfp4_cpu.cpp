@@ -167,7 +167,7 @@ void run(const GemmView& p, const KernelSet& ks) {
           const gemm::UnitGrid::Unit u = grid.unit(w);
           pack_rows(ks, a_op, u.row, u.rows, pc, kb, mr, a_packed);
           const uint8_t* b_chunk = buffers.b_chunk(slot);
-          gemm::for_each_tile(u, b_chunk, panel_bytes, mr, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+          gemm::for_each_tile(u, b_chunk, panel_bytes, mr, true, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
             // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
             float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;

@@ -103,15 +103,16 @@ struct UnitGrid {
 /*!
  * \brief Calls `tile(q, ir, b_panel)` for each mr x nr tile of unit `u` in one pass: B panel `q`
  *        (its packed data `b_panel`, in the chunk `b_chunk`) outer, the A panel of the unit's row
- *        `ir` inner, so a B panel stays in L1 across the A panels; each tile call is preceded by
- *        the prefetch of its slice of the next B panel (prefetch_slice).
+ *        `ir` inner, so a B panel stays in L1 across the A panels; with `prefetch`, each tile
+ *        call is preceded by the prefetch of its slice of the next B panel (prefetch_slice).
  */
 template <typename Tile>
-void for_each_tile(const UnitGrid::Unit& u, const uint8_t* b_chunk, size_t b_panel_bytes, int64_t mr, Tile&& tile) {
+void for_each_tile(const UnitGrid::Unit& u, const uint8_t* b_chunk, size_t b_panel_bytes, int64_t mr, bool prefetch,
+                   Tile&& tile) {
   const int64_t a_panels = (u.rows + mr - 1) / mr;
   for (int64_t q = u.panel_begin; q < u.panel_end; ++q) {
     const uint8_t* b_panel = b_chunk + q * b_panel_bytes;
-    const uint8_t* next_b = q + 1 < u.panel_end ? b_panel + b_panel_bytes : nullptr;
+    const uint8_t* next_b = prefetch && q + 1 < u.panel_end ? b_panel + b_panel_bytes : nullptr;
     for (int64_t ir = 0; ir < u.rows; ir += mr) {
       if (next_b) prefetch_slice(next_b, b_panel_bytes, ir / mr, a_panels);
       tile(q, ir, b_panel);
