@@ -36,9 +36,6 @@ using gemm::Operand;
 using gemm::store_tile;
 using gemm::sub_operand;
 
-// Exponents one folded panel needs: (KC / smallest K-block) x rows <= (512 / 32) x 64.
-constexpr int kMaxFoldExps = 16 * 64;
-
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
@@ -113,11 +110,9 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   }
   const int64_t m_pad = round_up(m, ks.mr), n_pad = round_up(n, ks.nr);
   // Power-of-two scales fold exactly into the decoded operands while packing (the
-  // packed panels are then a plain GEMM's); kpack = k_align holds for every kernel
-  // set but AMX's (which has `prepare`).
-  const int kpack = ks.k_align;
+  // packed panels are then a plain GEMM's) where K-blocks hold whole packing groups.
   const auto foldable = [&](const BlockLayout& l) {
-    return fold && !ks.prepare && (l.cols >= k || (ks.kc % l.cols == 0 && l.cols % kpack == 0));
+    return fold && (l.cols >= k || (ks.kc % l.cols == 0 && l.cols % ks.k_align == 0));
   };
   std::vector<int32_t> ea, eb;
   if (foldable(p.a_block) && foldable(p.b_block)) {
@@ -162,7 +157,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           if (folded) {
             int32_t exps[kMaxFoldExps];
             panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
-            fold(panel, ks.elem_bytes, kb, nr, kpack, exps, b_bk);
+            fold(panel, ks.elem_bytes, kb, nr, ks.kpack_b(), exps, b_bk);
           }
         },
         [&](int64_t pass, int64_t slot, int64_t w) {
@@ -177,7 +172,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           for (int64_t ir = 0; folded && ir < u.rows; ir += mr) {
             int32_t exps[kMaxFoldExps];
             panel_exponents(ea, m_pad, u.row + ir, mr, pc, kb, a_bk, exps);
-            fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, kpack, exps, a_bk);
+            fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, ks.kpack_a(), exps, a_bk);
           }
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);

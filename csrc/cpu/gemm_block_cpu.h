@@ -37,6 +37,12 @@ PromoteFn promote_avx512();
 using FoldFn = void (*)(void* panel, int elem_bytes, int64_t kc, int r, int kpack,
                         const int32_t* row_exp, int64_t block_k);
 
+/*!
+ * \brief Exponents one folded panel may need: (KC / smallest K-block + 1) x panel rows, at most
+ *        (2048 / 32 + 1) x 32 (AMX's KC and tile, MXFP8's K-block) or (512 / 32 + 1) x 64.
+ */
+constexpr int64_t kMaxFoldExps = 65 * 32;
+
 /*! \brief Portable folding (gemm_block_cpu.cpp). */
 void fold_generic(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32_t* row_exp,
                   int64_t block_k);

@@ -34,6 +34,25 @@ void fold(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32
   uint16_t* data = static_cast<uint16_t*>(panel);
   const int64_t groups = (kc + kpack - 1) / kpack, group_elems = int64_t{r} * kpack;
   const int64_t groups_per_block = block_k / kpack;
+  const auto fold_vector = [](uint16_t* p, __mmask32 m, __m512i add) {
+    const __m512i v = _mm512_maskz_loadu_epi16(m, p);
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7fff));
+    // Nonzero and finite (exponent field not all ones).
+    const __mmask32 live = _mm512_mask_cmpneq_epi16_mask(m, mag, _mm512_setzero_si512()) &
+                           _mm512_cmplt_epi16_mask(mag, _mm512_set1_epi16(0x7f80));
+    _mm512_mask_storeu_epi16(p, m, _mm512_mask_add_epi16(v, live, v, add));
+  };
+  if (kpack % 32 == 0) {  // AMX A panels: a row's k values of a group fill whole vectors, one exponent each
+    for (int64_t g = 0; g < groups; ++g) {
+      const int32_t* e = row_exp + (g / groups_per_block) * r;
+      for (int row = 0; row < r; ++row) {
+        const __m512i add = _mm512_set1_epi16(static_cast<int16_t>(e[row] * 128));
+        uint16_t* p = data + g * group_elems + int64_t{row} * kpack;
+        for (int t = 0; t < kpack; t += 32) fold_vector(p + t, ~__mmask32{0}, add);
+      }
+    }
+    return;
+  }
   alignas(64) int16_t add[64 * 64];  // r * kpack <= 64 * 64
   for (int64_t g0 = 0; g0 < groups; g0 += groups_per_block) {
     const int32_t* e = row_exp + (g0 / groups_per_block) * r;
@@ -44,13 +63,7 @@ void fold(void* panel, int elem_bytes, int64_t kc, int r, int kpack, const int32
       for (int64_t x = 0; x < group_elems; x += 32) {
         const __mmask32 m = group_elems - x >= 32 ? ~__mmask32{0}
                                                   : static_cast<__mmask32>((1u << (group_elems - x)) - 1);
-        const __m512i v = _mm512_maskz_loadu_epi16(m, p + x);
-        const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7fff));
-        // Nonzero and finite (exponent field not all ones).
-        const __mmask32 live = _mm512_mask_cmpneq_epi16_mask(m, mag, _mm512_setzero_si512()) &
-                               _mm512_cmplt_epi16_mask(mag, _mm512_set1_epi16(0x7f80));
-        const __m512i out = _mm512_mask_add_epi16(v, live, v, _mm512_maskz_loadu_epi16(m, add + x));
-        _mm512_mask_storeu_epi16(p + x, m, out);
+        fold_vector(p + x, m, _mm512_maskz_loadu_epi16(m, add + x));
       }
     }
   }

@@ -263,8 +263,8 @@ const uint16_t* fp8_magnitude_bf16_table(DType dtype) {
 }
 
 KernelSet generic_kernels() {
-  return KernelSet{kGenericMr,   kGenericNr, 1, 4, 256, 128, 1024,
-                   pack_generic, pack_generic, micro_generic};
+  return KernelSet{kGenericMr, kGenericNr, 1, 4, 256, 128, 1024, pack_generic, pack_generic, micro_generic,
+                   nullptr, true, StoreTiles{}};
 }
 
 }  // namespace gemm

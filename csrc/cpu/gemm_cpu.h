@@ -43,6 +43,9 @@ inline Operand sub_operand(const Operand& op, int64_t row, int64_t k) {
 template <typename Out, bool kBias, bool kAccumulate, typename IsaTag>
 inline void store_row(const float* t, int64_t cols, float alpha, const typename Out::storage* bias,
                       typename Out::storage* out) {
+  // omp simd: -O2 vectorizes only loops it needs no runtime overlap check for, and t, bias and out
+  // never overlap.
+#pragma omp simd
   for (int64_t j = 0; j < cols; ++j) {
     float v = t[j] * alpha;
     if (kBias) v = v + Out::load(bias[j]);
@@ -146,6 +149,11 @@ struct KernelSet {
   // are long enough for the hardware prefetchers to follow (AMX: 128 KiB) only loses by it.
   bool prefetch_next_b = true;
   StoreTiles store;  // the epilogue compiled for this path (empty: the portable one)
+  // k values per packed group (the layout above) of A and B panels, where it is not k_align.
+  int a_kpack = 0, b_kpack = 0;
+
+  int kpack_a() const { return a_kpack ? a_kpack : k_align; }
+  int kpack_b() const { return b_kpack ? b_kpack : k_align; }
 
   /*! \brief Bytes of one packed micro-panel of `r` rows and `kc` k values. */
   size_t panel_bytes(int64_t kc_block, int r) const {

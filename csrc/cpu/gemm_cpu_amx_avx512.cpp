@@ -114,8 +114,8 @@ KernelSet amx_kernels() {
   // the TMUL pipeline to drain, and a K past KC sends partial sums through memory; 2048 k per call
   // (A and B panels of 128 KiB each, from L2) ran 2048^3 at 1.4x the rate of KC = 512 (one
   // thread, Sapphire Rapids class). 4096 (256 KiB panels) was slower again.
-  return KernelSet{kMr,       kNr,        kTileK,          2,     2048, 256, 2048, pack_bf16_k32,
-                   pack_b_amx, micro_amx, configure_tiles, false, avx512_store_tiles()};
+  return KernelSet{kMr, kNr, kTileK, 2, 2048, 256, 2048, pack_bf16_k32,
+                   pack_b_amx, micro_amx, configure_tiles, false, avx512_store_tiles(), kTileK, 2};
 }
 
 }  // namespace gemm

@@ -157,9 +157,8 @@ struct Avx2Tag {};  // this file's instantiation of store_tile (StoreTiles)
 }  // namespace
 
 KernelSet avx2_kernels() {
-  KernelSet ks{kMr, 8 * kNv, 1, 4, 256, 144, 2048, pack, pack, micro_fp32<kMr, kNv>};
-  ks.store = StoreTiles::instantiate<Avx2Tag>();
-  return ks;
+  return KernelSet{kMr, 8 * kNv, 1, 4, 256, 144, 2048, pack, pack, micro_fp32<kMr, kNv>, nullptr, true,
+                   StoreTiles::instantiate<Avx2Tag>()};
 }
 
 }  // namespace gemm

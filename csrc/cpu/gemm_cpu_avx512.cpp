@@ -304,15 +304,13 @@ struct Avx512Tag {};  // this file's instantiation of store_tile (StoreTiles)
 StoreTiles avx512_store_tiles() { return StoreTiles::instantiate<Avx512Tag>(); }
 
 KernelSet avx512_kernels() {
-  KernelSet ks{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>};
-  ks.store = avx512_store_tiles();
-  return ks;
+  return KernelSet{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>,
+                   nullptr, true, avx512_store_tiles()};
 }
 
 KernelSet avx512_bf16_kernels() {
-  KernelSet ks{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, pack_bf16_pairs, micro_bf16<kMr, kNv>};
-  ks.store = avx512_store_tiles();
-  return ks;
+  return KernelSet{kMr, 16 * kNv, 2, 2, 512, 336, 2048, pack_bf16_pairs, pack_bf16_pairs, micro_bf16<kMr, kNv>,
+                   nullptr, true, avx512_store_tiles()};
 }
 
 }  // namespace gemm

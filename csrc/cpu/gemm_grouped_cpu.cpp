@@ -171,8 +171,8 @@ int64_t k_block(const GroupedGemmParams& p) {
 
 // Folding (as the block GEMM, gemm_block_cpu.cpp): power-of-two scales multiply the decoded
 // operands exactly while packing, so the panels are a plain GEMM's and the micro-kernel sums all of
-// K with no promotion per K-block. Exponents one folded panel needs: (KC / K-block + 1) x rows.
-constexpr int64_t kMaxFoldExps = 16 * 64;
+// K with no promotion per K-block (at most gemm_block::kMaxFoldExps exponents a panel).
+using gemm_block::kMaxFoldExps;
 
 // The K-block of each operand's scales, clamped to the problem's K.
 int64_t a_bk(const Problem& q) { return std::min(q.sa.cols, std::max<int64_t>(q.k, 1)); }
@@ -204,7 +204,6 @@ int32_t scale_exponent(const ScaleSource& src, int64_t index) {
 // Whether every scale of both operands folds, and the blocks suit the packing (KC chunks and
 // packing groups never cross a K-block).
 bool foldable(const GroupedGemmParams& p, const KernelSet& ks, int64_t contraction) {
-  if (ks.prepare) return false;
   for (const BlockLayout* l : {&p.a_block, &p.b_block}) {
     if (!(l->cols >= contraction || (ks.kc % l->cols == 0 && l->cols % ks.k_align == 0))) return false;
   }
@@ -225,7 +224,7 @@ bool foldable(const GroupedGemmParams& p, const KernelSet& ks, int64_t contracti
 
 // Fold the scales of panel rows [row0, row0 + min(r, rows)) (their scale-grid rows) into one packed
 // panel of the K chunk [pc, pc + kb); rows past the edge are zeros and keep exponent 0.
-void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, uint8_t* panel, const ScaleSource& src,
+void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, int kpack, uint8_t* panel, const ScaleSource& src,
                 int64_t row0, int64_t rows, int r, int64_t pc, int64_t kb, int64_t block_k) {
   int32_t exps[kMaxFoldExps];
   int64_t row_index[64];  // the scale-grid offset of each panel row (r <= 64)
@@ -235,7 +234,7 @@ void fold_panel(gemm_block::FoldFn fold, const KernelSet& ks, uint8_t* panel, co
     const int64_t col = ((first + b) * block_k) / src.cols;
     for (int i = 0; i < r; ++i) exps[b * r + i] = i < rows ? scale_exponent(src, row_index[i] + col) : 0;
   }
-  fold(panel, ks.elem_bytes, kb, r, ks.k_align, exps, block_k);
+  fold(panel, ks.elem_bytes, kb, r, kpack, exps, block_k);
 }
 
 template <typename Out>
@@ -334,8 +333,8 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
           }
         }
         for (int64_t jr = 0; folded && jr < nb; jr += nr) {
-          fold_panel(fold, ks, b_buffer.get() + (jr / nr) * b_panel_bytes, q.sb, item.j0 + jr, nb - jr, nr, pc, kb,
-                     b_bk(q));
+          fold_panel(fold, ks, ks.kpack_b(), b_buffer.get() + (jr / nr) * b_panel_bytes, q.sb, item.j0 + jr, nb - jr,
+                     nr, pc, kb, b_bk(q));
         }
         for (int64_t ic = 0; ic < rows; ic += mt) {
           const int64_t mb = std::min(mt, rows - ic);
@@ -348,8 +347,8 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
             }
           }
           for (int64_t ir = 0; folded && ir < mb; ir += mr) {
-            fold_panel(fold, ks, a_buffer.get() + (ir / mr) * a_panel_bytes, q.sa, q.a_row0 + i0 + ir, mb - ir, mr,
-                       pc, kb, a_bk(q));
+            fold_panel(fold, ks, ks.kpack_a(), a_buffer.get() + (ir / mr) * a_panel_bytes, q.sa, q.a_row0 + i0 + ir,
+                       mb - ir, mr, pc, kb, a_bk(q));
           }
           if (ks.prepare) ks.prepare();
           for (int64_t jr = 0; jr < nb; jr += nr) {
