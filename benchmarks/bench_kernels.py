@@ -8,8 +8,9 @@ input read + output written (a copy: 2x the input bytes).
 
 GEMM rows compare ``ops.fp8_gemm`` with ``torch.mm`` in fp32 and in bf16 on
 the already-dequantized operands (bf16 is what a CPU user would pick instead:
-oneDNN, on AMX tiles where present) and with ``torch._scaled_mm`` (CPU),
-which is timed only where one call fits in ``--slow-call-s``. The CPU path
+oneDNN, on AMX tiles where present), each with an output of its dtype, and
+with ``torch._scaled_mm`` (CPU), which is timed only where one call is
+predicted (from a small probe) to fit in ``--slow-call-s``. The CPU path
 the GEMM took, and why (forced or measured), is printed and recorded.
 
 Block rows: blockwise quantize per block shape (1x128, 128x128, 1x32 E8M0,
@@ -217,8 +218,12 @@ def _scaled_mm_cpu(a, sa, b, sb):
 
 def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, slow_call_s: float) -> list[dict]:
     rows = []
-    scaled_rate: Optional[float] = None  # GFLOP/s of torch._scaled_mm at the probe size
-    probe = 0
+    # torch._scaled_mm's CPU rate, first from one call at a small probe size (a CPU build may take
+    # minutes for one call at the benchmark's sizes); a shape is timed only where it predicts a call
+    # under slow_call_s.
+    probe = min(256, *(min(shape) for shape in shapes))
+    pa, psa, _ = ops.quantize_current(torch.randn(probe, probe), E4M3)
+    scaled_rate = 2.0 * probe**3 / time_slow(lambda: _scaled_mm_cpu(pa, psa, pa, psa), 1, slow_call_s) / 1e9
     for m, n, k in shapes:
         a, sa, _ = ops.quantize_current(torch.randn(m, k), E4M3)
         b, sb, _ = ops.quantize_current(torch.randn(n, k), E4M3)
@@ -228,6 +233,9 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
         t = measure(
             {
                 "ours": lambda: ops.fp8_gemm(a, sa, b, sb, torch.float32),
+                # bf16 out beside bf16 mm: the same output bytes (a float32 output of 32 MiB or more
+                # is a fresh mapping each call, whose page faults can cost as much as the GEMM).
+                "ours_bf16": lambda: ops.fp8_gemm(a, sa, b, sb, torch.bfloat16),
                 "mm_fp32": lambda: torch.mm(a_hp, b_hp.t()),
                 "mm_bf16": lambda: torch.mm(a_bf16, b_bf16.t()),
             },
@@ -235,16 +243,14 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
             warmup,
         )
         row = {"m": m, "n": n, "k": k, **{f"{name}_gflops": flop / v[0] / 1e9 for name, v in t.items()}}
-        # One call of torch._scaled_mm is timed first at the smallest shape; larger
-        # shapes are timed only if that rate predicts a call under slow_call_s.
-        if scaled_rate is None or flop / (scaled_rate * 1e9) <= slow_call_s:
+        if flop / (scaled_rate * 1e9) <= slow_call_s:
             t_scaled = time_slow(lambda: _scaled_mm_cpu(a, sa, b, sb), repeats, slow_call_s)
             scaled_rate, probe = flop / t_scaled / 1e9, m
             row["scaled_mm_gflops"] = scaled_rate
         else:
             row["scaled_mm_skipped"] = f"too slow: {scaled_rate:.3g} GFLOP/s at {probe}"
         row["vs_mm_fp32"] = row["ours_gflops"] / row["mm_fp32_gflops"]
-        row["vs_mm_bf16"] = row["ours_gflops"] / row["mm_bf16_gflops"]
+        row["vs_mm_bf16"] = row["ours_bf16_gflops"] / row["mm_bf16_gflops"]
         if "scaled_mm_gflops" in row:
             row["vs_scaled_mm"] = row["ours_gflops"] / row["scaled_mm_gflops"]
         rows.append(row)
@@ -253,7 +259,8 @@ def bench_gemm(shapes: list[tuple[int, int, int]], repeats: int, warmup: int, sl
 
 
 GEMM_HEADER = (
-    f"{'M x N x K':<22}{'ours GFLOP/s':>14}{'mm fp32':>10}{'mm bf16':>10}{'x mm fp32':>11}{'x mm bf16':>11}"
+    f"{'M x N x K':<22}{'ours fp32 out':>14}{'mm fp32':>10}{'ours bf16 out':>14}{'mm bf16':>10}{'x mm fp32':>11}"
+    f"{'x mm bf16':>11}"
     f"{'_scaled_mm':>12}{'x _scaled_mm':>14}"
 )
 
@@ -265,7 +272,8 @@ def print_gemm_row(r: dict) -> None:
     else:
         scaled = f"  skipped ({r['scaled_mm_skipped']})"
     print(
-        f"{shape:<22}{r['ours_gflops']:>14.1f}{r['mm_fp32_gflops']:>10.1f}{r['mm_bf16_gflops']:>10.1f}"
+        f"{shape:<22}{r['ours_gflops']:>14.1f}{r['mm_fp32_gflops']:>10.1f}{r['ours_bf16_gflops']:>14.1f}"
+        f"{r['mm_bf16_gflops']:>10.1f}"
         f"{r['vs_mm_fp32']:>11.2f}{r['vs_mm_bf16']:>11.2f}{scaled}",
         flush=True,
     )
