@@ -133,6 +133,15 @@ void parallel_for_claimed(int threads, int64_t n, int64_t chunk, bool from_end, 
 }
 
 /*!
+ * \brief Largest chunk of input bytes a pass over a tensor claims at a time (parallel_for_claimed):
+ *        walked backward, pieces of 256 KiB measured 2-6% slower than one forward walk on an input
+ *        not in cache (the prefetchers ramp up again at each piece), 2 MiB as fast.
+ */
+constexpr int64_t kClaimChunkBytes = 2 << 20;
+/*! \brief Largest run of elements of tiles a tiled pass (block and NVFP4 quantize) claims at a time. */
+constexpr int64_t kClaimRunElems = 512 * 1024;
+
+/*!
  * \brief Items per chunk for parallel_for_claimed over `n` items: about `per_thread` chunks per
  *        thread, so a descheduled thread's chunk is a small part of the work (one thread: one
  *        chunk), but at least `grain` items (below it a chunk costs more to hand out than to run)

@@ -396,14 +396,13 @@ class Quantizer {
 };
 
 // Runs fn(tile, scratch) over a grid of h x w tiles on up to `threads` threads, which claim runs of
-// consecutive tiles (at most 512K elements, about four per thread) one at a time, so that a thread
-// the OS deschedules holds back only its run (parallel_for_claimed).
+// consecutive tiles (at most kClaimRunElems elements, about four per thread) one at a time, so that a
+// thread the OS deschedules holds back only its run (parallel_for_claimed).
 template <typename Fn>
-void for_each_tile(int threads, int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
-  constexpr int64_t kRunElems = 512 * 1024;
+void for_each_quantize_tile(int threads, int64_t m, int64_t k, int64_t h, int64_t w, Fn&& fn) {
   const int64_t tr = ceil_div(m, h), tc = ceil_div(k, w);
   const int64_t grain = std::max<int64_t>(1, kTileElems / 2 / (h * w));
-  const int64_t run = claim_chunk(tr * tc, threads, grain, std::max<int64_t>(grain, kRunElems / (h * w)));
+  const int64_t run = claim_chunk(tr * tc, threads, grain, std::max<int64_t>(grain, kClaimRunElems / (h * w)));
   parallel_for_claimed(threads, tr * tc, run, /*from_end=*/false, [&](int64_t t0, int64_t t1) {
     thread_local Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
@@ -425,7 +424,7 @@ void Quantizer::one_pass() const {
   w = grow(w, tile_elems / h, p_.k);
   h = grow(h, tile_elems / w, p_.m);
   const bool reuse = transposed_blocks();
-  for_each_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
+  for_each_quantize_tile(get_num_threads(), p_.m, p_.k, h, w, [&](const Tile& t, Scratch& s) {
     if (fused) {
       row_blocks_then_columns(t, s);
     } else if (reuse && kn_.copy_out) {
@@ -454,7 +453,7 @@ void Quantizer::two_pass() const {
   const int64_t h = grow(row ? p_.block.rows : 1, kTileElems / k, p_.m);
   const int threads = static_cast<int>(std::clamp<int64_t>(ceil_div(p_.m, h), 1, get_num_threads()));
   std::vector<float> partial(static_cast<size_t>(threads) * k, 0.0f);
-  for_each_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
+  for_each_quantize_tile(threads, p_.m, k, h, k, [&](const Tile& t, Scratch& s) {
     float* col_amax = partial.data() + static_cast<int64_t>(omp_get_thread_num()) * k;
     if (row && p_.block.rows == 1) {
       row_blocks(t, col_amax, t.r1 - t.r0);
@@ -474,7 +473,7 @@ void Quantizer::two_pass() const {
   column_scales(partial.data(), 0, k, 0, scale.data());
   // Pass 2: cast and transpose, stripes of long rows as in row_blocks_then_columns.
   const int64_t w = grow(1, kStripeElems / kMinTransposeRows, k);
-  for_each_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
+  for_each_quantize_tile(get_num_threads(), p_.m, k, kMinTransposeRows, w, [&](const Tile& t, Scratch& s) {
     cast_stripe_transposed(t, scale.data() + t.c0, 0, kMinTransposeRows, s);
     kn_.fence();
   });

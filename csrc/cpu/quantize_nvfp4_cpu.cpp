@@ -30,7 +30,7 @@ using namespace nvfp4;
 constexpr int64_t kChunkCols = 256;
 // Input bytes per group of rows that the global amax pass walks backward (as the
 // tensorwise amax pass, csrc/cpu/quantize_cpu.cpp).
-constexpr int64_t kAmaxChunkBytes = 2 << 20;
+constexpr int64_t kAmaxChunkBytes = kClaimChunkBytes;
 
 struct Scratch {
   std::vector<float> tile;      // kBlock x chunk columns, row-major
@@ -149,7 +149,7 @@ class Nvfp4Quantizer {
     // Threads claim runs of tiles (at most 512K elements, about four per thread) one at a time: a
     // thread the OS deschedules holds back only its run (parallel_for_claimed).
     const int threads = std::max(get_num_threads(), 1);
-    const int64_t run = claim_chunk(bands * chunks, threads, 1, (512 * 1024) / (kBlock * kChunkCols));
+    const int64_t run = claim_chunk(bands * chunks, threads, 1, kClaimRunElems / (kBlock * kChunkCols));
     parallel_for_claimed(threads, bands * chunks, run, /*from_end=*/false, [&](int64_t t0, int64_t t1) {
       thread_local Scratch s;
       s.tile.resize(kBlock * kChunkCols);
