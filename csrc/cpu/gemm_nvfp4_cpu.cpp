@@ -80,9 +80,10 @@ void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
             float* out = static_cast<float*>(dst) + panel;
             out[k * r + i] = v0;
             out[(k + 1) * r + i] = v1;
-          } else {  // bf16 pairs: v0 and v1 have at most 5 significant bits, exact in bf16
-            uint32_t* out = static_cast<uint32_t*>(dst) + panel / 2;
-            out[(k / 2) * r + i] = (fp8::bits_of(v0) >> 16) | (fp8::bits_of(v1) & 0xffff0000u);
+          } else {  // bf16: v0 and v1 have at most 5 significant bits, exact in bf16
+            uint16_t* out = static_cast<uint16_t*>(dst) + panel + ((k / kpack) * r + i) * kpack + k % kpack;
+            out[0] = static_cast<uint16_t>(fp8::bits_of(v0) >> 16);
+            out[1] = static_cast<uint16_t>(fp8::bits_of(v1) >> 16);  // k + 1: the same group (kpack even)
           }
         }
       }
@@ -90,13 +91,13 @@ void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
   }
 }
 
-// `pack` with the kernel set's own packing where it has one.
-void pack_rows(const KernelSet& ks, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc, int r,
-               void* dst) {
+// `pack` with the kernel set's own packing where it has one; `kpack`: the operand's grouping.
+void pack_rows(const KernelSet& ks, int kpack, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
+               int r, void* dst) {
   if (ks.pack) {
     ks.pack(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
   } else {
-    pack(op, row0, rows, pc, kc, r, ks.kpack, dst);
+    pack(op, row0, rows, pc, kc, r, kpack, dst);
   }
 }
 
@@ -131,7 +132,8 @@ void run(const GemmView& p, const KernelSet& ks) {
     return;
   }
   const int mr = ks.mr, nr = ks.nr;
-  const int elem_bytes = ks.kpack == 1 ? 4 : 2;
+  const int elem_bytes = ks.elem_bytes();
+  const int a_kpack = ks.a_kpack ? ks.a_kpack : ks.kpack;
   const int64_t m_pad = round_up(m, mr);
   const int64_t kc = ks.kc;
   const bool multi_pass = k > kc;
@@ -154,7 +156,7 @@ void run(const GemmView& p, const KernelSet& ks) {
         threads, passes, b_panels, grid.units(),
         [&](int64_t pass, int64_t slot, int64_t q) {
           const int64_t pc = pass * kc, kb = std::min(kc, k - pc), j = jc + q * nr;
-          pack_rows(ks, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr,
+          pack_rows(ks, ks.kpack, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr,
                     buffers.b_chunk(slot) + q * static_cast<size_t>(kb) * nr * elem_bytes);
         },
         [&](int64_t pass, int64_t slot, int64_t w) {
@@ -165,7 +167,8 @@ void run(const GemmView& p, const KernelSet& ks) {
           uint8_t* a_packed = gemm::a_block_buffer(ceil_div(grid.mc, mr) * a_panel_bytes, "nvfp4_gemm");
           alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const gemm::UnitGrid::Unit u = grid.unit(w);
-          pack_rows(ks, a_op, u.row, u.rows, pc, kb, mr, a_packed);
+          pack_rows(ks, a_kpack, a_op, u.row, u.rows, pc, kb, mr, a_packed);
+          if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
           gemm::for_each_tile(u, b_chunk, panel_bytes, mr, true, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
@@ -190,9 +193,9 @@ KernelSet current_kernels() {
   switch (current_isa()) {
     case Isa::kAvx2: return avx2_kernels();
     case Isa::kAvx512: return avx512_kernels();
-    // vdpbf16ps runs at about half the fp32-FMA rate on CPUs with AMX (Sapphire Rapids),
-    // twice it on AMD Zen 4 (see gemm_cpu_avx512.cpp): where AMX is usable, take fp32.
-    case Isa::kAvx512Bf16: return gemm::amx_usable() ? avx512_kernels() : avx512_bf16_kernels();
+    // vdpbf16ps runs at about half the fp32-FMA rate on CPUs with AMX (Sapphire Rapids), twice it
+    // on AMD Zen 4 (see gemm_cpu_avx512.cpp): where AMX is usable, its tiles run the blocks.
+    case Isa::kAvx512Bf16: return gemm::amx_usable() ? amx_kernels() : avx512_bf16_kernels();
     case Isa::kGeneric: break;
   }
   return generic_kernels();

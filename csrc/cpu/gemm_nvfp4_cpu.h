@@ -9,7 +9,8 @@
 // Packed layout (as gemm_cpu.h): a block of `rows` x `kc` is packed into micro-panels of
 // R rows, each kc * R elements, k-groups of `kpack` consecutive k stored row after row:
 //   panel[g][r][t] = value(src[r, g * kpack + t])
-// kpack = 1 for fp32 elements, 2 for bf16 pairs (vdpbf16ps). Rows past `rows` are zero.
+// kpack = 1 for fp32 elements, 2 for bf16 pairs (vdpbf16ps, AMX's B tiles), 16 for AMX's A tiles (one
+// 16-k block of a row in one tile row). Rows past `rows` are zero.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,11 @@ struct KernelSet {
   int64_t kc, mc, nc;  // cache blocks: k per pass (a multiple of 16), rows of A, rows of B
   MicroFn micro;
   PackFn pack = nullptr;  // null: the portable packing (gemm_nvfp4_cpu.cpp)
+  int a_kpack = 0;        // A's k per packed group where it is not `kpack` (portable packing only)
+  void (*prepare)() = nullptr;  // per thread, before a run of micro-kernel calls (AMX tile config)
+
+  /*! \brief Bytes of one packed element: fp32 for kpack 1, else bf16. */
+  int elem_bytes() const { return kpack == 1 ? 4 : 2; }
 };
 
 /*! \brief Portable fp32 path (gemm_nvfp4_cpu.cpp). */
@@ -55,6 +61,8 @@ KernelSet avx2_kernels();
 KernelSet avx512_kernels();
 /*! \brief AVX512_BF16 vdpbf16ps path; call only when the CPU has it. */
 KernelSet avx512_bf16_kernels();
+/*! \brief AMX-BF16 path of the avx512_bf16 ISA; call only where gemm::amx_usable(). */
+KernelSet amx_kernels();
 /*! \brief The path of the current ISA (TL_CPU_ISA / the CPU's features). */
 KernelSet current_kernels();
 

@@ -49,6 +49,7 @@ namespace gemm_nvfp4 {
 KernelSet avx2_kernels() { absent("gemm_nvfp4::avx2_kernels"); }
 KernelSet avx512_kernels() { absent("gemm_nvfp4::avx512_kernels"); }
 KernelSet avx512_bf16_kernels() { absent("gemm_nvfp4::avx512_bf16_kernels"); }
+KernelSet amx_kernels() { absent("gemm_nvfp4::amx_kernels"); }
 }  // namespace gemm_nvfp4
 
 namespace nvfp4 {

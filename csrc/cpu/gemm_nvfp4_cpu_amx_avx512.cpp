@@ -1,0 +1,103 @@
+// AMX-BF16 micro-kernel of the CPU NVFP4 GEMM (the avx512_bf16 path on CPUs with AMX tiles).
+// Compiled with the AVX-512 flags; the tile code carries its own target attribute and runs only
+// where gemm::amx_usable() (CPUID plus the kernel's permission for the tile state).
+//
+// The NVFP4 GEMM's bits are the reference's: each 16-k block's products summed from zero (exact:
+// E2M1 values times E4M3 block scales are exact in bf16, their products in fp32, and a block's
+// sum of 16 of them fits fp32's mantissa), then added to the fp32 total in K order. So every
+// tdpbf16ps here covers one 16-k block (A tiles of 16 bf16 a row, B tiles of 8 k-pairs) into
+// accumulator tiles zeroed for it; the four 16 x 16 block sums of a 32 x 32 tile are stored and
+// added to the total with AVX-512. The 32-k tiles of the FP8 GEMM (gemm_cpu_amx_avx512.cpp) would
+// round inside a block pair instead.
+//
+// Packed layout (gemm_nvfp4_cpu.h): A panels with kpack = 16 (a row's 16 k of one block in one
+// 32-byte tile row), B panels as bf16 pairs (kpack = 2: a block's 8 pairs x 32 columns, the VNNI
+// layout of tdpbf16ps's B tile). Both come from the portable packing.
+#include <immintrin.h>
+
+#include "gemm_cpu.h"
+#include "gemm_nvfp4_cpu.h"
+
+#define TL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+namespace tl {
+namespace cpu {
+namespace gemm_nvfp4 {
+namespace {
+
+constexpr int kTile = 16;        // rows of A and C tiles; fp32 columns of a C tile
+constexpr int kMr = 2 * kTile;   // rows of A per micro-kernel tile
+constexpr int kNr = 2 * kTile;   // rows of B (columns of D)
+constexpr int kPairs = kBlockK / 2;
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-1: A (16 rows x 16 bf16), 2-3: B (8 k-pairs x 16 columns), 4-7: the 32 x 32 block sums.
+// Loaded before each run of micro-kernel calls: other code on the thread (the FP8 GEMM's AMX
+// kernel, oneDNN) may have configured the tiles its own way.
+TL_AMX_TARGET void configure_tiles() {
+  static const TileConfig config = [] {  // static: GCC 12 drops stores to a local one before ldtilecfg
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 2; ++t) c.rows[t] = kTile, c.colsb[t] = kBlockK * 2;
+    for (int t = 2; t < 4; ++t) c.rows[t] = kPairs, c.colsb[t] = kTile * 4;
+    for (int t = 4; t < 8; ++t) c.rows[t] = kTile, c.colsb[t] = kTile * 4;
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+TL_AMX_TARGET void block_sums(const uint8_t* a, const uint8_t* b, float* sums) {
+  constexpr int64_t kARow = kBlockK * 2, kBRow = kNr * 4, kSumRow = kNr * sizeof(float);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  _tile_loadd(0, a, kARow);
+  _tile_loadd(1, a + kTile * kARow, kARow);
+  _tile_loadd(2, b, kBRow);
+  _tile_loadd(3, b + kTile * 4, kBRow);
+  _tile_dpbf16ps(4, 0, 2);
+  _tile_dpbf16ps(5, 0, 3);
+  _tile_dpbf16ps(6, 1, 2);
+  _tile_dpbf16ps(7, 1, 3);
+  _tile_stored(4, sums, kSumRow);
+  _tile_stored(5, sums + kTile, kSumRow);
+  _tile_stored(6, sums + kTile * kNr, kSumRow);
+  _tile_stored(7, sums + kTile * kNr + kTile, kSumRow);
+}
+
+void micro_amx(int64_t kc, const void* a_packed, const void* b_packed, float* total, int64_t ld_total) {
+  const uint8_t* a = static_cast<const uint8_t*>(a_packed);
+  const uint8_t* b = static_cast<const uint8_t*>(b_packed);
+  constexpr int64_t kBlockBytes = kMr * kBlockK * 2;  // one 16-k block of a panel (A and B alike)
+  alignas(64) float sums[kMr * kNr];
+  for (int64_t k0 = 0; k0 < kc; k0 += kBlockK, a += kBlockBytes, b += kBlockBytes) {
+    // Each tile store waits for the TMULs; storing the next block's tiles while adding this one's
+    // (two buffers) measured no faster.
+    block_sums(a, b, sums);
+    for (int i = 0; i < kMr; ++i) {
+      float* t = total + i * ld_total;
+      for (int v = 0; v < kNr; v += 16) {
+        _mm512_storeu_ps(t + v, _mm512_add_ps(_mm512_loadu_ps(t + v), _mm512_load_ps(sums + i * kNr + v)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+KernelSet amx_kernels() {
+  KernelSet ks{kMr, kNr, 2, 512, 256, 2048, micro_amx};
+  ks.a_kpack = kBlockK;
+  ks.prepare = configure_tiles;
+  return ks;
+}
+
+}  // namespace gemm_nvfp4
+}  // namespace cpu
+}  // namespace tl
