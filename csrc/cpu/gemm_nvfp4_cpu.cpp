@@ -91,13 +91,14 @@ void pack(const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
   }
 }
 
-// `pack` with the kernel set's own packing where it has one; `kpack`: the operand's grouping.
-void pack_rows(const KernelSet& ks, int kpack, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
+// `pack` with the kernel set's own packing of A (`is_a`) or B where it has one.
+void pack_rows(const KernelSet& ks, bool is_a, const Operand& op, int64_t row0, int64_t rows, int64_t pc, int64_t kc,
                int r, void* dst) {
-  if (ks.pack) {
-    ks.pack(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
+  const PackFn own = is_a && ks.pack_a ? ks.pack_a : ks.pack;
+  if (own) {
+    own(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
   } else {
-    pack(op, row0, rows, pc, kc, r, kpack, dst);
+    pack(op, row0, rows, pc, kc, r, is_a && ks.a_kpack ? ks.a_kpack : ks.kpack, dst);
   }
 }
 
@@ -133,7 +134,6 @@ void run(const GemmView& p, const KernelSet& ks) {
   }
   const int mr = ks.mr, nr = ks.nr;
   const int elem_bytes = ks.elem_bytes();
-  const int a_kpack = ks.a_kpack ? ks.a_kpack : ks.kpack;
   const int64_t m_pad = round_up(m, mr);
   const int64_t kc = ks.kc;
   const bool multi_pass = k > kc;
@@ -156,7 +156,7 @@ void run(const GemmView& p, const KernelSet& ks) {
         threads, passes, b_panels, grid.units(),
         [&](int64_t pass, int64_t slot, int64_t q) {
           const int64_t pc = pass * kc, kb = std::min(kc, k - pc), j = jc + q * nr;
-          pack_rows(ks, ks.kpack, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr,
+          pack_rows(ks, false, b_op, j, std::min<int64_t>(nr, n - j), pc, kb, nr,
                     buffers.b_chunk(slot) + q * static_cast<size_t>(kb) * nr * elem_bytes);
         },
         [&](int64_t pass, int64_t slot, int64_t w) {
@@ -167,7 +167,7 @@ void run(const GemmView& p, const KernelSet& ks) {
           uint8_t* a_packed = gemm::a_block_buffer(ceil_div(grid.mc, mr) * a_panel_bytes, "nvfp4_gemm");
           alignas(64) float acc[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const gemm::UnitGrid::Unit u = grid.unit(w);
-          pack_rows(ks, a_kpack, a_op, u.row, u.rows, pc, kb, mr, a_packed);
+          pack_rows(ks, true, a_op, u.row, u.rows, pc, kb, mr, a_packed);
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
           gemm::for_each_tile(u, b_chunk, panel_bytes, mr, true, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {

@@ -12,11 +12,14 @@
 //
 // Packed layout (gemm_nvfp4_cpu.h): A panels with kpack = 16 (a row's 16 k of one block in one
 // 32-byte tile row), B panels as bf16 pairs (kpack = 2: a block's 8 pairs x 32 columns, the VNNI
-// layout of tdpbf16ps's B tile). Both come from the portable packing.
+// layout of tdpbf16ps's B tile).
 #include <immintrin.h>
+
+#include <algorithm>
 
 #include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
+#include "transformer_linear/fp8_math.h"
 
 #define TL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
@@ -89,11 +92,67 @@ void micro_amx(int64_t kc, const void* a_packed, const void* b_packed, float* to
   }
 }
 
+// The 16 values of one row's 16-k block (8 bytes of E2M1 codes, low nibble first) times the
+// block's scale, as bf16 (exact: at most 5 significant bits; the portable packing's truncation).
+inline __m256i decode_block_bf16(const uint8_t* bytes8, __m512 scale) {
+  const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,  //
+                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m128i low_nibbles = _mm_set1_epi8(0x0f);
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes8));
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low_nibbles),
+                                          _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+  const __m512 v = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), values), scale);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+}
+
+// Calls block(panel, i, kk, bf16 values) for row i of each panel of r rows and each 16-k block kk
+// of rows [row0, row0 + rows) x k [pc, pc + kc); rows past `rows` give zeros.
+template <typename Block>
+void for_each_row_block(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows,
+                        int64_t pc, int64_t kc, int r, Block&& block) {
+  const int64_t row_bytes = ld / 2, row_scales = ld / kBlockK;
+  for (int64_t p0 = 0; p0 < rows; p0 += r) {
+    for (int i = 0; i < r; ++i) {
+      const int64_t row = row0 + p0 + i;
+      const bool valid = p0 + i < rows;
+      for (int64_t kk = 0; kk < kc; kk += kBlockK) {
+        const __m256i v = valid ? decode_block_bf16(data + row * row_bytes + (pc + kk) / 2,
+                                                    _mm512_set1_ps(fp8::float_from_e4m3_bits(
+                                                        scale[row * row_scales + (pc + kk) / kBlockK])))
+                                : _mm256_setzero_si256();
+        block(p0 / r, i, kk, v);
+      }
+    }
+  }
+}
+
+// A panels, kpack = 16: panel words [(b * r + i) * 16 + t] = bf16(row i, k 16 b + t).
+void pack_k16(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows, int64_t pc,
+              int64_t kc, int r, void* dst) {
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for_each_row_block(data, scale, ld, row0, rows, pc, kc, r, [&](int64_t panel, int i, int64_t kk, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + panel * kc * r + ((kk / kBlockK) * r + i) * kBlockK), v);
+  });
+}
+
+// B panels, bf16 pairs (kpack = 2): panel dwords [g * r + i] = bf16 pair (row i, k 2g and 2g + 1).
+void pack_pairs(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows, int64_t pc,
+                int64_t kc, int r, void* dst) {
+  uint32_t* out = static_cast<uint32_t*>(dst);
+  const __m256i pair_rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(r));
+  for_each_row_block(data, scale, ld, row0, rows, pc, kc, r, [&](int64_t panel, int i, int64_t kk, __m256i v) {
+    // The block's 16 bf16 in k order are its 8 pairs; pair p goes r dwords after pair p - 1.
+    _mm256_i32scatter_epi32(out + panel * (kc / 2) * r + (kk / 2) * r + i, pair_rows, v, 4);
+  });
+}
+
 }  // namespace
 
 KernelSet amx_kernels() {
   KernelSet ks{kMr, kNr, 2, 512, 256, 2048, micro_amx};
+  ks.pack = pack_pairs;
   ks.a_kpack = kBlockK;
+  ks.pack_a = pack_k16;
   ks.prepare = configure_tiles;
   return ks;
 }
