@@ -16,17 +16,16 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "amx_tiles_avx512.h"
 #include "gemm_cpu.h"
-
-#define TL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
 namespace tl {
 namespace cpu {
 namespace gemm {
 namespace {
 
-constexpr int kTile = 16;     // rows of every tile; also fp32 columns of a C tile
-constexpr int kTileK = 32;    // bf16 k values per A-tile row / per B tile
+constexpr int kTile = amx::kTile;
+constexpr int kTileK = 32;  // bf16 k values per A-tile row / per B tile
 constexpr int kMr = 2 * kTile;
 constexpr int kNr = 2 * kTile;
 
@@ -45,60 +44,29 @@ void pack_b_amx(const Operand& src, int64_t rows, int64_t kc, int r, void* dst) 
   pack_bf16_pairs_padded(src, rows, kc, r, (kc + kTileK - 1) / kTileK * (kTileK / 2), dst);
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Loaded before each run of micro-kernel calls: other code on the thread
-// (e.g. oneDNN) may have configured the tiles its own way.
+// (e.g. oneDNN, the NVFP4 kernel) may have configured the tiles its own way.
 TL_AMX_TARGET void configure_tiles() {
   // Static storage: GCC 12 drops stores to a local config as dead before ldtilecfg.
-  static const TileConfig config = [] {
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = kTile;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
+  static const amx::TileConfig config = amx::config_2x2(kTileK * 2, kTileK / 2);
   _tile_loadconfig(&config);
 }
 
 TL_AMX_TARGET void micro_amx(int64_t kc, const void* a_packed, const void* b_packed,
                              const float* c_in, int64_t ldc_in, float* c_out, int64_t ldc_out) {
-  const int64_t in_stride = ldc_in * sizeof(float), out_stride = ldc_out * sizeof(float);
   if (c_in) {
-    _tile_loadd(4, c_in, in_stride);
-    _tile_loadd(5, c_in + kTile, in_stride);
-    _tile_loadd(6, c_in + kTile * ldc_in, in_stride);
-    _tile_loadd(7, c_in + kTile * ldc_in + kTile, in_stride);
+    amx::load_c(c_in, ldc_in);
   } else {
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    amx::zero_c();
   }
   const uint8_t* a = static_cast<const uint8_t*>(a_packed);
   const uint8_t* b = static_cast<const uint8_t*>(b_packed);
   constexpr int64_t kARow = kTileK * 2, kBRow = kNr * 4;  // bytes per tile row in the panels
   const int64_t blocks = (kc + kTileK - 1) / kTileK;
   for (int64_t blk = 0; blk < blocks; ++blk, a += kMr * kARow, b += (kTileK / 2) * kBRow) {
-    _tile_loadd(0, a, kARow);
-    _tile_loadd(1, a + kTile * kARow, kARow);
-    _tile_loadd(2, b, kBRow);
-    _tile_loadd(3, b + 64, kBRow);
-    _tile_dpbf16ps(4, 0, 2);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_dpbf16ps(6, 1, 2);
-    _tile_dpbf16ps(7, 1, 3);
+    amx::step_2x2(a, kARow, b, kBRow);
   }
-  _tile_stored(4, c_out, out_stride);
-  _tile_stored(5, c_out + kTile, out_stride);
-  _tile_stored(6, c_out + kTile * ldc_out, out_stride);
-  _tile_stored(7, c_out + kTile * ldc_out + kTile, out_stride);
+  amx::store_c(c_out, ldc_out);
 }
 
 }  // namespace

@@ -17,61 +17,35 @@
 
 #include <algorithm>
 
+#include "amx_tiles_avx512.h"
 #include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
 #include "transformer_linear/fp8_math.h"
-
-#define TL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
 namespace tl {
 namespace cpu {
 namespace gemm_nvfp4 {
 namespace {
 
-constexpr int kTile = 16;        // rows of A and C tiles; fp32 columns of a C tile
-constexpr int kMr = 2 * kTile;   // rows of A per micro-kernel tile
-constexpr int kNr = 2 * kTile;   // rows of B (columns of D)
+constexpr int kTile = amx::kTile;
+constexpr int kMr = 2 * kTile;  // rows of A per micro-kernel tile
+constexpr int kNr = 2 * kTile;  // rows of B (columns of D)
 constexpr int kPairs = kBlockK / 2;
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Tiles 0-1: A (16 rows x 16 bf16), 2-3: B (8 k-pairs x 16 columns), 4-7: the 32 x 32 block sums.
 // Loaded before each run of micro-kernel calls: other code on the thread (the FP8 GEMM's AMX
 // kernel, oneDNN) may have configured the tiles its own way.
 TL_AMX_TARGET void configure_tiles() {
-  static const TileConfig config = [] {  // static: GCC 12 drops stores to a local one before ldtilecfg
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 2; ++t) c.rows[t] = kTile, c.colsb[t] = kBlockK * 2;
-    for (int t = 2; t < 4; ++t) c.rows[t] = kPairs, c.colsb[t] = kTile * 4;
-    for (int t = 4; t < 8; ++t) c.rows[t] = kTile, c.colsb[t] = kTile * 4;
-    return c;
-  }();
+  // Static storage: GCC 12 drops stores to a local config as dead before ldtilecfg.
+  static const amx::TileConfig config = amx::config_2x2(kBlockK * 2, kPairs);
   _tile_loadconfig(&config);
 }
 
+// sums (32 x 32, contiguous) = the block's products, from zero (exact).
 TL_AMX_TARGET void block_sums(const uint8_t* a, const uint8_t* b, float* sums) {
-  constexpr int64_t kARow = kBlockK * 2, kBRow = kNr * 4, kSumRow = kNr * sizeof(float);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  _tile_loadd(0, a, kARow);
-  _tile_loadd(1, a + kTile * kARow, kARow);
-  _tile_loadd(2, b, kBRow);
-  _tile_loadd(3, b + kTile * 4, kBRow);
-  _tile_dpbf16ps(4, 0, 2);
-  _tile_dpbf16ps(5, 0, 3);
-  _tile_dpbf16ps(6, 1, 2);
-  _tile_dpbf16ps(7, 1, 3);
-  _tile_stored(4, sums, kSumRow);
-  _tile_stored(5, sums + kTile, kSumRow);
-  _tile_stored(6, sums + kTile * kNr, kSumRow);
-  _tile_stored(7, sums + kTile * kNr + kTile, kSumRow);
+  amx::zero_c();
+  amx::step_2x2(a, kBlockK * 2, b, kNr * 4);
+  amx::store_c(sums, kNr);
 }
 
 void micro_amx(int64_t kc, const void* a_packed, const void* b_packed, float* total, int64_t ld_total) {
