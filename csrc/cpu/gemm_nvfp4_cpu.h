@@ -1,7 +1,8 @@
 // Internal interface of the NVFP4 CPU GEMM: the driver (gemm_nvfp4_cpu.cpp: blocking,
 // decoding while packing, threading, epilogue) and the micro-kernels of each path,
 // portable (gemm_nvfp4_cpu.cpp), AVX2 (gemm_nvfp4_cpu_avx2.cpp), AVX-512 fp32 and
-// AVX512_BF16 (gemm_nvfp4_cpu_avx512.cpp). All give the same bits: the packed operands
+// AVX512_BF16 (gemm_nvfp4_cpu_avx512.cpp), AMX (gemm_nvfp4_cpu_amx_avx512.cpp). All give
+// the same bits: the packed operands
 // hold E2M1 values times their E4M3 block scales (exact in fp32 and in bf16), so inside
 // a 16-element K block every partial sum is exact, in any order, fused or not, and the
 // only rounding is the addition of each block's sum to the fp32 total, in K order.
