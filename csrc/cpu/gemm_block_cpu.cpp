@@ -176,7 +176,8 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           }
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
-          gemm::for_each_tile(u, b_chunk, b_panel_bytes, mr, ks.prefetch_next_b, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+          const bool prefetch = ks.prefetch_next_b;
+          gemm::for_each_tile(u, b_chunk, b_panel_bytes, mr, prefetch, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
             const uint8_t* a_panel = a_packed + (ir / mr) * a_panel_bytes;
             // The fp32 total of this tile: in `totals` across K chunks, else on the stack.

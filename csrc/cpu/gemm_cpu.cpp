@@ -156,7 +156,8 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
           ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
-          for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, ks.prefetch_next_b, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+          const bool prefetch = ks.prefetch_next_b;
+          for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, prefetch, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * ks.nr;  // j: within the NC block
             float* partial = scratch ? scratch + i * nc + j : nullptr;
             float* out = last ? tile : partial;
