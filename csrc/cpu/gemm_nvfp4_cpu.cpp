@@ -98,7 +98,7 @@ void pack_rows(const KernelSet& ks, bool is_a, const Operand& op, int64_t row0, 
   if (own) {
     own(op.data, op.scale, op.ld, row0, rows, pc, kc, r, dst);
   } else {
-    pack(op, row0, rows, pc, kc, r, is_a && ks.a_kpack ? ks.a_kpack : ks.kpack, dst);
+    pack(op, row0, rows, pc, kc, r, ks.kpack, dst);
   }
 }
 

@@ -47,8 +47,7 @@ struct KernelSet {
   int64_t kc, mc, nc;  // cache blocks: k per pass (a multiple of 16), rows of A, rows of B
   MicroFn micro;
   PackFn pack = nullptr;  // null: the portable packing (gemm_nvfp4_cpu.cpp)
-  int a_kpack = 0;        // A's k per packed group where it is not `kpack`
-  PackFn pack_a = nullptr;  // A's packing where it is not `pack`
+  PackFn pack_a = nullptr;  // A's packing where it is not `pack` (AMX: kpack 16, a tile row a block)
   void (*prepare)() = nullptr;  // per thread, before a run of micro-kernel calls (AMX tile config)
 
   /*! \brief Bytes of one packed element: fp32 for kpack 1, else bf16. */

@@ -125,7 +125,6 @@ void pack_pairs(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t r
 KernelSet amx_kernels() {
   KernelSet ks{kMr, kNr, 2, 512, 256, 2048, micro_amx};
   ks.pack = pack_pairs;
-  ks.a_kpack = kBlockK;
   ks.pack_a = pack_k16;
   ks.prepare = configure_tiles;
   return ks;
