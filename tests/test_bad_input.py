@@ -247,6 +247,8 @@ def public_op_arguments() -> dict[str, dict]:
         "dequantize": {"q": q, "scale_inv": scale_inv, "out_dtype": torch.float32},
         "fp8_gemm": {**gemm, "out_dtype": torch.float32, "bias": torch.zeros(4)},
         "fp8_gemm_accumulate_": {**gemm, "out": torch.zeros(8, 4)},
+        "quantize_fp8_gemm": {"x": x, "dtype": E4M3, "scale": one(), "b": q[:4], "b_scale_inv": scale_inv,
+                              "out_dtype": torch.float32, "bias": torch.zeros(4)},
         "fp8_gemm_scalings": {},
         "resolve_gemm_scalings": gemm,
         "quantize_blockwise": {"x": x, "dtype": E4M3, "block_shape": (1, 128)},

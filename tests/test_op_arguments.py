@@ -118,6 +118,8 @@ OP_CALLS: dict[str, Callable[[], Any]] = {
     "dequantize": lambda: ops.dequantize(*fp8((4, 8)), torch.float32),
     "fp8_gemm": lambda: ops.fp8_gemm(*fp8((4, 32)), *fp8((8, 32)), torch.float32, torch.zeros(8)),
     "fp8_gemm_accumulate": lambda: ops.fp8_gemm_accumulate_(*fp8((4, 32)), *fp8((8, 32)), torch.zeros(4, 8)),
+    "quantize_fp8_gemm": lambda: ops.quantize_fp8_gemm(X, E4M3, torch.ones(1), *fp8((8, 256)), torch.float32,
+                                                       torch.zeros(8)),
     "fp8_gemm_blockwise": lambda: ops.fp8_gemm(*block_operands(), torch.float32, torch.zeros(4)),
     "fp8_gemm_blockwise_accumulate": lambda: ops.fp8_gemm_accumulate_(*block_operands(), torch.zeros(8, 4)),
     "quantize_blockwise": lambda: ops.quantize_blockwise(X, E4M3, (1, 128)),

@@ -59,6 +59,7 @@ def test_every_op_is_covered():
     grouped_ops |= {"nvfp4_grouped_gemm", "nvfp4_grouped_gemm_wgrad", "quantize_nvfp4_grouped_columnwise"}
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     expected |= {"fsdp_rowwise_copy"}  # in test_fsdp_fp8_all_gather.py
+    expected |= {"quantize_fp8_gemm"}  # in test_quantize_gemm.py
     # The Triton ops: opchecked on a GPU, traced and refusing CPU tensors in test_triton_ops_traced.py, run
     # under the interpreter in test_blockwise_triton.py, test_grouped_gemm.py and test_nvfp4_triton.py.
     triton_ops = {f"triton_{name}" for name in TRITON_OPS}

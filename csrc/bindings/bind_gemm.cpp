@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "tensor_caster.h"
 #include "transformer_linear/gemm.h"
+#include "transformer_linear/quantize_gemm.h"
 
 namespace py = pybind11;
 using namespace py::literals;
@@ -15,6 +16,10 @@ void register_gemm(py::module_& m) {
         "d"_a, "accumulate"_a, "use_split_accumulator"_a, "workspace"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(),
         "d = (a @ b.T) * a_scale_inv * b_scale_inv [+ bias] [+ d]");
+  m.def("quantize_fp8_gemm", &tl::quantize_fp8_gemm, "input"_a, "scale"_a, "output"_a, "scale_inv"_a, "amax"_a,
+        "current_scaling"_a, "margin"_a, "b"_a, "b_scale_inv"_a, "bias"_a, "d"_a, "use_split_accumulator"_a,
+        "workspace"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
+        "output = quantize(input * scale); d = (output @ b.T) * scale_inv * b_scale_inv [+ bias]");
 }
 
 }  // namespace bindings

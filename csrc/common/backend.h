@@ -37,11 +37,24 @@ struct GemmParams {
   Stream stream;
 };
 
+// The validating halves of the quantize and GEMM entries (quantize.cpp, gemm.cpp), which the fused
+// forward entry (quantize_gemm.cpp) runs both of: each throws tl::Error naming `op` and the argument.
+QuantizeParams checked_quantize_params(const char* op, const TensorDesc& input, const TensorDesc& scale,
+                                       const TensorDesc& output, const TensorDesc& output_t,
+                                       const TensorDesc& scale_inv, const TensorDesc& amax_out,
+                                       const TensorDesc& dbias, bool current_scaling, int margin, Stream stream);
+GemmParams checked_gemm_params(const char* op, const TensorDesc& a, const TensorDesc& a_scale_inv,
+                               const TensorDesc& b, const TensorDesc& b_scale_inv, const TensorDesc& bias,
+                               const TensorDesc& d, bool accumulate, bool use_split_accumulator,
+                               const TensorDesc& workspace, Stream stream);
+
 namespace cpu {
 void amax(const TensorDesc& input, const TensorDesc& amax);
 void quantize(const QuantizeParams& p);
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output);
 void fp8_gemm(const GemmParams& p);
+// q's rowwise cast and the GEMM g whose A is q.output, one pass over the input: see quantize_gemm.h.
+void quantize_fp8_gemm(const QuantizeParams& q, const GemmParams& g);
 }  // namespace cpu
 
 namespace cuda {

@@ -7,11 +7,10 @@
 
 namespace tl {
 
-void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
-              const TensorDesc& b_scale_inv, const TensorDesc& bias, const TensorDesc& d,
-              bool accumulate, bool use_split_accumulator, const TensorDesc& workspace,
-              Stream stream) {
-  constexpr const char* op = "fp8_gemm";
+GemmParams checked_gemm_params(const char* op, const TensorDesc& a, const TensorDesc& a_scale_inv,
+                               const TensorDesc& b, const TensorDesc& b_scale_inv, const TensorDesc& bias,
+                               const TensorDesc& d, bool accumulate, bool use_split_accumulator,
+                               const TensorDesc& workspace, Stream stream) {
   check_defined(op, "a", a);
   TL_CHECK_TYPE(a.device == DeviceType::kCPU || a.device == DeviceType::kCUDA, op,
                 ": argument 'a' must be on cpu or cuda, got ", device_name(a.device));
@@ -35,7 +34,17 @@ void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDe
   check_disjoint(op, {{"d", &d}, {"workspace", &workspace}},
                  {{"a", &a}, {"a_scale_inv", &a_scale_inv}, {"b", &b}, {"b_scale_inv", &b_scale_inv},
                   {"bias", &bias}});
-  if (dev == DeviceType::kCUDA) {
+  return p;
+}
+
+void fp8_gemm(const TensorDesc& a, const TensorDesc& a_scale_inv, const TensorDesc& b,
+              const TensorDesc& b_scale_inv, const TensorDesc& bias, const TensorDesc& d,
+              bool accumulate, bool use_split_accumulator, const TensorDesc& workspace,
+              Stream stream) {
+  constexpr const char* op = "fp8_gemm";
+  const GemmParams p = checked_gemm_params(op, a, a_scale_inv, b, b_scale_inv, bias, d, accumulate,
+                                           use_split_accumulator, workspace, stream);
+  if (a.device == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::fp8_gemm(p);
 #else

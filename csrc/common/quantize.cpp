@@ -47,10 +47,10 @@ void amax(const TensorDesc& input, const TensorDesc& amax_out, Stream stream) {
   cpu::amax(input, amax_out);
 }
 
-void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc& output,
-              const TensorDesc& output_t, const TensorDesc& scale_inv, const TensorDesc& amax_out,
-              const TensorDesc& dbias, bool current_scaling, int margin, Stream stream) {
-  constexpr const char* op = "quantize";
+QuantizeParams checked_quantize_params(const char* op, const TensorDesc& input, const TensorDesc& scale,
+                                       const TensorDesc& output, const TensorDesc& output_t,
+                                       const TensorDesc& scale_inv, const TensorDesc& amax_out,
+                                       const TensorDesc& dbias, bool current_scaling, int margin, Stream stream) {
   check_input(op, input, kHighPrecision);
   check_scalar_like(op, "scale", scale, input);
   check_scalar_like(op, "scale_inv", scale_inv, input);
@@ -103,6 +103,15 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
                  {{"output", &output}, {"output_t", &output_t}, {"scale_inv", &scale_inv},
                   {"amax", &amax_out}, {"dbias", &dbias}, {"scale", current_scaling ? &scale : &none}},
                  {{"input", &input}, {"scale", current_scaling ? &none : &scale}});
+  return p;
+}
+
+void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc& output,
+              const TensorDesc& output_t, const TensorDesc& scale_inv, const TensorDesc& amax_out,
+              const TensorDesc& dbias, bool current_scaling, int margin, Stream stream) {
+  constexpr const char* op = "quantize";
+  const QuantizeParams p = checked_quantize_params(op, input, scale, output, output_t, scale_inv, amax_out, dbias,
+                                                   current_scaling, margin, stream);
   if (input.device == DeviceType::kCUDA) {
 #ifdef TL_WITH_CUDA
     return cuda::quantize(p);

@@ -105,14 +105,16 @@ void micro_generic(int64_t kc, const void* a_packed, const void* b_packed, const
 
 // ---- driver ----------------------------------------------------------------
 
+// `fill_a` (may be empty): see fp8_gemm_filling_a.
 template <typename Out>
-void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
+void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads, const FillRows& fill_a = {}) {
   using T = typename Out::storage;
   T* d = p.d.ptr<T>();
   const T* bias = p.bias.defined() ? p.bias.ptr<T>() : nullptr;
   const int64_t m = p.m, n = p.n, k = p.k;
 
   if (k == 0) {  // empty product: D = epilogue(0)
+    if (fill_a) fill_a(0, m);
     std::vector<float> zeros(n, 0.0f);
     parallel_for(m, 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -139,6 +141,12 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
     const int64_t nb = std::min(nc, n - jc);
     const int64_t b_panels = ceil_div(nb, ks.nr);
     const UnitGrid grid(m, ks.mc, ks.mr, b_panels, threads);
+    // Each block of A rows is filled by the unit that packs it first (its first pass of the first NC
+    // block), unless the block is cut among several units: then all rows first, by all threads.
+    const bool fill_in_units = fill_a && jc == 0 && grid.n_splits == 1;
+    if (fill_a && jc == 0 && !fill_in_units) {
+      parallel_for(m, std::max<int64_t>(1, kClaimRunElems / std::max<int64_t>(k, 1)), fill_a);
+    }
     run_passes(
         threads, passes, b_panels, grid.units(),
         [&](int64_t pass, int64_t slot, int64_t q) {
@@ -153,6 +161,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads) {
           uint8_t* a_packed = a_block_buffer(ceil_div(grid.mc, ks.mr) * a_panel_bytes, "fp8_gemm");
           alignas(64) float tile[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
           const UnitGrid::Unit u = grid.unit(w);
+          if (fill_in_units && pass == 0) fill_a(u.row, u.row + u.rows);
           ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, ks.mr, a_packed);
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
@@ -270,16 +279,31 @@ KernelSet generic_kernels() {
 
 }  // namespace gemm
 
-void fp8_gemm(const GemmParams& p) {
-  if (p.m == 0 || p.n == 0) return;
+namespace {
+
+void run_fp8_gemm(const GemmParams& p, const gemm::FillRows& fill_a) {
+  if (p.m == 0) return;
+  if (p.n == 0) {
+    if (fill_a) fill_a(0, p.m);
+    return;
+  }
   advise_huge_pages(p.d.data, static_cast<size_t>(p.d.numel() * element_size(p.d.dtype)));
   const gemm::KernelSet ks = gemm::kernels_for(current_isa());
   const float alpha = *p.a_scale_inv.ptr<float>() * *p.b_scale_inv.ptr<float>();
-  dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'",
-                          [&](auto out_tag) {
-                            gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::gemm_threads(p.m, p.n, p.k));
-                          });
+  dispatch_high_precision(p.d.dtype, "fp8_gemm: argument 'd'", [&](auto out_tag) {
+    gemm::run<decltype(out_tag)>(p, ks, alpha, gemm::gemm_threads(p.m, p.n, p.k), fill_a);
+  });
 }
+
+}  // namespace
+
+void fp8_gemm(const GemmParams& p) { run_fp8_gemm(p, {}); }
+
+namespace gemm {
+
+void fp8_gemm_filling_a(const GemmParams& p, const FillRows& fill_a) { run_fp8_gemm(p, fill_a); }
+
+}  // namespace gemm
 
 }  // namespace cpu
 }  // namespace tl

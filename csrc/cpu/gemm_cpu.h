@@ -14,10 +14,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "../common/backend.h"
 #include "cpu_features.h"
 #include "transformer_linear/element_types.h"
 #include "transformer_linear/tensor.h"
@@ -199,6 +201,21 @@ std::vector<double> time_paths(const std::vector<Isa>& paths, int rounds);
 
 /*! \brief "MxNxK" of the GEMM time_paths() runs. */
 std::string probe_shape();
+
+/*!
+ * \brief Writes rows [r0, r1) of a GEMM's A (all K columns) before the GEMM first reads them: the
+ *        fused forward's cast of those rows from the high-precision input (quantize_gemm_cpu.cpp).
+ */
+using FillRows = std::function<void(int64_t r0, int64_t r1)>;
+
+/*!
+ * \brief fp8_gemm() with A written as it goes: `fill_a` is called once for each row of A, a block
+ *        of rows at a time, by the thread that packs those rows first, just before it packs them
+ *        (where the rows' block is cut among threads, every row first, by all threads). Ranges run
+ *        at once on several threads never overlap. `p.a` must be row-major; `p.a_scale_inv` is read
+ *        before the first call.
+ */
+void fp8_gemm_filling_a(const GemmParams& p, const FillRows& fill_a);
 
 /*!
  * \brief Pack bf16 pairs (kpack = 2) with `groups` k-pairs per panel, >= ceil(kc / 2);

@@ -10,6 +10,7 @@
 #include "cpu_features.h"
 #include "parallel.h"
 #include "quantize_cpu_isa.h"
+#include "quantize_rows_cpu.h"
 #include "transformer_linear/dispatch.h"
 
 namespace tl {
@@ -254,7 +255,52 @@ void quantize_impl(const QuantizeParams& p) {
   }
 }
 
+// RowCast's cast of elements [begin, end), the pass quantize_impl runs over
+// chunks (no streaming stores: the caller reads the rows back right away).
+template <typename In, typename Out>
+float cast_elements(const QuantizeParams& p, float scale, int64_t begin, int64_t end, bool want_amax) {
+  const auto* x = p.input.ptr<typename In::storage>();
+  uint8_t* q = p.output.ptr<uint8_t>();
+  const QuantizeKernels* vec = vector_kernels();
+  return vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, begin, end, want_amax, /*stream=*/false)
+             : cast_range<In, Out>(x, q, scale, begin, end);
+}
+
 }  // namespace
+
+RowCast::RowCast(const QuantizeParams& p) : p_(p) {
+  dispatch_high_precision(p.input.dtype, "quantize: argument 'input'", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    dispatch_fp8(p.fp8_dtype, "quantize: argument 'output'", [&](auto out_tag) {
+      using Out = decltype(out_tag);
+      cast_ = &cast_elements<In, Out>;
+      if (p.current_scaling) {
+        const int threads = std::max(1, get_num_threads());
+        known_amax_ = parallel_amax<In>(p.input.ptr<typename In::storage>(),
+                                        chunking<In>(p.input.numel(), 1, threads, kGrain), threads);
+        scale_ = fp8::compute_scale(known_amax_, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
+        *p.scale.ptr<float>() = scale_;
+      } else {
+        scale_ = *p.scale.ptr<float>();
+      }
+    });
+  });
+  *p.scale_inv.ptr<float>() = 1.0f / scale_;
+}
+
+void RowCast::cast_rows(int64_t r0, int64_t r1) {
+  if (r1 <= r0) return;
+  const bool want_amax = p_.amax.defined() && !p_.current_scaling;
+  const float amax = cast_(p_, scale_, r0 * p_.cols, r1 * p_.cols, want_amax);
+  if (!want_amax) return;
+  float seen = amax_.load(std::memory_order_relaxed);
+  while (!amax_.compare_exchange_weak(seen, fp8::amax_update(seen, amax), std::memory_order_relaxed)) {
+  }
+}
+
+void RowCast::finish() const {
+  if (p_.amax.defined()) *p_.amax.ptr<float>() = p_.current_scaling ? known_amax_ : amax_.load();
+}
 
 void amax(const TensorDesc& input, const TensorDesc& amax_out) {
   dispatch_high_precision(input.dtype, "amax: argument 'input'", [&](auto in_tag) {

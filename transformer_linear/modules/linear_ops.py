@@ -2,8 +2,10 @@
 (autograd via ``register_autograd``); the mutating ``delayed_scaling_update``
 and ``delayed_scaling_flush`` are in delayed_scaling.py.
 
-Forward quantizes input and weight (e4m3) and runs one FP8 GEMM; it returns
-the FP8 copies so autograd saves those, not the high-precision tensors.
+Forward quantizes the weight, then asks the input's quantizer for the input's
+quantize and the FP8 GEMM (one op where its kind casts the input inside the
+GEMM: one scale per tensor, ops/quantize_gemm.py); it returns the FP8 copies
+so autograd saves those, not the high-precision tensors.
 Backward quantizes grad_output once (bias gradient fused into that pass),
 then calls dgrad and wgrad as two ops that share no inputs but the gradient,
 so a graph pass can split the input- and weight-gradient halves.
@@ -173,8 +175,6 @@ def _fp8_fwd(
     empty_f32 = x2d.new_empty(0, dtype=torch.float32)
     # The columnwise usages are for quantized backward GEMMs only (backward_override: none).
     quantized_bwd = spec.backward_operands == "quantized"
-    qx = spec.input.quantize(x2d, rowwise=True, columnwise=a.weight_requires_grad and quantized_bwd,
-                             scale=scales.input if scales else None)
     if cached is None:
         qw = spec.weight.quantize(a.weight.contiguous(), rowwise=True, columnwise=quantized_bwd,
                                   scale=scales.weight if scales else None)
@@ -184,9 +184,12 @@ def _fp8_fwd(
         # Outputs may not alias inputs: the cached weight is saved from the inputs (_setup_context).
         no_fp8 = x2d.new_empty(0, dtype=spec.weight.dtype)
         w_outputs = (no_fp8, no_fp8.clone(), empty_f32.clone(), empty_f32.clone())
-    # Each operand's scales in the form its quantizer's kind gives the GEMM (TensorQuantizer.scale_2d).
-    x_scale_inv, w_scale_inv = spec.input.scale_2d(qx.scale_inv, qx.data), spec.weight.scale_2d(qw.scale_inv, qw.data)
-    out = ops.fp8_gemm(qx.data, x_scale_inv, qw.data, w_scale_inv, a.out_dtype, bias)
+    # The weight's scales in the form its quantizer's kind gives the GEMM (TensorQuantizer.scale_2d); the
+    # input's quantizer runs the GEMM with its own (where its kind can, casting the input inside it).
+    w_scale_inv = spec.weight.scale_2d(qw.scale_inv, qw.data)
+    qx, out = spec.input.quantize_gemm(x2d, columnwise=a.weight_requires_grad and quantized_bwd,
+                                       scale=scales.input if scales else None, other=qw.data,
+                                       other_scale_inv=w_scale_inv, out_dtype=a.out_dtype, bias=bias)
     x_saved, x_saved_scale_inv = _saved_usage(spec.backward_operands, spec.input, qx)
     # The amaxes delayed scaling records (and a cached weight keeps): where both quantizers measure one.
     records_amax = spec.input.records_amax and spec.weight.records_amax

@@ -16,6 +16,7 @@ Public functions::
     x_hp = ops.dequantize(q, scale_inv, out_dtype)
     d = ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None)
     ops.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)   # out += ...
+    out, q, scale_inv, amax = ops.quantize_fp8_gemm(x, dtype, scale, b, b_scale_inv, out_dtype)  # fused
     q, scale_inv = ops.quantize_blockwise(x, dtype, block_shape)  # one scale per block
     out = ops.quantize_blockwise_fused(x, dtype, block_shape, columnwise=True)
 
@@ -44,6 +45,7 @@ from transformer_linear.ops import (
     nvfp4_cuda,  # noqa: F401  (registers the NVFP4 ops' CUDA kernels)
     torch_cuda,
 )
+from transformer_linear.ops.quantize_gemm import QuantizeGemmOutput, quantize_fp8_gemm
 from transformer_linear.ops.block import (
     _fp8_gemm_blockwise,
     _fp8_gemm_blockwise_accumulate_,
@@ -53,6 +55,7 @@ from transformer_linear.ops.block import (
 
 __all__ = [
     "BlockQuantizeOutput",
+    "QuantizeGemmOutput",
     "QuantizeOutput",
     "amax",
     "dequantize",
@@ -62,6 +65,7 @@ __all__ = [
     "resolve_gemm_scalings",
     "quantize",
     "quantize_current",
+    "quantize_fp8_gemm",
     "quantize_fused",
     "quantize_blockwise",
     "quantize_blockwise_fused",

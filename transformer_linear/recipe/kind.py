@@ -26,6 +26,8 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from transformer_linear import ops
+
 __all__ = [
     "GatheredShard",
     "Quantized",
@@ -171,6 +173,18 @@ class ScalingKind:
         """(data_t, scale_inv_t) made from the rowwise copy (2-D, or experts stacked 3-D), as :meth:`quantize`
         (or :meth:`quantize_experts`) makes them, where :meth:`columnwise_is_transpose`."""
         raise NotImplementedError(f"scaling kind {self.name!r}: its columnwise copy is quantized on its own")
+
+    def quantize_gemm(
+        self, q: QuantizerFields, x: Tensor, columnwise: bool, scale: Optional[Tensor], other: Tensor,
+        other_scale_inv: Tensor, out_dtype: torch.dtype, bias: Optional[Tensor] = None,
+    ) -> tuple[Quantized, Tensor]:
+        """The forward's input quantize and GEMM: ``x`` quantized as :meth:`quantize` quantizes it (rowwise,
+        and ``columnwise`` where asked), and ``ops.fp8_gemm`` of its rowwise usage with the weight ``other``
+        (``other_scale_inv`` in the form the GEMM reads) in ``out_dtype``, plus ``bias``. By default the
+        two in turn; a kind whose kernels can cast the input inside the GEMM overrides it."""
+        qx = self.quantize(q, x, True, columnwise, scale)
+        x_scale_inv = self.gemm_scale(q, qx.scale_inv, qx.data)
+        return qx, ops.fp8_gemm(qx.data, x_scale_inv, other, other_scale_inv, out_dtype, bias)
 
     # ------------------------------------------------------------------ experts
 

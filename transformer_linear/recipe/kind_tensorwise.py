@@ -15,6 +15,7 @@ from torch import Tensor
 
 from transformer_linear import ops, reference
 from transformer_linear.formats import layout
+from transformer_linear.formats.dtypes import FP8_DTYPES
 from transformer_linear.ops.grouped import fp8_grouped_gemm, fp8_grouped_gemm_wgrad
 from transformer_linear.recipe.kind import GatheredShard, Quantized, QuantizerFields, ScalingKind, register_scaling_kind
 
@@ -95,6 +96,18 @@ class TensorwiseKind(ScalingKind):
         if scale is None and global_amax is not None:
             scale = reference.compute_scale(global_amax.float().reshape(1), reference.fp8_max(q.dtype), q.margin)
         return tensorwise_result(quantize_tensorwise(x, q.dtype, scale, q.margin, dbias_dtype=dbias_dtype))
+
+    def quantize_gemm(
+        self, q: QuantizerFields, x: Tensor, columnwise: bool, scale: Optional[Tensor], other: Tensor,
+        other_scale_inv: Tensor, out_dtype: torch.dtype, bias: Optional[Tensor] = None,
+    ) -> tuple[Quantized, Tensor]:
+        # One op (ops.quantize_fp8_gemm: the CPU casts x inside the GEMM) where the pass writes no transpose
+        # and the weight has one scale too; otherwise the quantize pass, then the GEMM.
+        if layout.needs_columnwise(x.device) or other.dtype not in FP8_DTYPES or other_scale_inv.numel() != 1:
+            return super().quantize_gemm(q, x, columnwise, scale, other, other_scale_inv, out_dtype, bias)
+        fused = ops.quantize_fp8_gemm(x, q.dtype, scale, other, other_scale_inv, out_dtype, bias, margin=q.margin)
+        no_data_t, no_dbias = fused.data.new_empty(0), x.new_empty(0, dtype=torch.float32)
+        return tensorwise_result(ops.QuantizeOutput(fused.data, no_data_t, fused.scale_inv, fused.amax, no_dbias)), fused.out
 
     def dequantize(self, q: QuantizerFields, data: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
         return ops.dequantize(data, scale_inv, dtype)

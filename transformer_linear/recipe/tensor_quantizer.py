@@ -245,6 +245,27 @@ class TensorQuantizer:
         """
         return self.scaling_kind.quantize(self, x, rowwise, columnwise, scale, dbias_dtype, global_amax)
 
+    def quantize_gemm(
+        self,
+        x: Tensor,
+        columnwise: bool,
+        scale: Optional[Tensor],
+        other: Tensor,
+        other_scale_inv: Tensor,
+        out_dtype: torch.dtype,
+        bias: Optional[Tensor] = None,
+    ) -> tuple[Quantized, Tensor]:
+        """The forward GEMM's input: ``x`` quantized as :meth:`quantize` (rowwise, and ``columnwise`` where
+        asked; ``scale`` as there), and the product of its rowwise usage with the weight ``other`` (whose
+        ``other_scale_inv`` is in the form the GEMM reads, :meth:`scale_2d`) in ``out_dtype``, plus ``bias``.
+        One op where the kind's kernels cast ``x`` inside the GEMM (one scale per tensor, on the CPU: the FP8
+        copy is packed from cache, not read back from memory), else the quantize pass and the GEMM.
+
+        Returns:
+            (the quantized ``x``, the (rows, other's rows) product).
+        """
+        return self.scaling_kind.quantize_gemm(self, x, columnwise, scale, other, other_scale_inv, out_dtype, bias)
+
     def quantize_flat(
         self, x: Tensor, rowwise: bool = True, columnwise: bool = False, dbias_dtype: Optional[torch.dtype] = None
     ) -> Quantized:
