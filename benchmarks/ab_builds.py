@@ -51,6 +51,15 @@ def outputs_agree(outs: Sequence[Optional[torch.Tensor]], call: Callable[[Module
                for a, b in zip(outs, new_outs))
 
 
+def training_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``module`` on ``x`` with output gradient ``grad``, gradients cleared first."""
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        module(x).backward(grad)
+    return step
+
+
 def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: Callable[[], float],
                      before: Callable[[], object] = lambda: None) -> dict[str, list[float]]:
     """Seconds of each of ``fns`` over ``repeats`` round-robin rounds after one untimed call each;

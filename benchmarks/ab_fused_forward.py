@@ -80,14 +80,6 @@ def op_rows(shape: tuple[int, int, int], in_dtypes: list[str], repeats: int, clo
     _report(ab_builds.time_interleaved(fns, repeats, clock), next(iter(fns)), 2.0 * m * k * n)
 
 
-def _step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        module(x).backward(grad)
-    return step
-
-
 def _forward(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     def forward() -> None:
         with torch.no_grad():
@@ -102,7 +94,7 @@ def linear_rows(shape: tuple[int, int, int], recipes: list[str], bf16: bool, rep
     base = nn.Linear(k, n)
     x, grad = torch.randn(m, k, requires_grad=True), torch.randn(m, n)
     for what, make, flop in (("forward (no_grad)", lambda mod, x, g: _forward(mod, x), 2.0),
-                             ("forward + backward", _step, 6.0)):
+                             ("forward + backward", ab_builds.training_step, 6.0)):
         fns: dict[str, Callable[[], None]] = {"nn.Linear fp32": make(copy.deepcopy(base), x, grad)}
         if bf16:
             x_bf16 = x.detach().bfloat16().requires_grad_()

@@ -59,14 +59,6 @@ def _with_build(ext: ModuleType, holders: list[ModuleType], fn: Callable[[], obj
     return call
 
 
-def _step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        module(x).backward(grad)
-    return step
-
-
 def _report(times: dict[str, list[float]], base: str, flop: float) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     for name, t in med.items():
@@ -80,12 +72,12 @@ def linear_rows(shape: tuple[int, int, int], recipes: list[str], old_C: ModuleTy
     torch.manual_seed(0)
     base = nn.Linear(k, n)
     x, grad = torch.randn(m, k, requires_grad=True), torch.randn(m, n)
-    fns: dict[str, Callable[[], None]] = {"nn.Linear fp32": _step(copy.deepcopy(base), x, grad)}
+    fns: dict[str, Callable[[], None]] = {"nn.Linear fp32": ab_builds.training_step(copy.deepcopy(base), x, grad)}
     layers = {name: tl.Linear.from_linear(copy.deepcopy(base), recipe=recipe.from_name(name)) for name in recipes}
     holders = _modules_holding(new_C)
     for name, layer in layers.items():
-        fns[f"{name} old"] = _with_build(old_C, holders, _step(layer, x, grad))
-        fns[f"{name} new"] = _step(layer, x, grad)
+        fns[f"{name} old"] = _with_build(old_C, holders, ab_builds.training_step(layer, x, grad))
+        fns[f"{name} new"] = ab_builds.training_step(layer, x, grad)
     print(f"\n### tl.Linear fwd+bwd, M x K x N = {m} x {k} x {n}\n")
     print("| variant | ms | GFLOP/s (3 GEMMs) | / fp32 nn.Linear |\n|---|---:|---:|---:|")
     _report(ab_builds.time_interleaved(fns, repeats, clock), "nn.Linear fp32", 6.0 * m * k * n)
