@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from cpu_paths import SUPPORTED_ISAS
+
 from transformer_linear import _C
 
 HAS_CUDA_KERNELS = torch.cuda.is_available() and _C.built_with_cuda()
@@ -21,6 +23,15 @@ DEVICES = [
 def device(request) -> str:
     """Every kernel test runs on each device this machine has."""
     return request.param
+
+
+@pytest.fixture(params=SUPPORTED_ISAS)
+def gemm_isa(request) -> str:
+    """Each CPU path this machine runs, forced for the test (each has its own GEMM packing and micro-kernel:
+    avx512_bf16 its vdpbf16ps or AMX one); the measured choice ("auto") is restored after."""
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa("auto")
 
 
 @pytest.fixture(autouse=True)

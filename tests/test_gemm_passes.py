@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 from blockwise_cases import block_operands
-from cpu_paths import SUPPORTED_ISAS
 from tolerances import assert_bitwise_equal
 
 from transformer_linear import _C, ops
@@ -30,13 +29,6 @@ SHAPES = {
     "one_block_of_rows": (5, 700, 2608),  # the threads split the B panels of one A block
     "k_of_many_amx_passes": (70, 300, 10304),
 }
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def gemm_isa(request):
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa("auto")
 
 
 def _tensorwise(m, n, k):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import QUANTIZE_ISAS, SUPPORTED_ISAS
+from cpu_paths import QUANTIZE_ISAS
 from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 
 from transformer_linear import _C
@@ -30,14 +30,6 @@ OPTIONS = {
 @pytest.fixture(params=QUANTIZE_ISAS)
 def cpu_isa(request):
     """The NVFP4 kernels are portable; every path must give the same bits all the same."""
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa("auto")
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def gemm_isa(request):
-    """Each GEMM path (avx512_bf16 has its own vdpbf16ps micro-kernel) must give the reference's bits."""
     _C.set_cpu_isa(request.param)
     yield request.param
     _C.set_cpu_isa("auto")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_paths import SUPPORTED_ISAS
 from tolerances import assert_bitwise_equal, assert_close_to_reference
 
 from transformer_linear import _C, ops, reference
+from transformer_linear.ops.descriptors import desc
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.transformer_linear
@@ -28,13 +28,6 @@ SHAPES = {
     "no_k": (16, 0, 24),
     "no_columns": (16, 64, 0),
 }
-
-
-@pytest.fixture(params=SUPPORTED_ISAS)
-def cpu_isa(request):
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa("auto")
 
 
 def _operands(m, k, n, in_dtype, fp8_dtype=E4M3):
@@ -52,7 +45,7 @@ def _unfused(x, fp8_dtype, scale, w, w_scale_inv, out_dtype, bias, margin=0):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_bitwise_the_quantize_then_the_gemm(cpu_isa, shape, in_dtype, scaling):
+def test_bitwise_the_quantize_then_the_gemm(gemm_isa, shape, in_dtype, scaling):
     m, k, n = SHAPES[shape]
     x, w, w_scale_inv = _operands(m, k, n, in_dtype)
     scale = None if scaling == "current" else torch.tensor([0.75])
@@ -145,3 +138,42 @@ def test_bad_input_is_named(make, error, message):
     x, w, w_scale_inv = _operands(8, 32, 16, torch.float32)
     with pytest.raises(error, match=message):
         ops.quantize_fp8_gemm(*make(x, w, w_scale_inv))
+
+
+def _raw_call(x, scale, out, w, w_scale_inv, d, current):
+    """_C.quantize_fp8_gemm on these tensors as they are (the C++ entry checks them again: it can be reached
+    directly), with fresh scale_inv and amax outputs (held here: a descriptor does not keep its tensor)."""
+    scale_inv, amax = torch.empty(1), torch.empty(())
+
+    def describe(t, name):
+        return desc(t, "test", name)
+
+    _C.quantize_fp8_gemm(describe(x, "input"), describe(scale, "scale"), describe(out, "output"),
+                         describe(scale_inv, "scale_inv"), describe(amax, "amax"), current, 0, describe(w, "b"),
+                         describe(w_scale_inv, "b_scale_inv"), None, describe(d, "d"), False, None, 0)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("scratch scale in d", "'d' shares memory with output 'scale'|'scale' shares memory with output 'd'"),
+        ("d over the input", "output 'd' shares memory with argument 'input'"),
+        ("FP8 copy over the weight", "output 'output' shares memory with argument 'b'"),
+    ],
+    ids=lambda v: v if " " in v and "'" not in v else "",
+)
+def test_the_entry_refuses_outputs_over_other_tensors(case, match):
+    """Current scaling writes its scale into the 'scale' tensor: it may overlap neither the GEMM's output
+    nor anything else, and no output of the quantize half may overlap an input of the GEMM half."""
+    x, w, w_scale_inv = _operands(8, 32, 16, torch.float32)
+    scale, out, d = torch.empty(1), torch.empty(8, 32, dtype=E4M3), torch.empty(8, 16)
+    if case == "scratch scale in d":
+        scale = d.view(-1)[:1]
+    elif case == "d over the input":
+        d = x.view(-1)[: 8 * 16].view(8, 16)
+    else:
+        both = torch.empty(16, 32, dtype=E4M3)
+        both.copy_(w)
+        w, out = both, both[8:]
+    with pytest.raises(ValueError, match=match):
+        _raw_call(x, scale, out, w, w_scale_inv, d, current=True)

@@ -24,7 +24,10 @@ void quantize_fp8_gemm(const TensorDesc& input, const TensorDesc& scale, const T
   // its output may alias none of the quantize's tensors either.
   const GemmParams g = checked_gemm_params(op, output, scale_inv, b, b_scale_inv, bias, d, /*accumulate=*/false,
                                            use_split_accumulator, workspace, stream);
-  check_disjoint(op, {{"d", &d}, {"output", &output}, {"scale_inv", &scale_inv}, {"amax", &amax}},
+  // Current scaling writes its scale into 'scale' (scratch): an output then.
+  check_disjoint(op,
+                 {{"d", &d}, {"output", &output}, {"scale_inv", &scale_inv}, {"amax", &amax},
+                  {"scale", current_scaling ? &scale : &none}},
                  {{"input", &input}, {"scale", current_scaling ? &none : &scale}, {"b", &b},
                   {"b_scale_inv", &b_scale_inv}, {"bias", &bias}});
   if (input.device == DeviceType::kCUDA) {
