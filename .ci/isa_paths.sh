@@ -19,13 +19,14 @@ print(info["isa"], ",".join(i for i in info["supported"] if i != info["isa"]))
 ')
 echo "isa_paths.sh: the suite ran on $auto (measured); now on: ${others:-nothing else}"
 # Left out of the reruns, as they gain nothing from another default path: the kernel test files that
-# force every path themselves (they import tests/cpu_paths.py, and ran every path in the first run), the
+# force every path themselves (they import tests/cpu_paths.py or take conftest.py's gemm_isa fixture, and
+# ran every path in the first run), the
 # multi-process tests (tests/dist_harness.py: gloo ranks running the kernels the single-process tests
 # run; their time is process start-up), the AOTInductor packages (tests/test_aoti.py: compiling a package
 # is their time; the kernels in it are the ones tested here), the Triton interpreter's runs (no CPU kernel)
 # and the `slow` tests. What is left, the rest of the suite, runs on each path; on an AVX-512 machine that is three
 # reruns, which the whole suite each time would push CI past its time limit.
-mapfile -t per_path_files < <(grep -l -e "from cpu_paths import" -e "from dist_harness import" tests/test_*.py)
+mapfile -t per_path_files < <(grep -l -e "from cpu_paths import" -e "gemm_isa" -e "from dist_harness import" tests/test_*.py)
 ignores=()
 # test_triton_ops_traced.py traces the Triton ops' graphs (no CPU kernel runs in them).
 per_path_files+=(tests/test_aoti.py tests/test_triton_ops_traced.py)
