@@ -60,6 +60,7 @@ def test_every_op_is_covered():
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     expected |= {"fsdp_rowwise_copy"}  # in test_fsdp_fp8_all_gather.py
     expected |= {"quantize_fp8_gemm"}  # in test_quantize_gemm.py
+    expected |= {"transpose"}  # below; its kernel in test_transpose.py
     # The Triton ops: opchecked on a GPU, traced and refusing CPU tensors in test_triton_ops_traced.py, run
     # under the interpreter in test_blockwise_triton.py, test_grouped_gemm.py and test_nvfp4_triton.py.
     triton_ops = {f"triton_{name}" for name in TRITON_OPS}
@@ -90,6 +91,12 @@ def test_opcheck_quantize(device, delayed, rowwise, columnwise, dbias_dtype):
 def test_opcheck_dequantize(device, out_dtype):
     q, scale_inv = fp8_operand((4, 9), E4M3, device)
     opcheck_fp8(OPS.dequantize.default, (q, scale_inv, out_dtype))
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (2, 6, 10)])
+def test_opcheck_transpose(device, shape):
+    q, _ = fp8_operand(shape, E5M2, device)
+    opcheck_fp8(OPS.transpose.default, (q,))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

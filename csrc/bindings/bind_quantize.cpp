@@ -19,6 +19,8 @@ void register_quantize(py::module_& m) {
         "FP8 quantize with optional transposed output, amax and bias gradient");
   m.def("dequantize", &tl::dequantize, "input"_a, "scale_inv"_a, "output"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(), "output = float(input) * scale_inv");
+  m.def("transpose", &tl::transpose, "input"_a, "output"_a, "stream"_a = 0,
+        py::call_guard<py::gil_scoped_release>(), "output = input with its last two dimensions swapped (FP8)");
 }
 
 }  // namespace bindings

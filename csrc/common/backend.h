@@ -52,6 +52,7 @@ namespace cpu {
 void amax(const TensorDesc& input, const TensorDesc& amax);
 void quantize(const QuantizeParams& p);
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output);
+void transpose(const TensorDesc& input, const TensorDesc& output);
 void fp8_gemm(const GemmParams& p);
 // q's rowwise cast and the GEMM g whose A is q.output, one pass over the input: see quantize_gemm.h.
 void quantize_fp8_gemm(const QuantizeParams& q, const GemmParams& g);

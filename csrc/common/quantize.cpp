@@ -147,4 +147,27 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
   cpu::dequantize(input, scale_inv, output);
 }
 
+void transpose(const TensorDesc& input, const TensorDesc& output, Stream stream) {
+  constexpr const char* op = "transpose";
+  check_defined(op, "input", input);
+  TL_CHECK_TYPE(input.device == DeviceType::kCPU, op, ": argument 'input' must be on cpu (on a GPU torch's copy ",
+                "transposes), got ", device_name(input.device));
+  check_dtype(op, "input", input, kFp8);
+  TL_CHECK(input.ndim == 2 || input.ndim == 3, op, ": argument 'input' must be 2-D or 3-D, got ", input.ndim,
+           "-D");
+  check_contiguous(op, "input", input);
+  check_defined(op, "output", output);
+  check_device(op, "output", output, input.device, input.device_index);
+  check_dtype(op, "output", output, {input.dtype});
+  check_contiguous(op, "output", output);
+  if (input.ndim == 2) {
+    check_shape(op, "output", output, {input.shape[1], input.shape[0]});
+  } else {
+    check_shape(op, "output", output, {input.shape[0], input.shape[2], input.shape[1]});
+  }
+  check_disjoint(op, {{"output", &output}}, {{"input", &input}});
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::transpose(input, output);
+}
+
 }  // namespace tl

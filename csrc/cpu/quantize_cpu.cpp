@@ -1,5 +1,5 @@
 // CPU quantize family: amax, quantize (optionally with amax, transposed
-// output and bias gradient), dequantize. Element math: fp8_math.h.
+// output and bias gradient), dequantize, transpose of FP8 data. Element math: fp8_math.h.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -19,6 +19,9 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 16;  // elements per thread at least
 constexpr int64_t kTile = 64;        // transpose tile edge
+// The FP8 transpose's unit of work: rows x columns of its input.
+constexpr int64_t kTransposeRows = 256;
+constexpr int64_t kTransposeCols = 64;
 // Outputs larger than this bypass the cache (non-temporal stores): they
 // would not stay there anyway, and skipping the read-for-ownership saves
 // a fifth of the traffic of an fp32 -> fp8 cast.
@@ -333,6 +336,50 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
         for (int64_t i = b; i < e; ++i) y[i] = Out::store(In::load(q[i]) * s);
       });
     });
+  });
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols, through kTile x kTile tiles.
+void transpose_bytes_portable(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                              int64_t ld_dst) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = std::min(rows, r0 + kTile);
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t r = r0; r < r1; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+    }
+  }
+}
+
+void transpose(const TensorDesc& input, const TensorDesc& output) {
+  const int64_t rows = input.size(-2), cols = input.size(-1);
+  const int64_t matrices = input.ndim == 3 ? input.shape[0] : 1;
+  if (rows == 0 || cols == 0 || matrices == 0) return;
+  // Units of kTransposeRows x kTransposeCols bytes, a column of tiles after another: a unit reads a few
+  // kilobytes of a few rows and writes as much to kTransposeCols output rows, where a unit of whole
+  // columns would touch a page per input row (a TLB miss each, for rows a page long).
+  const int64_t row_tiles = (rows + kTransposeRows - 1) / kTransposeRows;
+  const int64_t col_tiles = (cols + kTransposeCols - 1) / kTransposeCols;
+  const int64_t unit_bytes = std::min(rows, kTransposeRows) * std::min(cols, kTransposeCols);
+  const int threads = std::max(1, get_num_threads());
+  const int64_t units = matrices * col_tiles * row_tiles;
+  const int64_t chunk = claim_chunk(units, threads, std::max<int64_t>(1, kGrain / unit_bytes),
+                                    std::max<int64_t>(1, kChunkBytes / unit_bytes));
+  const QuantizeKernels* vec = vector_kernels();
+  const uint8_t* src = input.ptr<uint8_t>();
+  uint8_t* dst = output.ptr<uint8_t>();
+  parallel_for_claimed(threads, units, chunk, /*from_end=*/false, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t m = u / (col_tiles * row_tiles), tile = u % (col_tiles * row_tiles);
+      const int64_t c0 = tile / row_tiles * kTransposeCols, r0 = tile % row_tiles * kTransposeRows;
+      const int64_t nc = std::min(kTransposeCols, cols - c0), nr = std::min(kTransposeRows, rows - r0);
+      const uint8_t* s = src + m * rows * cols + r0 * cols + c0;
+      uint8_t* d = dst + m * rows * cols + c0 * rows + r0;
+      if (vec) {
+        vec->transpose(s, cols, nr, nc, d, rows);
+      } else {
+        transpose_bytes_portable(s, cols, nr, nc, d, rows);
+      }
+    }
   });
 }
 

@@ -55,6 +55,9 @@ struct QuantizeKernels {
   /*! \brief y[i] = store(load(q[i]) * scale_inv) for i in [begin, end). */
   void (*dequantize)(DType in, DType out, const uint8_t* q, float scale_inv, void* y,
                      int64_t begin, int64_t end);
+  /*! \brief dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols (bytes). */
+  void (*transpose)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                    int64_t ld_dst);
 };
 
 /*! \brief AVX2 + FMA + F16C kernels; call only when the CPU has them. */

@@ -7,6 +7,7 @@
 //   cast_range<In, Out, kAmax, kStream>(x, q, scale, begin, end)
 //   dequantize_range<In, Out>(q, scale_inv, y, begin, end)
 //   stream_line(dst, src): one 64-byte line, non-temporal, dst 64-aligned
+//   transpose_bytes(src, ld_src, rows, cols, dst, ld_dst): a byte matrix transposed
 // Each path thus compiles its own copy with its own instruction set, with
 // internal linkage, so the linker never merges the two. The including file
 // includes <algorithm>, <cstring>, quantize_cpu_isa.h, transpose_bytes_sse2.h
@@ -140,4 +141,6 @@ void dequantize(DType in, DType out, const uint8_t* q, float scale_inv, void* y,
   });
 }
 
-QuantizeKernels quantize_kernels() { return QuantizeKernels{amax, cast, cast_transpose, dequantize}; }
+QuantizeKernels quantize_kernels() {
+  return QuantizeKernels{amax, cast, cast_transpose, dequantize, transpose_bytes};
+}

@@ -14,7 +14,7 @@ import torch
 
 from transformer_linear.formats.dtypes import FP8_DTYPES
 
-__all__ = ["fp8_tensor_cores_take", "needs_columnwise", "saved_form", "transposed"]
+__all__ = ["fp8_tensor_cores_take", "needs_columnwise", "saved_form", "transposed", "transposed_copy"]
 
 
 def needs_columnwise(device: torch.device) -> bool:
@@ -32,6 +32,12 @@ def transposed(saved: torch.Tensor) -> torch.Tensor:
     if saved.dtype in FP8_DTYPES and needs_columnwise(saved.device):
         return saved
     return saved.t()
+
+
+def transposed_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` with its last two dimensions swapped, by torch's strided copy (standard
+    strides also for a dimension of size 1; a stack: each matrix transposed)."""
+    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
 def fp8_tensor_cores_take(a: torch.Tensor, b: torch.Tensor, *, aligned: bool) -> bool:

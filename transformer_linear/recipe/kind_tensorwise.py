@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from transformer_linear import ops, reference
 from transformer_linear.formats import layout
@@ -37,8 +38,11 @@ def quantize_tensorwise(
 
 def transposed(t: Tensor) -> Tensor:
     """A contiguous copy of ``t`` with its last two dimensions swapped (as a quantizer makes a columnwise copy:
-    standard strides, also for a dimension of size 1); each expert's of a stacked 3-D one."""
-    return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+    standard strides, also for a dimension of size 1); each expert's of a stacked 3-D one. FP8 data goes
+    through ``ops.transpose`` (a DTensor's local shards are transposed by its own rules, as torch's)."""
+    if t.dtype in FP8_DTYPES and t.dim() in (2, 3) and not isinstance(t, DTensor):
+        return ops.transpose(t)
+    return layout.transposed_copy(t)
 
 
 def range_stats(x: Tensor, dtype: torch.dtype, scale: Tensor | float) -> dict[str, float]:

@@ -90,6 +90,11 @@ def transpose_2d(q: torch.Tensor) -> torch.Tensor:
     return q.reshape(math.prod(q.shape[:-1]), cols).t().contiguous()
 
 
+def transpose_last2(q: torch.Tensor) -> torch.Tensor:
+    """``q`` with its last two dimensions swapped, as a contiguous copy (a stack: each matrix transposed)."""
+    return q.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
+
+
 def bias_grad(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Column sums of grad_output viewed as (rows, last dim), accumulated in float32."""
     cols = grad_output.shape[-1]

@@ -1,7 +1,8 @@
 /*!
  * \file quantize.h
  * \brief Quantize-family entry points: amax, quantize (delayed or current
- *        scaling, optional transposed output, amax and bias-gradient), dequantize.
+ *        scaling, optional transposed output, amax and bias-gradient), dequantize,
+ *        and the transpose of quantized data.
  *
  * Each entry validates its arguments (dtype, device, shape, layout) and then
  * runs the CPU or CUDA kernel for the tensors' device. Scales are read from
@@ -56,5 +57,18 @@ void quantize(const TensorDesc& input, const TensorDesc& scale, const TensorDesc
  */
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output,
                 Stream stream);
+
+/*!
+ * \brief output = input with its last two dimensions swapped, as a contiguous copy: the columnwise
+ *        copy of data already quantized (a weight's square-block FP8 data, a gathered shard's).
+ *
+ * CPU only: on a GPU, torch's own copy runs the transpose at the memory's rate.
+ *
+ * \param input  contiguous FP8 tensor, (rows, cols) or a stack (n, rows, cols); any size may be 0.
+ * \param output contiguous tensor of the input's dtype, (cols, rows) or (n, cols, rows), not
+ *               overlapping the input.
+ * \param stream the thread count of this call (0: OpenMP's, of the calling thread).
+ */
+void transpose(const TensorDesc& input, const TensorDesc& output, Stream stream);
 
 }  // namespace tl
