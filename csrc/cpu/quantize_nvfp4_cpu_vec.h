@@ -315,18 +315,6 @@ struct Vec {
   static bool load_tile(const QuantizeNvfp4Params& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                         float* tile) {
     const int64_t w = c1 - c0;  // a multiple of 16 (K % 16 == 0)
-    // The driver walks bands of rows chunk by chunk: fetch the next chunk (the same rows
-    // further right, or the next band's first columns) into L2 while this one is worked on,
-    // as the 16 row streams of a band are more than the hardware prefetchers follow.
-    const bool right = c1 < p.k;
-    const int64_t next_c = right ? c1 : 0, next_w = right ? (p.k - c1 < w ? p.k - c1 : w) : w;
-    const int64_t next_r0 = right ? r0 : r1, next_r1 = right ? r1 : (r1 + kBlock < p.m ? r1 + kBlock : p.m);
-    const int64_t esize = p.input.dtype == DType::kFloat32 ? 4 : 2;
-    const char* base = static_cast<const char*>(p.input.data);
-    for (int64_t r = next_r0; r < next_r1; ++r) {
-      const char* row = base + (r * p.k + next_c) * esize;
-      for (int64_t off = 0; off < next_w * esize; off += 64) __builtin_prefetch(row + off, 0, 2);
-    }
     if (p.input.dtype == DType::kFloat32) {
       const float* x = p.input.ptr<const float>();
       for (int64_t r = r0; r < r1; ++r) std::memcpy(tile + (r - r0) * w, x + r * p.k + c0, w * sizeof(float));
