@@ -1,6 +1,6 @@
 """Forward+backward time and saved-activation memory of tl.Linear vs nn.Linear and torchao.
 
-Rows: nn.Linear fp32 / bf16, tl.Linear under each recipe (eager and
+Rows: nn.Linear fp32 / bf16 / fp32 under bf16 autocast, tl.Linear under each recipe (eager and
 torch.compile'd): the tensorwise ones (current, delayed) and the block-scaled
 ones (Float8BlockScaling 1x128/128x128, MXFP8BlockScaling 1x32 E8M0,
 Float8RowwiseScaling, NVFP4BlockScaling ``nvfp4``), and torchao's Float8Linear(emulate=True) (eager and
@@ -17,6 +17,7 @@ why it was chosen, is printed first, with the command and the CPU model.
     python benchmarks/bench_linear.py --shapes 1024 --recipes nvfp4 --threads 1
     python benchmarks/bench_linear.py --shapes 512,1024 --iters 3 --no-compile
     python benchmarks/bench_linear.py --shapes 2048,4096x1024x4096   # M x K x N
+    python benchmarks/bench_linear.py --shapes 2048 --model-dtype bfloat16   # tl.Linear in a bf16 model
     python benchmarks/bench_linear.py --shapes 2048 --threads 1 --clock thread --no-bf16   # AVX2-only CPU
 """
 
@@ -56,16 +57,30 @@ def _torchao_float8(linear: nn.Linear) -> Optional[nn.Module]:
     return model[0]
 
 
+class _Bf16Autocast(nn.Module):
+    """An fp32 module whose forward runs under ``torch.autocast("cpu", torch.bfloat16)``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return self.module(x)
+
+
 def _variants(
-    base: nn.Linear, compile_: bool, recipes: list[str], bf16: bool = True
+    base: nn.Linear, compile_: bool, recipes: list[str], bf16: bool = True, model_dtype: torch.dtype = torch.float32
 ) -> dict[str, Optional[Callable[[], nn.Module]]]:
-    """name -> factory of a module with ``base``'s parameters (None: not available)."""
+    """name -> factory of a module with ``base``'s parameters (None: not available); the tl.Linear rows'
+    parameters in ``model_dtype``."""
     variants: dict[str, Optional[Callable[[], nn.Module]]] = {"nn.Linear fp32": lambda: copy.deepcopy(base)}
     if bf16:
         variants["nn.Linear bf16"] = lambda: copy.deepcopy(base).to(torch.bfloat16)
+        variants["nn.Linear fp32, bf16 autocast"] = lambda: _Bf16Autocast(copy.deepcopy(base))
     for name in recipes:
         r = RECIPES[name]
-        variants[f"tl.Linear {name}"] = lambda r=r: tl.Linear.from_linear(copy.deepcopy(base), recipe=r)
+        variants[f"tl.Linear {name}"] = lambda r=r: tl.Linear.from_linear(copy.deepcopy(base).to(model_dtype), recipe=r)
     has_torchao = _torchao_float8(copy.deepcopy(base)) is not None
     variants["torchao emulate"] = (lambda: _torchao_float8(copy.deepcopy(base))) if has_torchao else None
     if compile_:
@@ -142,14 +157,17 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     print("| variant | fwd+bwd ms | vs nn.Linear fp32 | vs nn.Linear bf16 | saved bytes | vs nn.Linear fp32 | peak MiB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     steps, saved, missing = {}, {}, []
-    for name, make in _variants(base, not args.no_compile, args.recipes, bf16=not args.no_bf16).items():
+    variants = _variants(base, not args.no_compile, args.recipes, bf16=not args.no_bf16, model_dtype=args.model_dtype)
+    for name, make in variants.items():
         if make is None:
             missing.append(name)
             continue
         module = make()
-        dtype = torch.bfloat16 if "bf16" in name else torch.float32
-        x = torch.randn(m, k, device=args.device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(m, n, device=args.device, dtype=dtype)
+        # The input in the dtype of the module's parameters; the output gradient in its output's.
+        x_dtype = args.model_dtype if name.startswith("tl.") else next(module.parameters()).dtype
+        grad_dtype = torch.bfloat16 if "autocast" in name else x_dtype
+        x = torch.randn(m, k, device=args.device, dtype=x_dtype, requires_grad=True)
+        grad = torch.randn(m, n, device=args.device, dtype=grad_dtype)
         steps[name] = _fwd_bwd_step(module, x, grad)
         saved[name] = _saved_bytes(module, x)
     if args.device == "cuda":
@@ -203,6 +221,11 @@ def main() -> None:
         help="leave out bf16 nn.Linear (a CPU without bf16 units runs it at a fraction of fp32's rate: minutes a call)",
     )
     parser.add_argument(
+        "--model-dtype", type=lambda v: getattr(torch, v), default=torch.float32,
+        help="dtype of the tl.Linear rows' parameters, input and gradient (bfloat16: like for like with the bf16 "
+             "nn.Linear row, as in a bf16 model; default float32, fp32 master weights)",
+    )
+    parser.add_argument(
         "--slow-call-s", type=float, default=10.0, help="a variant whose first call takes longer is timed from it alone"
     )
     args = parser.parse_args()
@@ -229,6 +252,7 @@ def main() -> None:
     print(f"# CPU path: {cpu_path()}")
     print(f"# clock: {'CPU time of the calling thread' if args.clock == 'thread' else 'wall clock'}; "
           f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"# tl.Linear rows: parameters, input and gradient in {args.model_dtype}")
     for name in args.recipes:
         print(f"# tl.Linear {name}: {RECIPES[name]!r}")
     for label, shape in shapes.items():
