@@ -91,6 +91,7 @@ from transformer_linear.modules.fsdp_gather_usages import (
 from transformer_linear.modules.linear_args import CachedWeight
 from transformer_linear.recipe import HistoryConfig
 from transformer_linear.recipe.delayed_scaling import delayed_scaling_flush
+from transformer_linear.recipe.kind_tensorwise import transposed
 from transformer_linear.recipe.quantization import TensorQuantizer
 from transformer_linear.recipe.scaling import FP8_STATE_COLUMNS, no_amax_yet
 from transformer_linear.reference import compute_scale, fp8_max
@@ -323,7 +324,7 @@ class FP8AllGatherWeight(torch.Tensor):
                 if usages.columnwise:
                     # The columnwise copy (cols, shard rows) gathers along its columns: transposed to rows,
                     # the rowwise copy's shape (the numel and dtypes of FSDP2's buffers either way).
-                    gathered += [q.data_t.t().contiguous(), q.scale_inv_t.t().contiguous()]
+                    gathered += [transposed(q.data_t), transposed(q.scale_inv_t)]
                 return tuple(gathered), _GatherMetadata(rows, usages, group, None, None)
             # The rowwise copy alone (the columnwise one is its transpose, made after the gather), quantized as
             # part of the whole weight where the kind's scales span it (an amax all-reduce).
@@ -380,7 +381,7 @@ class FP8AllGatherWeight(torch.Tensor):
                 if src is None:
                     _free(dst)  # FSDP2 reallocated it before this gather; this pass does not read it
                 else:
-                    _refill(dst, src.t())
+                    _refill(dst, transposed(src))
         else:
             data = all_gather_outputs[0][:rows]
             cols = data.shape[1]
@@ -392,7 +393,7 @@ class FP8AllGatherWeight(torch.Tensor):
                     _free(dst)
                 else:
                     with torch.no_grad():
-                        dst.copy_(src.t())
+                        dst.copy_(transposed(src))
             cached = CachedWeight(data, data_t, all_gather_outputs[1], scale_inv_t, None)
             source = RowwiseSource(self, self.quantizer, param_dtype, metadata.group, rows)
             missing_rowwise = torch.full((), NO_HANDLE, dtype=torch.int64)
