@@ -19,6 +19,9 @@ them by wall clock.
 it (``quantize_nvfp4`` into preallocated outputs), the pair current scaling runs; its byte count is the
 input plus the packed data.
 
+``--dbias`` also asks for the bias gradient (the input's column sums, in its dtype), as backward's
+quantize of the output gradient does.
+
 ``--before`` sets what runs (untimed) before each timed call: ``write`` rewrites the input front to
 back (as the op that produced it would have; default), ``flush`` writes a 64 MiB buffer (no input
 in cache), ``none`` nothing (the input as the previous timed call left it).
@@ -45,13 +48,14 @@ def main() -> None:
     ab_builds.add_arguments(parser)
     parser.add_argument("--rows", type=int, nargs="*", help="input rows (x 4096 columns); default 2048 4096 8192")
     parser.add_argument("--nvfp4", action="store_true", help="NVFP4's global amax + quantize instead")
+    parser.add_argument("--dbias", action="store_true", help="also the bias gradient (column sums)")
     parser.add_argument("--before", choices=("write", "flush", "none"), default="write",
                         help="untimed step before each timed call (see above)")
     args = parser.parse_args()
     old_C, clock = ab_builds.setup(args)
     shapes = [(r, 4096) for r in args.rows] if args.rows else SHAPES
     flush_buffer = torch.empty(64 << 20, dtype=torch.uint8)
-    print(f"before each call: {args.before}; {args.threads} thread(s)")
+    print(f"before each call: {args.before}; {args.threads} thread(s); bias gradient: {args.dbias}")
     print(f"{'shape':<11}{'dtype':<10}{'layouts':<9}{ab_builds.HEADER}")
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -74,16 +78,18 @@ def main() -> None:
                         finally:
                             nvfp4_ops._C = new_C
                 else:
-                    q, q_t, scale_inv, amax, _ = _quantize_outputs(x, E4M3, True, columnwise, None)
+                    dbias_dtype = dtype if args.dbias else None
+                    q, q_t, scale_inv, amax, dbias = _quantize_outputs(x, E4M3, True, columnwise, dbias_dtype)
                     scale = _scalar(x)  # the kernel writes the scale here: it must outlive the call
-                    outs = (q, q_t, scale_inv, amax)
+                    outs = (q, q_t, scale_inv, amax, dbias)
 
-                    def call(ext, x=x, q=q, q_t=q_t, scale=scale, scale_inv=scale_inv, amax=amax,
+                    def call(ext, x=x, q=q, q_t=q_t, scale=scale, scale_inv=scale_inv, amax=amax, dbias=dbias,
                              columnwise=columnwise):
                         ext.quantize(
                             desc(x, "ab", "input"), desc(scale, "ab", "scale"), desc(q, "ab", "output"),
                             desc(q_t, "ab", "output_t") if columnwise else None, desc(scale_inv, "ab", "scale_inv"),
-                            desc(amax, "ab", "amax"), None, True, 0, stream_for(x),
+                            desc(amax, "ab", "amax"), desc(dbias, "ab", "dbias") if args.dbias else None, True, 0,
+                            stream_for(x),
                         )
 
                 same = ab_builds.outputs_agree(outs, call, new_C, old_C)

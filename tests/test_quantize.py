@@ -220,13 +220,36 @@ def test_compute_scale_rules(device, isa, dtype, margin):
         assert_bitwise_equal(scale_inv, torch.reciprocal(expected).reshape(1), f"scale for amax={a}")
 
 
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
 @pytest.mark.parametrize("shape", [(1, 5), (300, 70), (1000, 33), (4, 3, 260)], ids=str)
 @pytest.mark.parametrize("dbias_dtype", HP)
 @pytest.mark.parametrize("in_dtype", HP)
-def test_dbias(device, isa, in_dtype, dbias_dtype, shape):
+def test_dbias(device, isa, in_dtype, dbias_dtype, shape, scaling):
+    """The bias gradient beside each scaling's pass (on the CPU: current scaling's amax pass adds the rows up,
+    delayed scaling's cast does)."""
     x = torch.randn(shape).to(in_dtype).to(device)
-    out = ops.quantize_fused(x, torch.float8_e5m2, scale_tensor(1.0, device), dbias_dtype=dbias_dtype)
+    scale = scale_tensor(1.0, device) if scaling == "delayed" else None
+    out = ops.quantize_fused(x, torch.float8_e5m2, scale, dbias_dtype=dbias_dtype)
     exact = x.double().reshape(-1, shape[-1]).sum(0)
     assert_close_to_reference(out.dbias, exact, baseline=ref.bias_grad(x, dbias_dtype), what="dbias")
-    q_ref, _ = ref.quantize(x, scale_tensor(1.0, device), torch.float8_e5m2)
+    if scaling == "delayed":
+        q_ref, _ = ref.quantize(x, scale, torch.float8_e5m2)
+    else:
+        q_ref, _, _ = ref.quantize_current(x, torch.float8_e5m2, 0)
     assert_bitwise_equal(out.data, q_ref, "data beside dbias")
+
+
+def test_dbias_bits_do_not_depend_on_the_pass_or_the_threads(isa, restore_torch_threads):
+    """The column sums are fixed 256-row blocks added in order, whichever pass adds the rows up (current
+    scaling's amax pass, delayed scaling's cast, a pass of their own beside the cast + transpose)."""
+    x = torch.randn(1100, 70) * 3
+    first = None
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for scale in (None, scale_tensor(1.0, "cpu")):
+            for columnwise in (False, True):
+                dbias = ops.quantize_fused(x, torch.float8_e5m2, scale, columnwise=columnwise,
+                                           dbias_dtype=torch.float32).dbias
+                first = dbias if first is None else first
+                what = f"{threads} threads, {'delayed' if scale is not None else 'current'}, columnwise={columnwise}"
+                assert_bitwise_equal(dbias, first, what)

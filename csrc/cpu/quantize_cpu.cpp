@@ -4,6 +4,7 @@
 #include <cmath>
 #include <memory>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "../common/backend.h"
@@ -162,27 +163,82 @@ float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt
   return amax;
 }
 
-// Column sums in fp32 over fixed 256-row blocks, added in block order, so the
-// result does not depend on the thread count.
-template <typename In, typename Bias>
-void column_sums(const typename In::storage* x, int64_t rows, int64_t cols,
-                 typename Bias::storage* out) {
-  constexpr int64_t kBlock = 256;
-  const int64_t blocks = (rows + kBlock - 1) / kBlock;
-  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(blocks, 1) * cols), 0.0f);
-  parallel_for(blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      float* acc = partial.data() + blk * cols;
-      for (int64_t r = blk * kBlock; r < std::min(rows, (blk + 1) * kBlock); ++r) {
-        for (int64_t c = 0; c < cols; ++c) acc[c] += In::load(x[r * cols + c]);
+// Column sums in fp32 over fixed kSumRows-row blocks, added in block order, so that the bias gradient does
+// not depend on the thread count or on which pass over the input adds the rows up.
+constexpr int64_t kSumRows = 256;
+
+template <typename In>
+class ColumnSums {
+ public:
+  // The partial sums are allocated here, outside any parallel region (where a failure would abort).
+  ColumnSums(int64_t rows, int64_t cols)
+      : cols_(cols), partial_(static_cast<size_t>(std::max<int64_t>(1, blocks(rows)) * cols), 0.0f) {}
+
+  static int64_t blocks(int64_t rows) { return (rows + kSumRows - 1) / kSumRows; }
+
+  // Adds row r to its block's sums; the rows of a block are added by one thread, in order.
+  void add_row(const typename In::storage* x, int64_t r) {
+    float* acc = partial_.data() + r / kSumRows * cols_;
+    const typename In::storage* row = x + r * cols_;
+    for (int64_t c = 0; c < cols_; ++c) acc[c] += In::load(row[c]);
+  }
+
+  template <typename Bias>
+  void finish(typename Bias::storage* out) const {
+    const int64_t n = static_cast<int64_t>(partial_.size()) / std::max<int64_t>(cols_, 1);
+    for (int64_t c = 0; c < cols_; ++c) {
+      float s = 0.0f;
+      for (int64_t blk = 0; blk < n; ++blk) s += partial_[blk * cols_ + c];
+      out[c] = Bias::store(s);
+    }
+  }
+
+ private:
+  int64_t cols_;
+  std::vector<float> partial_;
+};
+
+// Chunks of whole kSumRows-row blocks for a pass that also adds up the columns (about four per thread, at
+// most kChunkBytes of input where a block is smaller).
+template <typename In>
+int64_t block_chunk(int64_t rows, int64_t cols, int threads) {
+  const int64_t block_bytes = std::max<int64_t>(1, kSumRows * cols * static_cast<int64_t>(sizeof(typename In::storage)));
+  return claim_chunk(ColumnSums<In>::blocks(rows), threads, 1, std::max<int64_t>(1, kChunkBytes / block_bytes));
+}
+
+// parallel_amax of a (rows, cols) input that also adds every row to `sums` right after measuring it (from
+// L1): one read of the input for both. Chunks of whole blocks, claimed from the end and walked backward a
+// block at a time, each block's rows forward.
+template <typename In>
+float parallel_amax_and_sums(const typename In::storage* x, int64_t rows, int64_t cols, int threads,
+                             ColumnSums<In>& sums) {
+  std::vector<float> partial(static_cast<size_t>(threads), 0.0f);
+  const QuantizeKernels* vec = vector_kernels();
+  const int64_t blocks = ColumnSums<In>::blocks(rows);
+  parallel_for_claimed(threads, blocks, block_chunk<In>(rows, cols, threads), /*from_end=*/true,
+                       [&](int64_t b, int64_t e) {
+    float amax = 0.0f;
+    for (int64_t blk = e - 1; blk >= b; --blk) {
+      for (int64_t r = blk * kSumRows; r < std::min(rows, (blk + 1) * kSumRows); ++r) {
+        const int64_t lo = r * cols, hi = lo + cols;
+        amax = fp8::amax_update(amax, vec ? vec->amax(In::dtype, x, lo, hi) : amax_range<In>(x, lo, hi));
+        sums.add_row(x, r);
       }
     }
+    float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
+    slot = fp8::amax_update(slot, amax);
   });
-  for (int64_t c = 0; c < cols; ++c) {
-    float s = 0.0f;
-    for (int64_t blk = 0; blk < blocks; ++blk) s += partial[blk * cols + c];
-    out[c] = Bias::store(s);
-  }
+  float r = 0.0f;
+  for (float a : partial) r = fp8::amax_update(r, a);
+  return r;
+}
+
+// The column sums as a pass of their own (where no other pass over the rows is fused with them).
+template <typename In>
+void add_all_rows(const typename In::storage* x, int64_t rows, ColumnSums<In>& sums) {
+  parallel_for(ColumnSums<In>::blocks(rows), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t r = b0 * kSumRows; r < std::min(rows, b1 * kSumRows); ++r) sums.add_row(x, r);
+  });
 }
 
 template <typename In, typename Out>
@@ -199,8 +255,18 @@ void quantize_impl(const QuantizeParams& p) {
   const int64_t row_grain = std::max<int64_t>(kTile, kGrain / std::max<int64_t>(p.cols, 1));
   const Chunking chunks =
       transposed ? chunking<In>(p.rows, p.cols, threads, row_grain) : chunking<In>(n, 1, threads, kGrain);
+  // The bias gradient's column sums ride along the pass that reads every row first: current scaling's amax
+  // pass, or delayed scaling's row-major cast; the cast + transpose leaves them a pass of their own.
+  std::optional<ColumnSums<In>> sums;
+  if (p.dbias.defined()) sums.emplace(p.rows, p.cols);
+  bool summed = false;
   if (p.current_scaling) {
-    known_amax = parallel_amax<In>(x, chunks, threads);
+    if (sums && !transposed) {
+      known_amax = parallel_amax_and_sums<In>(x, p.rows, p.cols, threads, *sums);
+      summed = true;
+    } else {
+      known_amax = parallel_amax<In>(x, chunks, threads);
+    }
     scale = fp8::compute_scale(known_amax, Out::kMax, std::ldexp(1.0f, -p.margin), 1.0f);
     *scale_ptr = scale;
   } else {
@@ -237,12 +303,29 @@ void quantize_impl(const QuantizeParams& p) {
     // fuses it into the cast.
     const bool want_amax = p.amax.defined() && !p.current_scaling;
     const bool stream = n >= kStreamBytes;
-    parallel_for_claimed(threads, chunks.n, chunks.chunk, /*from_end=*/false, [&](int64_t b, int64_t e) {
-      const float amax = vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
-                             : cast_range<In, Out>(x, q, scale, b, e);
-      float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
-      slot = fp8::amax_update(slot, amax);
-    });
+    const auto cast = [&](int64_t b, int64_t e) {
+      return vec ? vec->cast(In::dtype, Out::dtype, x, q, scale, b, e, want_amax, stream)
+                 : cast_range<In, Out>(x, q, scale, b, e);
+    };
+    if (sums && !summed) {
+      // Row by row, each row added to the sums from L1 after its cast: chunks of whole blocks.
+      parallel_for_claimed(threads, ColumnSums<In>::blocks(p.rows), block_chunk<In>(p.rows, p.cols, threads),
+                           /*from_end=*/false, [&](int64_t b, int64_t e) {
+        float amax = 0.0f;
+        for (int64_t r = b * kSumRows; r < std::min(p.rows, e * kSumRows); ++r) {
+          amax = fp8::amax_update(amax, cast(r * p.cols, (r + 1) * p.cols));
+          sums->add_row(x, r);
+        }
+        float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
+        slot = fp8::amax_update(slot, amax);
+      });
+      summed = true;
+    } else {
+      parallel_for_claimed(threads, chunks.n, chunks.chunk, /*from_end=*/false, [&](int64_t b, int64_t e) {
+        float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
+        slot = fp8::amax_update(slot, cast(b, e));
+      });
+    }
   }
   if (p.amax.defined()) {
     float amax = 0.0f;
@@ -250,10 +333,11 @@ void quantize_impl(const QuantizeParams& p) {
     *p.amax.ptr<float>() = p.current_scaling ? known_amax : amax;
   }
   *p.scale_inv.ptr<float>() = 1.0f / scale;
-  if (p.dbias.defined()) {
+  if (sums) {
+    if (!summed) add_all_rows<In>(x, p.rows, *sums);
     dispatch_high_precision(p.dbias.dtype, "quantize: argument 'dbias'", [&](auto bias_tag) {
       using Bias = decltype(bias_tag);
-      column_sums<In, Bias>(x, p.rows, p.cols, p.dbias.ptr<typename Bias::storage>());
+      sums->template finish<Bias>(p.dbias.ptr<typename Bias::storage>());
     });
   }
 }
