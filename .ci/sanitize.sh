@@ -72,7 +72,7 @@ print("testing", C.__file__)
 EOF
 start=$SECONDS
 tests=()
-for t in ${TL_SANITIZE_TESTS:-test_threads.py test_descriptors.py test_quantize.py test_ops.py test_gemm.py test_bad_input.py test_blockwise_quantize.py test_blockwise_gemm.py test_grouped_gemm.py test_grouped_quantize_cpu.py test_nvfp4.py test_quantize_gemm.py test_transpose.py}; do
+for t in ${TL_SANITIZE_TESTS:-test_threads.py test_descriptors.py test_quantize.py test_ops.py test_gemm.py test_bad_input.py test_blockwise_quantize.py test_blockwise_gemm.py test_grouped_gemm.py test_grouped_quantize_cpu.py test_nvfp4.py test_quantize_gemm.py test_transpose.py test_bias_grad.py}; do
   tests+=("$repo/tests/$t")
 done
 "$python" -c 'import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))' -q -p no:cacheprovider "${tests[@]}"

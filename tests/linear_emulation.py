@@ -23,7 +23,9 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from transformer_linear import reference
+from tolerances import assert_bitwise_equal, assert_column_sums_close
+
+from transformer_linear import ops, reference
 from transformer_linear.reference import nvfp4 as ref_nvfp4
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -135,3 +137,11 @@ def nvfp4_copies(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, rht: boo
     qg = ref_nvfp4.quantize_nvfp4(dy, nvfp4_amax(dy), nvfp4_amax(dy, rht), rowwise=True, columnwise=True, rht=rht,
                                   stochastic_rounding=stochastic_rounding, seed=seed, offset=0)
     return NVFP4Copies(qx, qw, qg)
+
+
+def assert_bias_grad(db: torch.Tensor, dy: torch.Tensor) -> None:
+    """A Linear's bias gradient from output gradient ``dy``: within float32 summation's bound of the float64
+    column sums, and bitwise ``ops.bias_grad``'s (what backward computes where the quantizer does not fuse it;
+    the tensorwise quantize's fused dbias has the same bits; tests/test_bias_grad.py)."""
+    assert_column_sums_close(db, dy, "dbias")
+    assert_bitwise_equal(db, ops.bias_grad(dy, db.dtype), "dbias")

@@ -246,6 +246,7 @@ def public_op_arguments() -> dict[str, dict]:
         "quantize_fused": {"x": x, "dtype": E4M3, "scale": one()},
         "dequantize": {"q": q, "scale_inv": scale_inv, "out_dtype": torch.float32},
         "transpose": {"q": q},
+        "bias_grad": {"grad_output": x, "dtype": torch.float32},
         "fp8_gemm": {**gemm, "out_dtype": torch.float32, "bias": torch.zeros(4)},
         "fp8_gemm_accumulate_": {**gemm, "out": torch.zeros(8, 4)},
         "quantize_fp8_gemm": {"x": x, "dtype": E4M3, "scale": one(), "b": q[:4], "b_scale_inv": scale_inv,

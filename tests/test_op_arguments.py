@@ -117,6 +117,7 @@ OP_CALLS: dict[str, Callable[[], Any]] = {
     "quantize": lambda: ops.quantize(X, torch.ones(1), E4M3),
     "dequantize": lambda: ops.dequantize(*fp8((4, 8)), torch.float32),
     "transpose": lambda: ops.transpose(fp8((4, 8))[0]),
+    "bias_grad": lambda: ops.bias_grad(X, torch.bfloat16),
     "fp8_gemm": lambda: ops.fp8_gemm(*fp8((4, 32)), *fp8((8, 32)), torch.float32, torch.zeros(8)),
     "fp8_gemm_accumulate": lambda: ops.fp8_gemm_accumulate_(*fp8((4, 32)), *fp8((8, 32)), torch.zeros(4, 8)),
     "quantize_fp8_gemm": lambda: ops.quantize_fp8_gemm(X, E4M3, torch.ones(1), *fp8((8, 256)), torch.float32,

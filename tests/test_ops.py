@@ -60,7 +60,7 @@ def test_every_op_is_covered():
     expected = {"amax", "quantize", "dequantize", "fp8_gemm", "fp8_gemm_accumulate"} | linear_ops | block_ops
     expected |= {"fsdp_rowwise_copy"}  # in test_fsdp_fp8_all_gather.py
     expected |= {"quantize_fp8_gemm"}  # in test_quantize_gemm.py
-    expected |= {"transpose"}  # below; its kernel in test_transpose.py
+    expected |= {"transpose", "bias_grad"}  # below; their kernels in test_transpose.py, test_bias_grad.py
     # The Triton ops: opchecked on a GPU, traced and refusing CPU tensors in test_triton_ops_traced.py, run
     # under the interpreter in test_blockwise_triton.py, test_grouped_gemm.py and test_nvfp4_triton.py.
     triton_ops = {f"triton_{name}" for name in TRITON_OPS}
@@ -97,6 +97,11 @@ def test_opcheck_dequantize(device, out_dtype):
 def test_opcheck_transpose(device, shape):
     q, _ = fp8_operand(shape, E5M2, device)
     opcheck_fp8(OPS.transpose.default, (q,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_bias_grad(device, dtype):
+    torch.library.opcheck(OPS.bias_grad.default, (torch.randn(2, 6, 10, device=device).to(dtype), torch.float32))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -10,6 +10,8 @@ Rules:
     output-dtype ulps for results that are exact up to final rounding.
   * NVFP4 GEMMs: the same rule on the block-scaled (dequantized) operands,
     :func:`assert_nvfp4_gemm_close`.
+  * Column sums (the bias gradient), whose float32 accumulation order is the kernel's own:
+    :func:`assert_column_sums_close`, the error bound of any order of n - 1 float32 additions.
   * FP8-vs-high-precision comparisons (numerics of the Linear against
     torch.nn.Linear) use SQNR in dB: :func:`sqnr`.
 """
@@ -153,3 +155,27 @@ def assert_grouped_close_to_reference(
     last = bounds[-1][1] if bounds else 0
     rest = actual[last:]
     assert torch.equal(rest, torch.zeros_like(rest)), f"{prefix}rows past the last group ({last}:) are not 0"
+
+
+def assert_column_sums_close(actual: torch.Tensor, values: torch.Tensor, what: str = "") -> None:
+    """``actual`` is the column sums of ``values`` (viewed as (rows, last dim)) accumulated in float32 in any
+    order and rounded to ``actual``'s dtype: each within the bound of n - 1 float32 additions,
+    (n - 1) * 2^-24 * sum |x| (Higham, recursive summation), plus the final rounding.
+
+    A relative-error budget against torch's own sum would hold one summation order to another's luck: a
+    column whose sum nearly cancels has a large relative error under any order.
+    """
+    prefix = f"{what}: " if what else ""
+    cols = values.shape[-1] if values.dim() else 1
+    rows_values = values.double().reshape(values.numel() // cols if cols else 0, cols)
+    exact, magnitude = rows_values.sum(0), rows_values.abs().sum(0)
+    assert actual.shape == exact.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(exact.shape)}"
+    n = rows_values.shape[0]
+    bound = magnitude * max(n - 1, 0) * 2.0**-24 + exact.abs() * torch.finfo(actual.dtype).eps
+    err = (actual.double() - exact).abs()
+    bad = (err > bound).nonzero()
+    assert bad.numel() == 0, (
+        f"{prefix}{bad.shape[0]} of {exact.numel()} sums off; first at column {int(bad[0, 0])}: "
+        f"got {float(actual.reshape(-1)[bad[0, 0]])}, exact {float(exact[bad[0, 0]])}, "
+        f"error {float(err[bad[0, 0]]):.3e} > bound {float(bound[bad[0, 0]]):.3e}"
+    )

@@ -21,6 +21,8 @@ void register_quantize(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(), "output = float(input) * scale_inv");
   m.def("transpose", &tl::transpose, "input"_a, "output"_a, "stream"_a = 0,
         py::call_guard<py::gil_scoped_release>(), "output = input with its last two dimensions swapped (FP8)");
+  m.def("bias_grad", &tl::bias_grad, "input"_a, "dbias"_a, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
+        "dbias = column sums of input (float32 accumulation, 256-row blocks added in order)");
 }
 
 }  // namespace bindings

@@ -53,6 +53,7 @@ void amax(const TensorDesc& input, const TensorDesc& amax);
 void quantize(const QuantizeParams& p);
 void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const TensorDesc& output);
 void transpose(const TensorDesc& input, const TensorDesc& output);
+void bias_grad(const TensorDesc& input, const TensorDesc& dbias);
 void fp8_gemm(const GemmParams& p);
 // q's rowwise cast and the GEMM g whose A is q.output, one pass over the input: see quantize_gemm.h.
 void quantize_fp8_gemm(const QuantizeParams& q, const GemmParams& g);

@@ -170,4 +170,19 @@ void transpose(const TensorDesc& input, const TensorDesc& output, Stream stream)
   cpu::transpose(input, output);
 }
 
+void bias_grad(const TensorDesc& input, const TensorDesc& dbias, Stream stream) {
+  constexpr const char* op = "bias_grad";
+  check_input(op, input, kHighPrecision);
+  TL_CHECK_TYPE(input.device == DeviceType::kCPU, op, ": argument 'input' must be on cpu (on a GPU torch's sum ",
+                "reduces), got ", device_name(input.device));
+  check_defined(op, "dbias", dbias);
+  check_device(op, "dbias", dbias, input.device, input.device_index);
+  check_dtype(op, "dbias", dbias, kHighPrecision);
+  check_contiguous(op, "dbias", dbias);
+  check_shape(op, "dbias", dbias, {input.ndim > 0 ? input.size(-1) : 1});
+  check_disjoint(op, {{"dbias", &dbias}}, {{"input", &input}});
+  const cpu::ThreadCountScope threads(cpu::call_threads(op, stream));
+  cpu::bias_grad(input, dbias);
+}
+
 }  // namespace tl

@@ -1,5 +1,6 @@
 // CPU quantize family: amax, quantize (optionally with amax, transposed
-// output and bias gradient), dequantize, transpose of FP8 data. Element math: fp8_math.h.
+// output and bias gradient), dequantize, transpose of FP8 data, bias gradient on its own. Element math:
+// fp8_math.h.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -164,38 +165,53 @@ float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt
 }
 
 // Column sums in fp32 over fixed kSumRows-row blocks, added in block order, so that the bias gradient does
-// not depend on the thread count or on which pass over the input adds the rows up.
+// not depend on the thread count or on which pass over the input adds the rows up. Within a block, runs of
+// kSumRun rows are summed first and the runs added to the block's sums: the rounding error of a block then
+// grows with 2 x 16 additions, not 256 (torch's reduction, pairwise, is about as accurate).
 constexpr int64_t kSumRows = 256;
+constexpr int64_t kSumRun = 16;
 
 template <typename In>
 class ColumnSums {
  public:
-  // The partial sums are allocated here, outside any parallel region (where a failure would abort).
+  // The sums are allocated here, outside any parallel region (where a failure would abort).
   ColumnSums(int64_t rows, int64_t cols)
-      : cols_(cols), partial_(static_cast<size_t>(std::max<int64_t>(1, blocks(rows)) * cols), 0.0f) {}
+      : rows_(rows),
+        cols_(cols),
+        block_(static_cast<size_t>(std::max<int64_t>(1, blocks(rows)) * cols), 0.0f),
+        run_(block_.size(), 0.0f) {}
 
   static int64_t blocks(int64_t rows) { return (rows + kSumRows - 1) / kSumRows; }
 
-  // Adds row r to its block's sums; the rows of a block are added by one thread, in order.
+  // Adds row r; the rows of a block are added by one thread, in order.
   void add_row(const typename In::storage* x, int64_t r) {
-    float* acc = partial_.data() + r / kSumRows * cols_;
+    float* run = run_.data() + r / kSumRows * cols_;
     const typename In::storage* row = x + r * cols_;
-    for (int64_t c = 0; c < cols_; ++c) acc[c] += In::load(row[c]);
+    if (r % kSumRun == 0) {
+      for (int64_t c = 0; c < cols_; ++c) run[c] = In::load(row[c]);
+    } else {
+      for (int64_t c = 0; c < cols_; ++c) run[c] += In::load(row[c]);
+    }
+    if (r % kSumRun == kSumRun - 1 || r + 1 == rows_) {
+      float* acc = block_.data() + r / kSumRows * cols_;
+      for (int64_t c = 0; c < cols_; ++c) acc[c] += run[c];
+    }
   }
 
   template <typename Bias>
   void finish(typename Bias::storage* out) const {
-    const int64_t n = static_cast<int64_t>(partial_.size()) / std::max<int64_t>(cols_, 1);
+    const int64_t n = static_cast<int64_t>(block_.size()) / std::max<int64_t>(cols_, 1);
     for (int64_t c = 0; c < cols_; ++c) {
       float s = 0.0f;
-      for (int64_t blk = 0; blk < n; ++blk) s += partial_[blk * cols_ + c];
+      for (int64_t blk = 0; blk < n; ++blk) s += block_[blk * cols_ + c];
       out[c] = Bias::store(s);
     }
   }
 
  private:
-  int64_t cols_;
-  std::vector<float> partial_;
+  int64_t rows_, cols_;
+  std::vector<float> block_;  // the sums of each block's runs so far
+  std::vector<float> run_;    // each block's current run of rows
 };
 
 // Chunks of whole kSumRows-row blocks for a pass that also adds up the columns (about four per thread, at
@@ -464,6 +480,20 @@ void transpose(const TensorDesc& input, const TensorDesc& output) {
         transpose_bytes_portable(s, cols, nr, nc, d, rows);
       }
     }
+  });
+}
+
+void bias_grad(const TensorDesc& input, const TensorDesc& dbias) {
+  const int64_t cols = input.ndim > 0 ? input.size(-1) : 1;
+  const int64_t rows = cols > 0 ? input.numel() / cols : 0;
+  dispatch_high_precision(input.dtype, "bias_grad: argument 'input'", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    ColumnSums<In> sums(rows, cols);
+    add_all_rows<In>(input.ptr<typename In::storage>(), rows, sums);
+    dispatch_high_precision(dbias.dtype, "bias_grad: argument 'dbias'", [&](auto bias_tag) {
+      using Bias = decltype(bias_tag);
+      sums.template finish<Bias>(dbias.ptr<typename Bias::storage>());
+    });
   });
 }
 

@@ -49,7 +49,6 @@ from transformer_linear.recipe.delayed_scaling import (
     stand_in_forward_scales,
 )
 from transformer_linear.recipe.quantization import Quantized, flat
-from transformer_linear.reference import bias_grad
 
 __all__ = ["QueuedWgrad", "WgradQueue", "compute_wgrad", "linear_dgrad", "linear_fwd", "linear_wgrad"]
 
@@ -384,7 +383,7 @@ def _backward(ctx, grad_out: Tensor, *_unused: Optional[Tensor]) -> tuple:
         g_t, g_t_scale_inv = quantizer.columnwise_usage(qg)
         dbias = qg.dbias
         if dbias is None:
-            dbias = bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
+            dbias = ops.bias_grad(g2d, dbias_dtype) if c.bias_requires_grad else None
     else:
         g, g_t, g_scale_inv = g2d, g2d, None
         dbias = g2d.sum(0).to(dbias_dtype) if c.bias_requires_grad else None

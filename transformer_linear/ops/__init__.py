@@ -15,6 +15,7 @@ Public functions::
     out = ops.quantize_fused(x, dtype, scale=None, ...)        # every output of one pass
     x_hp = ops.dequantize(q, scale_inv, out_dtype)
     q_t = ops.transpose(q)                                     # last two dims swapped, contiguous
+    dbias = ops.bias_grad(grad_output, out_dtype)              # column sums, fp32 accumulation
     d = ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None)
     ops.fp8_gemm_accumulate_(a, a_scale_inv, b, b_scale_inv, out)   # out += ...
     out, q, scale_inv, amax = ops.quantize_fp8_gemm(x, dtype, scale, b, b_scale_inv, out_dtype)  # fused
@@ -66,6 +67,7 @@ __all__ = [
     "fp8_gemm_scalings",
     "resolve_gemm_scalings",
     "transpose",
+    "bias_grad",
     "quantize",
     "quantize_current",
     "quantize_fp8_gemm",
@@ -349,6 +351,59 @@ def transpose(q: torch.Tensor) -> torch.Tensor:
     """
     _check_transpose_args(q)
     return library.call(_transpose_op, q.contiguous())
+
+
+# ---------------------------------------------------------------------------
+# the bias gradient on its own
+# ---------------------------------------------------------------------------
+
+
+def _check_bias_grad_args(grad_output, dtype):
+    checks.check_tensor("bias_grad", "grad_output", grad_output)
+    checks.check_hp_dtype("bias_grad", "grad_output", grad_output.dtype)
+    checks.check_hp_dtype("bias_grad", "dtype", dtype)
+
+
+def _bias_grad_out(grad_output, dtype):
+    return grad_output.new_empty(grad_output.shape[-1:] if grad_output.dim() else (1,), dtype=dtype)
+
+
+@library.custom_op("transformer_linear::bias_grad", device_types="cpu")
+def _bias_grad_op(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    _check_bias_grad_args(grad_output, dtype)
+    dbias = _bias_grad_out(grad_output, dtype)
+    _C.bias_grad(descriptors.desc(grad_output, "bias_grad", "input"), descriptors.desc(dbias, "bias_grad", "dbias"),
+                 descriptors.stream_for(grad_output))
+    return dbias
+
+
+@_bias_grad_op.register_kernel("cuda")
+def _(grad_output, dtype):
+    # torch's reduction runs at the GPU memory's rate; there is no kernel of ours to add.
+    cols = grad_output.shape[-1] if grad_output.dim() else 1
+    return torch.sum(grad_output.reshape(-1, cols), 0, dtype=torch.float32).to(dtype)
+
+
+@_bias_grad_op.register_fake
+def _(grad_output, dtype):
+    _check_bias_grad_args(grad_output, dtype)
+    return _bias_grad_out(grad_output, dtype)
+
+
+def bias_grad(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient where no quantize pass computes it: the column sums of ``grad_output`` viewed as
+    (rows, last dim), accumulated in float32, rounded to ``dtype``.
+
+    On the CPU the sums run over fixed blocks of 256 rows added in order, as ``quantize_fused``'s
+    ``dbias`` (the same bits; independent of the thread count): torch's column reduction of a bfloat16
+    (4096, 4096) tensor took 23 ms on a two-core AMX Xeon, this op 2.9. On a GPU torch's sum.
+
+    Args:
+        grad_output: float32, bfloat16 or float16, any shape.
+        dtype: the bias gradient's dtype (float32, bfloat16 or float16).
+    """
+    _check_bias_grad_args(grad_output, dtype)
+    return library.call(_bias_grad_op, grad_output.contiguous(), dtype)
 
 
 # ---------------------------------------------------------------------------

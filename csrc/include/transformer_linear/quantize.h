@@ -2,7 +2,7 @@
  * \file quantize.h
  * \brief Quantize-family entry points: amax, quantize (delayed or current
  *        scaling, optional transposed output, amax and bias-gradient), dequantize,
- *        and the transpose of quantized data.
+ *        the transpose of quantized data, and the bias gradient on its own.
  *
  * Each entry validates its arguments (dtype, device, shape, layout) and then
  * runs the CPU or CUDA kernel for the tensors' device. Scales are read from
@@ -70,5 +70,18 @@ void dequantize(const TensorDesc& input, const TensorDesc& scale_inv, const Tens
  * \param stream the thread count of this call (0: OpenMP's, of the calling thread).
  */
 void transpose(const TensorDesc& input, const TensorDesc& output, Stream stream);
+
+/*!
+ * \brief dbias = column sums of input, the bias gradient where no quantize pass computes it.
+ *
+ * Accumulated in float32 over fixed blocks of 256 rows, the blocks added in order (as `quantize`'s
+ * `dbias`, to the bit): the result does not depend on the thread count. CPU only: on a GPU, torch's
+ * reduction.
+ *
+ * \param input  contiguous float32/bfloat16/float16 tensor, viewed as (numel / last dim, last dim).
+ * \param dbias  contiguous float32/bfloat16/float16 (last dim) tensor, not overlapping the input.
+ * \param stream the thread count of this call (0: OpenMP's, of the calling thread).
+ */
+void bias_grad(const TensorDesc& input, const TensorDesc& dbias, Stream stream);
 
 }  // namespace tl
