@@ -25,7 +25,7 @@ import torch
 
 from tolerances import assert_bitwise_equal, assert_column_sums_close
 
-from transformer_linear import ops, reference
+from transformer_linear import reference
 from transformer_linear.reference import nvfp4 as ref_nvfp4
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
@@ -140,8 +140,7 @@ def nvfp4_copies(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, rht: boo
 
 
 def assert_bias_grad(db: torch.Tensor, dy: torch.Tensor) -> None:
-    """A Linear's bias gradient from output gradient ``dy``: within float32 summation's bound of the float64
-    column sums, and bitwise ``ops.bias_grad``'s (what backward computes where the quantizer does not fuse it;
-    the tensorwise quantize's fused dbias has the same bits; tests/test_bias_grad.py)."""
+    """A Linear's bias gradient from output gradient ``dy``: bitwise ``reference.bias_grad`` (which fixes the
+    float32 summation order), and within float32 summation's bound of the exact column sums."""
+    assert_bitwise_equal(db, reference.bias_grad(dy, db.dtype), "dbias")
     assert_column_sums_close(db, dy, "dbias")
-    assert_bitwise_equal(db, ops.bias_grad(dy, db.dtype), "dbias")

@@ -1,7 +1,8 @@
 """The bias gradient on its own, ``ops.bias_grad`` (csrc/cpu/quantize_cpu.cpp): what the Linear's backward
-computes where the gradient's quantizer does not fuse it (block scales, NVFP4). Float32 column sums over
-fixed 256-row blocks added in order, so bitwise the tensorwise quantize's fused ``dbias`` and the same for
-every thread count; within float32 summation's error bound of the exact sums (opcheck: test_ops.py).
+computes where the gradient's quantizer does not fuse it (block scales, NVFP4). Bitwise
+``reference.bias_grad``, whose float32 summation order (runs of 16 rows, blocks of 256) the tensorwise
+quantize's fused ``dbias`` follows too, on every CPU path and thread count; within float32 summation's error
+bound of the exact sums (opcheck: test_ops.py).
 """
 
 from __future__ import annotations
@@ -10,19 +11,21 @@ import pytest
 import torch
 from tolerances import assert_bitwise_equal, assert_column_sums_close
 
-from transformer_linear import _C, ops
+from transformer_linear import _C, ops, reference
 from transformer_linear.ops.descriptors import desc
 
 HP = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = [(1, 5), (300, 70), (1000, 33), (4, 3, 260), (0, 7), (6, 0)]
+# Runs of 16 and blocks of 256 rows whole and cut short (300, 1000 rows), one row, empty sizes.
+SHAPES = [(1, 5), (300, 70), (1000, 33), (4, 3, 260), (512, 16), (0, 7), (6, 0)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", HP)
 @pytest.mark.parametrize("in_dtype", HP)
-def test_close_to_the_exact_sums_and_bitwise_the_fused_dbias(gemm_isa, in_dtype, dtype, shape):
+def test_bitwise_the_reference_and_the_fused_dbias(gemm_isa, in_dtype, dtype, shape):
     x = (torch.randn(shape) * 3).to(in_dtype)
     got = ops.bias_grad(x, dtype)
+    assert_bitwise_equal(got, reference.bias_grad(x, dtype), "bias_grad against the reference")
     assert_column_sums_close(got, x, "dbias")
     if x.numel():
         fused = ops.quantize_fused(x, torch.float8_e4m3fn, None, dbias_dtype=dtype).dbias

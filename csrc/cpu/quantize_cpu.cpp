@@ -167,7 +167,7 @@ float cast_transpose_rows(const typename In::storage* x, uint8_t* q, uint8_t* qt
 // Column sums in fp32 over fixed kSumRows-row blocks, added in block order, so that the bias gradient does
 // not depend on the thread count or on which pass over the input adds the rows up. Within a block, runs of
 // kSumRun rows are summed first and the runs added to the block's sums: the rounding error of a block then
-// grows with 2 x 16 additions, not 256 (torch's reduction, pairwise, is about as accurate).
+// grows with 2 x 16 additions, not 256. The order is reference.bias_grad's (BIAS_GRAD_RUN, BIAS_GRAD_BLOCK).
 constexpr int64_t kSumRows = 256;
 constexpr int64_t kSumRun = 16;
 

@@ -95,10 +95,35 @@ def transpose_last2(q: torch.Tensor) -> torch.Tensor:
     return q.transpose(-2, -1).clone(memory_format=torch.contiguous_format)
 
 
+# The bias gradient's float32 summation order: runs of BIAS_GRAD_RUN rows summed in row order, each run
+# added to the sum of its block of BIAS_GRAD_BLOCK rows, the blocks added in order.
+BIAS_GRAD_RUN, BIAS_GRAD_BLOCK = 16, 256
+
+
 def bias_grad(grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of grad_output viewed as (rows, last dim), accumulated in float32."""
-    cols = grad_output.shape[-1]
-    return grad_output.reshape(math.prod(grad_output.shape[:-1]), cols).float().sum(0).to(dtype)
+    """Column sums of grad_output viewed as (rows, last dim), accumulated in float32 in the order above (which
+    fixes the bits whatever the thread count), rounded to ``dtype``.
+
+    Rows past the last whole run and block are zeros here: adding +0 to a float32 changes nothing but a -0,
+    and every run enters its block's sum, which starts at +0, so the padding cannot show.
+    """
+    cols = grad_output.shape[-1] if grad_output.dim() else 1
+    rows = grad_output.numel() // cols if cols else 0
+    x = grad_output.reshape(rows, cols).float()
+    blocks = max(1, -(-rows // BIAS_GRAD_BLOCK))
+    runs_per_block = BIAS_GRAD_BLOCK // BIAS_GRAD_RUN
+    x = torch.nn.functional.pad(x, (0, 0, 0, blocks * BIAS_GRAD_BLOCK - rows))
+    x = x.reshape(blocks, runs_per_block, BIAS_GRAD_RUN, cols)
+    run = x[:, :, 0].clone()
+    for i in range(1, BIAS_GRAD_RUN):
+        run = run + x[:, :, i]
+    block = torch.zeros(blocks, cols, dtype=torch.float32, device=x.device)
+    for j in range(runs_per_block):
+        block = block + run[:, j]
+    total = torch.zeros(cols, dtype=torch.float32, device=x.device)
+    for b in range(blocks):
+        total = total + block[b]
+    return total.to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
