@@ -214,6 +214,22 @@ class ColumnSums {
   std::vector<float> run_;    // each block's current run of rows
 };
 
+// Rows a pass that also adds up the columns reads (amax or cast) in one kernel call before adding them:
+// about this many bytes, so that they are still in L1 (and narrow rows do not cost a call each).
+constexpr int64_t kSumGroupBytes = 16 << 10;
+
+// fn(r0, r1) over groups of rows of blocks [b, e) (a group never spans two blocks), each block's in order.
+template <typename In, typename Fn>
+void for_row_groups(int64_t b, int64_t e, int64_t rows, int64_t cols, bool blocks_backward, Fn&& fn) {
+  const int64_t group = std::max<int64_t>(
+      1, kSumGroupBytes / std::max<int64_t>(1, cols * static_cast<int64_t>(sizeof(typename In::storage))));
+  for (int64_t i = b; i < e; ++i) {
+    const int64_t blk = blocks_backward ? e - 1 - (i - b) : i;
+    const int64_t end = std::min(rows, (blk + 1) * kSumRows);
+    for (int64_t r = blk * kSumRows; r < end; r += group) fn(r, std::min(end, r + group));
+  }
+}
+
 // Chunks of whole kSumRows-row blocks for a pass that also adds up the columns (about four per thread, at
 // most kChunkBytes of input where a block is smaller).
 template <typename In>
@@ -224,7 +240,7 @@ int64_t block_chunk(int64_t rows, int64_t cols, int threads) {
 
 // parallel_amax of a (rows, cols) input that also adds every row to `sums` right after measuring it (from
 // L1): one read of the input for both. Chunks of whole blocks, claimed from the end and walked backward a
-// block at a time, each block's rows forward.
+// block at a time, each block's rows forward in groups (for_row_groups).
 template <typename In>
 float parallel_amax_and_sums(const typename In::storage* x, int64_t rows, int64_t cols, int threads,
                              ColumnSums<In>& sums) {
@@ -234,13 +250,11 @@ float parallel_amax_and_sums(const typename In::storage* x, int64_t rows, int64_
   parallel_for_claimed(threads, blocks, block_chunk<In>(rows, cols, threads), /*from_end=*/true,
                        [&](int64_t b, int64_t e) {
     float amax = 0.0f;
-    for (int64_t blk = e - 1; blk >= b; --blk) {
-      for (int64_t r = blk * kSumRows; r < std::min(rows, (blk + 1) * kSumRows); ++r) {
-        const int64_t lo = r * cols, hi = lo + cols;
-        amax = fp8::amax_update(amax, vec ? vec->amax(In::dtype, x, lo, hi) : amax_range<In>(x, lo, hi));
-        sums.add_row(x, r);
-      }
-    }
+    for_row_groups<In>(b, e, rows, cols, /*blocks_backward=*/true, [&](int64_t r0, int64_t r1) {
+      const int64_t lo = r0 * cols, hi = r1 * cols;
+      amax = fp8::amax_update(amax, vec ? vec->amax(In::dtype, x, lo, hi) : amax_range<In>(x, lo, hi));
+      for (int64_t r = r0; r < r1; ++r) sums.add_row(x, r);
+    });
     float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
     slot = fp8::amax_update(slot, amax);
   });
@@ -324,14 +338,15 @@ void quantize_impl(const QuantizeParams& p) {
                  : cast_range<In, Out>(x, q, scale, b, e);
     };
     if (sums && !summed) {
-      // Row by row, each row added to the sums from L1 after its cast: chunks of whole blocks.
+      // A group of rows at a time, each row added to the sums from L1 after the group's cast: chunks of
+      // whole blocks.
       parallel_for_claimed(threads, ColumnSums<In>::blocks(p.rows), block_chunk<In>(p.rows, p.cols, threads),
                            /*from_end=*/false, [&](int64_t b, int64_t e) {
         float amax = 0.0f;
-        for (int64_t r = b * kSumRows; r < std::min(p.rows, e * kSumRows); ++r) {
-          amax = fp8::amax_update(amax, cast(r * p.cols, (r + 1) * p.cols));
-          sums->add_row(x, r);
-        }
+        for_row_groups<In>(b, e, p.rows, p.cols, /*blocks_backward=*/false, [&](int64_t r0, int64_t r1) {
+          amax = fp8::amax_update(amax, cast(r0 * p.cols, r1 * p.cols));
+          for (int64_t r = r0; r < r1; ++r) sums->add_row(x, r);
+        });
         float& slot = partial[static_cast<size_t>(omp_get_thread_num())];
         slot = fp8::amax_update(slot, amax);
       });
