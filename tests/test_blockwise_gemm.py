@@ -15,7 +15,8 @@ from blockwise_cases import (
     dequantized_mm_fp32,
 )
 from cpu_paths import SUPPORTED_ISAS
-from tolerances import assert_close_to_reference
+from large_outputs import large_output_rows
+from tolerances import assert_bitwise_equal, assert_close_to_reference
 
 from transformer_linear import _C, ops, reference
 from transformer_linear.formats.block_scaling import resolve_gemm_scalings
@@ -61,6 +62,25 @@ def test_column_major_operands(scaling):
     """wgrad/dgrad pass transposed views; the kernel reads them in place."""
     a, sa, b, sb = block_operands(50, 60, 300, E4M3, E5M2, scaling)
     check_gemm(a.t().contiguous().t(), sa, b.t().contiguous().t(), sb, torch.bfloat16, what="column-major")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", ["1x128_x_128x128", "1x32_x_1x32_e8m0", "rowwise"])
+def test_large_outputs_match_row_blocks(cpu_isa, scaling, out_dtype):
+    """An output large enough to be streamed has the bits of the same rows computed as small GEMMs
+    (a's scales are per row, so its row blocks are GEMMs of their own); N = 2049 leaves the rows'
+    ends off a cache line."""
+    n, k = 2049, 300
+    m = large_output_rows(n, out_dtype)
+    a, sa, b, sb = block_operands(m, n, k, E4M3, E4M3, scaling)
+    bias = torch.randn(n).to(out_dtype)
+    d = ops.fp8_gemm(a, sa, b, sb, out_dtype, bias)
+    parts = zip(a.split(256), sa.split(256))
+    rows = torch.cat([ops.fp8_gemm(a_part, sa_part, b, sb, out_dtype, bias) for a_part, sa_part in parts])
+    what = f"{cpu_isa} {scaling} {m}x{n}x{k} -> {out_dtype}"
+    assert_bitwise_equal(d, rows, what=what)
+    expected = reference.fp8_gemm_blockwise(a, sa, b, sb, torch.float64, bias)
+    assert_close_to_reference(d, expected, dequantized_mm_fp32(a, sa, b, sb, out_dtype, bias), what=what)
 
 
 def test_empty_k_gives_bias():

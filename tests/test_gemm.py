@@ -11,7 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
-from tolerances import assert_close_to_reference
+from large_outputs import large_output_rows
+from tolerances import assert_bitwise_equal, assert_close_to_reference
 from transformer_linear import _C, ops, reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -149,6 +150,27 @@ def test_row_slice_views(cpu_isa):
     a = fp8_operand(40, 90, E4M3)[:, 5:75]
     b = fp8_operand(33, 100, E4M3)[:, 10:80]
     run_and_check(a, b, torch.float32, what=f"{cpu_isa} sliced")
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_large_outputs_match_row_blocks(cpu_isa, out_dtype, with_bias):
+    """An output large enough to be streamed has the bits of the same rows computed as small GEMMs.
+
+    K fits one pass, so every element's sum is the same whichever call computes it. N = 2049 leaves
+    each output row's start and end off a cache line, the partial lines written with plain stores.
+    """
+    n, k = 2049, 40
+    m = large_output_rows(n, out_dtype)
+    a, b = fp8_operand(m, k, E4M3), fp8_operand(n, k, E5M2)
+    a_scale_inv, b_scale_inv = scales()
+    bias = torch.randn(n).to(out_dtype) if with_bias else None
+    out = ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    rows = torch.cat([ops.fp8_gemm(part, a_scale_inv, b, b_scale_inv, out_dtype, bias) for part in a.split(256)])
+    assert_bitwise_equal(out, rows, what=f"{cpu_isa} {m}x{n}x{k} -> {out_dtype}")
+    expected = reference.fp8_gemm(a, a_scale_inv, b, b_scale_inv, torch.float64, bias)
+    baseline = fp32_baseline(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+    assert_close_to_reference(out, expected, baseline, what=f"{cpu_isa} {m}x{n}x{k} -> {out_dtype}")
 
 
 EMPTY_SHAPES = [(0, 5, 7), (5, 0, 7), (5, 7, 0), (0, 0, 0)]

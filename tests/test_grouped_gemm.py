@@ -16,7 +16,8 @@ import pytest
 import torch
 from blockwise_cases import E4M3, E5M2, E8M0
 from grouped_cases import PATTERNS, dequantized_grouped_fp32, host_reads_of, nothing, offsets, routing
-from tolerances import assert_close_to_reference, assert_grouped_close_to_reference
+from large_outputs import large_output_rows
+from tolerances import assert_bitwise_equal, assert_close_to_reference, assert_grouped_close_to_reference
 from triton_interpreted import run_interpreted
 
 from transformer_linear import reference
@@ -130,6 +131,23 @@ if not INTERPRETED:
             torch.set_num_threads(previous)
         assert torch.equal(one, four)
         check_grouped(ops_grouped.fp8_grouped_gemm, a, sa, b, sb, offs, torch.float32, what=scaling)
+
+    @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("scaling", ["tensorwise", "1x128_x_128x128"])
+    def test_cpu_large_output_matches_each_group_alone(cpu_isa, scaling, out_dtype):
+        """An output large enough to be streamed has the bits of each group's rows run as a grouped GEMM
+        of one group (each element's sum order is the same); N = 2049 leaves the rows' ends off a line."""
+        groups, n, k = 4, 2049, 300
+        total = large_output_rows(n, out_dtype)
+        a, sa, b, sb = grouped_operands(total, groups, n, k, scaling)
+        offs = offsets(routing("uniform", total, groups))
+        out = ops_grouped.fp8_grouped_gemm(a, sa, b, sb, offs, out_dtype)
+        for g, (start, end) in enumerate(reference_grouped.group_bounds(offs, total)):
+            sa_g = sa[start:end] if sa.dim() and sa.shape[0] == total else sa
+            alone = ops_grouped.fp8_grouped_gemm(a[start:end], sa_g, b[g : g + 1], sb[g : g + 1],
+                                                 offsets([end - start]), out_dtype)
+            assert_bitwise_equal(out[start:end], alone, what=f"{cpu_isa} {scaling} group {g}")
+        check_grouped(ops_grouped.fp8_grouped_gemm, a, sa, b, sb, offs, out_dtype, what=f"{cpu_isa} {scaling}")
 
     @pytest.mark.parametrize("total, groups, n, k", [(0, 3, 8, 64), (5, 0, 8, 64), (6, 3, 0, 64), (6, 3, 8, 0)])
     def test_cpu_empty_sizes(total, groups, n, k):

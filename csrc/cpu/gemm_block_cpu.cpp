@@ -127,6 +127,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   const int64_t a_bk = std::min(p.a_block.cols, k), b_bk = std::min(p.b_block.cols, k);
 
   const int threads = gemm::gemm_threads(m, n, k);
+  const gemm::StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(m * n) * sizeof(T));
   // Partial sums are promoted every `step` k: each K-block, or every KC when one
   // block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
   const int64_t step = g >= k ? std::min<int64_t>(k, ks.kc) : g;
@@ -199,8 +200,8 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
                       total, ld_total);
             }
             if (last) {
-              ks.store.get<Out>()(total, ld_total, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), 1.0f,
-                                  bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
+              store(total, ld_total, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), 1.0f,
+                    bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
             }
           });
         });

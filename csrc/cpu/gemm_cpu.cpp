@@ -135,7 +135,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads, con
   float* scratch = buffers.totals();
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
-  const StoreTileFn<Out> store = ks.store.get<Out>();
+  const StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(m * n) * sizeof(T));
 
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);

@@ -81,9 +81,10 @@ KernelSet amx_kernels() {
   // KC = 2048: each micro-kernel call ends by storing its four accumulator tiles, which waits for
   // the TMUL pipeline to drain, and a K past KC sends partial sums through memory; 2048 k per call
   // (A and B panels of 128 KiB each, from L2) ran 2048^3 at 1.4x the rate of KC = 512 (one
-  // thread, Sapphire Rapids class). 4096 (256 KiB panels) was slower again.
+  // thread, Sapphire Rapids class). 4096 (256 KiB panels) was slower again. The panels come from L2
+  // near its bandwidth, so large outputs are written past it (StoreTiles' streaming entries).
   return KernelSet{kMr, kNr, kTileK, 2, 2048, 256, 2048, pack_bf16_k32,
-                   pack_b_amx, micro_amx, configure_tiles, false, avx512_store_tiles(), kTileK, 2};
+                   pack_b_amx, micro_amx, configure_tiles, false, avx512_store_tiles(true), kTileK, 2};
 }
 
 }  // namespace gemm

@@ -301,7 +301,7 @@ struct Avx512Tag {};  // this file's instantiation of store_tile (StoreTiles)
 
 }  // namespace
 
-StoreTiles avx512_store_tiles() { return StoreTiles::instantiate<Avx512Tag>(); }
+StoreTiles avx512_store_tiles(bool streaming) { return StoreTiles::instantiate<Avx512Tag>(streaming); }
 
 KernelSet avx512_kernels() {
   return KernelSet{kMr, 16 * kNv, 1, 4, 256, 336, 2048, pack_fp32, pack_fp32, micro_fp32<kMr, kNv>,

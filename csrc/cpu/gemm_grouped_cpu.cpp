@@ -255,6 +255,7 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
   }
   constexpr double kMinParallelFlops = 1 << 22;
   const int threads = flops < kMinParallelFlops ? 1 : get_num_threads();
+  const gemm::StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(p.d.numel()) * sizeof(T));
 
   // The loops of the dense GEMM (gemm_cpu.cpp), per group: each KC chunk of a column tile of b[g]
   // is packed once per work item and serves every row block of it; each row block of `a` is packed
@@ -384,8 +385,8 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
                 }
               }
               if (last) {
-                ks.store.get<Out>()(acc, ld_acc, std::min<int64_t>(mr, mb - ir), std::min<int64_t>(nr, nb - jr),
-                                    1.0f, panel_bias, false, d + q.d_offset + (i0 + ir) * q.ldd + item.j0 + jr, q.ldd);
+                store(acc, ld_acc, std::min<int64_t>(mr, mb - ir), std::min<int64_t>(nr, nb - jr), 1.0f,
+                      panel_bias, false, d + q.d_offset + (i0 + ir) * q.ldd + item.j0 + jr, q.ldd);
               }
             }
           }
