@@ -75,7 +75,7 @@ struct RowKernels {
   void (*segment_cast)(const void* x, uint8_t* q, int64_t n, int64_t seg, const float* scale, bool stream);
   /*! \brief amax[i] = max(amax[i], |x[i]|) for i < n (NaN-propagating). */
   void (*column_amax)(const void* x, int64_t n, float* amax);
-  /*! \brief q[i] = quantize(x[i], scale[i]) for i < n. */
+  /*! \brief q[i] = quantize(x[i], scale[i]) for i < n; every scale[i] positive and finite (block scales are). */
   void (*column_cast)(const void* x, uint8_t* q, int64_t n, const float* scale);
   /*! \brief dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols. */
   void (*transpose)(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,

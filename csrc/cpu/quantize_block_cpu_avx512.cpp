@@ -31,10 +31,21 @@ void column_amax(const void* xv, int64_t n, float* amax) {
   }
 }
 
+// 64 lanes at a time on quantize_lanes_avx512.h's fp8_bytes_scaled (block scales are positive and
+// finite), the rest 16 at a time (to_fp8).
 template <typename In, typename Out>
 void column_cast(const void* xv, uint8_t* q, int64_t n, const float* scale) {
   const auto* x = static_cast<const typename In::storage*>(xv);
   int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m512 v[4], sc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load_hp<In>(x + i + 16 * j);
+      sc[j] = _mm512_loadu_ps(scale + i + 16 * j);
+    }
+    _mm512_storeu_si512(q + i, fp8_bytes_scaled<Out>(v, sc));
+  }
   for (; i + 16 <= n; i += 16) {
     const __m128i b = to_fp8<Out>(load_hp<In>(x + i), _mm512_loadu_ps(scale + i));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
@@ -93,6 +104,53 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512
   if (i < e) {
     const __mmask16 m = tail_mask(e - i);
     _mm_mask_storeu_epi8(q + i, m, to_fp8<Out>(load_hp<In>(x + i, m), sc));
+  }
+}
+
+// q[i, i + 64) = b, with non-temporal stores under kStream (q + i then 16-byte aligned).
+template <bool kStream>
+TL_LANE_INLINE void store64(uint8_t* q, __m512i b) {
+  if (kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm512_castsi512_si128(b));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_extracti32x4_epi32(b, 1));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_extracti32x4_epi32(b, 2));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_extracti32x4_epi32(b, 3));
+  } else {
+    _mm512_storeu_si512(q, b);
+  }
+}
+
+// q[i] = quantize(x[i], scale[(i - b) / seg]) for i in [b, e): blocks of seg elements from b, each with
+// its (positive, finite) scale. Where seg is a multiple of 32, 64 lanes at a time (each half of a chunk
+// in one block) on the 64-lane cast; the rest block by block, 16 lanes at a time (cast_block). With
+// kStream, q + b is 16-byte aligned; with `ahead` > 0, prefetches the input `ahead` elements on.
+template <typename In, typename Out, bool kStream>
+TL_LANE_INLINE void cast_blocks(const typename In::storage* x, uint8_t* q, const float* scale, int64_t seg,
+                                int64_t b, int64_t e, int64_t ahead) {
+  int64_t i = b;
+  if (seg % 32 == 0) {
+    for (; i + 64 <= e; i += 64) {
+      if (ahead > 0) quantize_block::prefetch_lines<64 * sizeof(typename In::storage)>(x + i + ahead);
+      const __m512 s0 = _mm512_set1_ps(scale[(i - b) / seg]), s1 = _mm512_set1_ps(scale[(i + 32 - b) / seg]);
+      __m512i bytes;
+      if constexpr (std::is_same_v<In, BFloat16>) {
+        const __m512i h0 = _mm512_loadu_si512(x + i), h1 = _mm512_loadu_si512(x + i + 32);
+        const __m512i mag = _mm512_set1_epi16(0x7fff);
+        bytes = fp8_bytes_bf16_scaled<Out>(h0, h1, _mm512_and_si512(h0, mag), _mm512_and_si512(h1, mag), s0, s1);
+      } else {
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) v[j] = load_hp<In>(x + i + 16 * j);
+        const __m512 sc[4] = {s0, s0, s1, s1};
+        bytes = fp8_bytes_scaled<Out>(v, sc);
+      }
+      store64<kStream>(q + i, bytes);
+    }
+  }
+  while (i < e) {
+    const int64_t j = (i - b) / seg, block_end = std::min(e, b + (j + 1) * seg);
+    cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), i, block_end, ahead);
+    i = block_end;
   }
 }
 
@@ -210,10 +268,7 @@ void row_blocks_impl(const typename In::storage* x, uint8_t* q, int64_t n, int64
       amax[j] = col_amax ? amax_fold<In>(x, b, e, col_amax) : block_amax<In>(x, b, e);
     }
     block_scales(amax, nj, rule, scale_inv, first + j0, scale);
-    for (int64_t j = 0; j < nj; ++j) {
-      const int64_t b = b0 + j * seg;
-      cast_block<In, Out, kStream>(x, q, _mm512_set1_ps(scale[j]), b, std::min(n, b + seg), ahead);
-    }
+    cast_blocks<In, Out, kStream>(x, q, scale, seg, b0, std::min(n, b0 + nj * seg), ahead);
   }
 }
 

@@ -156,12 +156,10 @@ TL_LANE_INLINE __m512i with_signs(__m512i codes, __m512i sign) {
   return _mm512_ternarylogic_epi32(codes, sign, _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // a | (b & c)
 }
 
-// The FP8 bytes of 64 float32 lanes x[j] * scale in element order (x[0]'s 16, then x[1]'s, ...).
+// The FP8 bytes of 64 float32 lanes x[j] in element order (x[0]'s 16, then x[1]'s, ...), from their
+// scaled magnitudes in the code domain a[j].
 template <typename Out>
-TL_LANE_INLINE __m512i fp8_bytes(const __m512 (&x)[4], __m512 code_sc) {
-  __m512 a[4];
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) a[j] = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits(x[j])), code_sc);
+TL_LANE_INLINE __m512i fp8_bytes_of(const __m512 (&x)[4], const __m512 (&a)[4]) {
   const __m512i codes = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), fp8_codes_in_pack_order<Out>(a));
   // Signed saturating packs keep each lane's sign in its byte's top bit; 4-byte
   // group l of 128-bit lane k then holds elements 16 * l + 4 * k ...: a 4x4
@@ -174,27 +172,84 @@ TL_LANE_INLINE __m512i fp8_bytes(const __m512 (&x)[4], __m512 code_sc) {
   return with_signs(codes, sign);
 }
 
-// The FP8 bytes of 64 bfloat16 elements (32 in h0, 32 in h1) times the scale, in
-// element order; habs0 and habs1 hold h0 and h1 & 0x7fff. Interleaving with
-// zero words widens bfloat16 to float32 in one instruction per 16 lanes: per
-// 128-bit lane, a0 takes elements 0-3 of each 8, a1 4-7 (a2, a3 the same of h1),
-// so the codes' 4-byte groups come out of the pack in the order 0 2 4 6 8 ...
-// of a0 and a2, then 1 3 5 7 ...: one dword permutation. The signs pack straight
-// from the 16-bit words.
+// The FP8 bytes of 64 float32 lanes x[j] * scale in element order, code_sc = scale * kCodeScale (code_scale).
 template <typename Out>
-TL_LANE_INLINE __m512i fp8_bytes_bf16(__m512i h0, __m512i h1, __m512i habs0, __m512i habs1, __m512 code_sc) {
-  const __m512i zero = _mm512_setzero_si512();
+TL_LANE_INLINE __m512i fp8_bytes(const __m512 (&x)[4], __m512 code_sc) {
   __m512 a[4];
-  a[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs0)), code_sc);
-  a[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs0)), code_sc);
-  a[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs1)), code_sc);
-  a[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs1)), code_sc);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits(x[j])), code_sc);
+  return fp8_bytes_of<Out>(x, a);
+}
+
+// |x| * scale in the code domain for one positive finite scale per lane: the product, then times
+// kCodeScale (exact unless the product is below 2^-118, which casts to ±0 either way), so any such
+// scale qualifies, as in quantize_lanes_avx2.h's per-lane fp8_bytes.
+template <typename Out>
+TL_LANE_INLINE __m512 code_magnitude(__m512 abs_x, __m512 scale) {
+  const __m512 a = _mm512_mul_ps(abs_x, scale);
+  if constexpr (Fp8ViaHalf<Out>::kCodeScale != 1.0f) return _mm512_mul_ps(a, _mm512_set1_ps(Fp8ViaHalf<Out>::kCodeScale));
+  return a;
+}
+
+// The FP8 bytes of 64 float32 lanes x[j] * scale[j] in element order, one positive finite scale per lane.
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes_scaled(const __m512 (&x)[4], const __m512 (&scale)[4]) {
+  __m512 a[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) a[j] = code_magnitude<Out>(_mm512_castsi512_ps(abs_bits(x[j])), scale[j]);
+  return fp8_bytes_of<Out>(x, a);
+}
+
+// The casts of 64 bfloat16 elements (32 in h0, 32 in h1): habs0 and habs1 hold
+// h0 and h1 & 0x7fff. Interleaving with zero words widens bfloat16 to float32 in
+// one instruction per 16 lanes: per 128-bit lane, a0 takes elements 0-3 of each
+// 8, a1 4-7 (a2, a3 the same of h1), so the codes' 4-byte groups come out of the
+// pack in the order 0 2 4 6 8 ... of a0 and a2, then 1 3 5 7 ...: one dword
+// permutation. The signs pack straight from the 16-bit words.
+
+// The magnitudes of h0 (a[0], a[1]) and h1 (a[2], a[3]) as float32, in the lane order above.
+TL_LANE_INLINE void bf16_magnitudes(__m512i habs0, __m512i habs1, __m512 (&a)[4]) {
+  const __m512i zero = _mm512_setzero_si512();
+  a[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs0));
+  a[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs0));
+  a[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, habs1));
+  a[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, habs1));
+}
+
+// The FP8 bytes of the 64 bfloat16 elements in h0, h1 from their scaled magnitudes a[j] (bf16_magnitudes'
+// vectors in the code domain).
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes_bf16_of(__m512i h0, __m512i h1, const __m512 (&a)[4]) {
   // Pack order, 4-byte groups: a0[0-3] a0[4-7] a2[0-3] a2[4-7] a0[8-11] ... then a1's and a3's; a0's
   // group g is elements 8 * g + 0-3 and a1's 8 * g + 4-7 (a2, a3: 32 on).
   const __m512i codes = _mm512_permutexvar_epi32(
       _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 2, 10, 3, 11, 6, 14, 7, 15), fp8_codes_in_pack_order<Out>(a));
   const __m512i sign = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packs_epi16(h0, h1));
   return with_signs(codes, sign);
+}
+
+// The FP8 bytes of 64 bfloat16 elements (32 in h0, 32 in h1) times the scale, in element order, code_sc
+// = scale * kCodeScale (code_scale); habs0 and habs1 hold h0 and h1 & 0x7fff.
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes_bf16(__m512i h0, __m512i h1, __m512i habs0, __m512i habs1, __m512 code_sc) {
+  __m512 a[4];
+  bf16_magnitudes(habs0, habs1, a);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_mul_ps(a[j], code_sc);
+  return fp8_bytes_bf16_of<Out>(h0, h1, a);
+}
+
+// fp8_bytes_bf16 with h0's 32 elements times scale0 and h1's times scale1 (positive and finite).
+template <typename Out>
+TL_LANE_INLINE __m512i fp8_bytes_bf16_scaled(__m512i h0, __m512i h1, __m512i habs0, __m512i habs1, __m512 scale0,
+                                             __m512 scale1) {
+  __m512 a[4];
+  bf16_magnitudes(habs0, habs1, a);
+  a[0] = code_magnitude<Out>(a[0], scale0);
+  a[1] = code_magnitude<Out>(a[1], scale0);
+  a[2] = code_magnitude<Out>(a[2], scale1);
+  a[3] = code_magnitude<Out>(a[3], scale1);
+  return fp8_bytes_bf16_of<Out>(h0, h1, a);
 }
 
 template <typename In, typename Out, bool kAmax, bool kStream>
