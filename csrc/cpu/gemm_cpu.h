@@ -165,7 +165,8 @@ struct StoreTiles {
   StoreTileFn<Float16> f16 = nullptr;
   // store_tile_streaming, for outputs of kStreamOutputBytes or more; null: store_tile for those too.
   // Only a micro-kernel that runs from L2 near its bandwidth (AMX) gains by it: the AVX2 set, whose
-  // fp32 FMAs bound it, ran 1-6% slower with it (2048 x 4096 x 1024, bf16 out, two threads).
+  // fp32 FMAs bound it, ran 1-6% slower with it (2048 x 4096 x 1024, bf16 out, two threads of an AMX
+  // CPU forced to the avx2 path).
   StoreTileFn<Float32> f32_streaming = nullptr;
   StoreTileFn<BFloat16> bf16_streaming = nullptr;
   StoreTileFn<Float16> f16_streaming = nullptr;
