@@ -27,7 +27,7 @@
 #include "transformer_linear/tensor.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace tl {
@@ -100,25 +100,30 @@ void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, 
 constexpr size_t kStreamOutputBytes = size_t{8} << 20;
 
 /*!
- * \brief dst[0, count) = src[0, count): the whole 64-byte lines of dst with non-temporal stores (x86),
- *        its ragged ends with plain ones.
+ * \brief dst[0, count) = src[0, count): the whole 64-byte lines of dst with non-temporal stores (x86; one
+ *        64-byte store a line where the file is compiled for AVX-512), its ragged ends with plain ones.
+ *        `IsaTag` as store_tile's: each instruction-set file compiles its own copy.
  */
-template <typename T>
+template <typename IsaTag, typename T>
 inline void stream_copy(const T* src, int64_t count, T* dst) {
   const size_t bytes = static_cast<size_t>(count) * sizeof(T);
   auto* out = reinterpret_cast<uint8_t*>(dst);
   const auto* in = reinterpret_cast<const uint8_t*>(src);
 #if defined(__x86_64__) || defined(__i386__)
   const size_t head = std::min<size_t>(bytes, (64 - (reinterpret_cast<uintptr_t>(out) & 63)) & 63);
-  std::memcpy(out, in, head);
+  if (head) std::memcpy(out, in, head);
   size_t i = head;
   for (; i + 64 <= bytes; i += 64) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), _mm512_loadu_si512(in + i));
+#else
     for (size_t v = 0; v < 64; v += 16) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(out + i + v),
                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i + v)));
     }
+#endif
   }
-  std::memcpy(out + i, in + i, bytes - i);
+  if (i < bytes) std::memcpy(out + i, in + i, bytes - i);
 #else
   std::memcpy(out, in, bytes);
 #endif
@@ -142,7 +147,7 @@ void store_tile_streaming(const float* tile, int64_t ld_tile, int64_t rows, int6
   for (int64_t i = 0; i < rows; ++i) {
     bias ? store_row<Out, true, false, IsaTag>(tile + i * ld_tile, cols, alpha, bias, row)
          : store_row<Out, false, false, IsaTag>(tile + i * ld_tile, cols, alpha, bias, row);
-    stream_copy(row, cols, d + i * ldd);
+    stream_copy<IsaTag>(row, cols, d + i * ldd);
   }
 #if defined(__x86_64__) || defined(__i386__)
   _mm_sfence();

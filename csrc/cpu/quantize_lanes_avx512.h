@@ -6,9 +6,10 @@
 // The 16-lane cast (to_fp8) follows fp8_math.h's e4m3_bits_from_float /
 // e5m2_bits_from_float lane by lane: the same integer rounding for normals and
 // the same float addition that rounds subnormals (no contracted FMA,
-// -ffp-contract=off). The 64-lane cast of cast_range rounds by a magic-number
-// addition written as two explicit FMAs (see quantize_lanes_avx2.h), the same
-// rounding. Both are bitwise the scalar path; tests/test_quantize.py,
+// -ffp-contract=off). The 64-lane cast (cast_range's, and the block quantize's
+// with a scale per block or per column: fp8_bytes_scaled, fp8_bytes_bf16_scaled)
+// rounds by a magic-number addition written as two explicit FMAs (see
+// quantize_lanes_avx2.h), the same rounding. Both are bitwise the scalar path; tests/test_quantize.py,
 // tests/test_quantize_cast_exhaustive.py and tests/test_blockwise_quantize.py
 // check every bf16 and fp16 bit pattern and fp32 values at every boundary.
 //
