@@ -128,9 +128,9 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
 
   const int threads = gemm::gemm_threads(m, n, k);
   const gemm::StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(m * n) * sizeof(T));
-  // Partial sums are promoted every `step` k: each K-block, or every KC when one
-  // block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
-  const int64_t step = g >= k ? std::min<int64_t>(k, ks.kc) : g;
+  // Partial sums are promoted every `step` k: each K-block, or every run of the kernel's
+  // sum_k() when one block covers K (tensorwise, rowwise), which also keeps fp32 sums short.
+  const int64_t step = g >= k ? std::min<int64_t>(k, ks.sum_k()) : g;
   TL_CHECK(step <= ks.kc, "fp8_gemm: a K-block of ", g, " wider than the kernel's ", ks.kc,
            " that does not cover K is not supported");
   const int64_t kc = ks.kc / step * step;
@@ -141,7 +141,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
   const gemm::PassBuffers buffers(gemm::pass_slots(threads, passes), b_chunk_bytes,
                                   multi_pass ? static_cast<size_t>(m_pad * nc) : 0, "fp8_gemm");
-  float* totals = buffers.totals();
+  const gemm::PartialTiles partials(buffers.totals(), m_pad, ks.mr, ks.nr);
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
   const int mr = ks.mr, nr = ks.nr;
@@ -181,14 +181,13 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           gemm::for_each_tile(u, b_chunk, b_panel_bytes, mr, prefetch, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
             const uint8_t* a_panel = a_packed + (ir / mr) * a_panel_bytes;
-            // The fp32 total of this tile: in `totals` across K chunks, else on the stack.
-            float* total = totals ? totals + i * nc + j : acc;
-            int64_t ld_total = totals ? nc : nr;
+            // The fp32 total of this tile (mr x nr, leading dimension nr): in `partials` across K chunks,
+            // else on the stack.
+            float* total = multi_pass ? partials.at(q, i) : acc;
             if (folded) {  // unit scales: the micro-kernel adds into the total itself
               // (the last chunk's sums go to the stack tile, as in the tensorwise GEMM).
-              ks.micro(kb, a_panel, b_panel, first ? nullptr : total, ld_total, last ? acc : total,
-                       last ? nr : ld_total);
-              if (last) total = acc, ld_total = nr;
+              gemm::micro_runs(ks, kb, a_panel, b_panel, first ? nullptr : total, nr, last ? acc : total, nr);
+              if (last) total = acc;
             }
             for (int64_t s0 = 0; !folded && s0 < kb; s0 += step) {
               // Packed panels store k in order: a sub-panel at k offset s0 starts
@@ -197,10 +196,10 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
                        nullptr, 0, part, nr);
               const int64_t s = (pc + s0) / g;
               promote(part, nr, sa.data() + s * m_pad + i, sb.data() + s * n_pad + jc + j, mr, nr, first && s0 == 0,
-                      total, ld_total);
+                      total, nr);
             }
             if (last) {
-              store(total, ld_total, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), 1.0f,
+              store(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), 1.0f,
                     bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);
             }
           });

@@ -132,7 +132,7 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads, con
   const size_t b_chunk_bytes = ceil_div(nc, ks.nr) * ks.panel_bytes(kc_max, ks.nr);
   const PassBuffers buffers(pass_slots(threads, passes), b_chunk_bytes,
                             multi_pass ? static_cast<size_t>(m_padded * nc) : 0, "fp8_gemm");
-  float* scratch = buffers.totals();
+  const PartialTiles partials(buffers.totals(), m_padded, ks.mr, ks.nr);
   const Operand a_op{p.a.ptr<uint8_t>(), p.a_row, p.a_col, p.a.dtype};
   const Operand b_op{p.b.ptr<uint8_t>(), p.b_row, p.b_col, p.b.dtype};
   const StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(m * n) * sizeof(T));
@@ -168,10 +168,10 @@ void run(const GemmParams& p, const KernelSet& ks, float alpha, int threads, con
           const bool prefetch = ks.prefetch_next_b;
           for_each_tile(u, b_chunk, b_panel_bytes, ks.mr, prefetch, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * ks.nr;  // j: within the NC block
-            float* partial = scratch ? scratch + i * nc + j : nullptr;
+            float* partial = partials.at(q, i);
             float* out = last ? tile : partial;
-            ks.micro(kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_panel, first ? nullptr : partial, nc, out,
-                     last ? ks.nr : nc);
+            micro_runs(ks, kb, a_packed + (ir / ks.mr) * a_panel_bytes, b_panel, first ? nullptr : partial, ks.nr,
+                       out, ks.nr);
             if (last) {
               store(tile, ks.nr, std::min<int64_t>(ks.mr, m - i), std::min<int64_t>(ks.nr, nb - j), alpha,
                               bias ? bias + jc + j : nullptr, p.accumulate, d + i * n + jc + j, n);

@@ -248,15 +248,35 @@ struct KernelSet {
   StoreTiles store;  // the epilogue compiled for this path (empty: the portable one)
   // k values per packed group (the layout above) of A and B panels, where it is not k_align.
   int a_kpack = 0, b_kpack = 0;
+  // k values the micro-kernel sums from zero before adding them to a tile's running total (a multiple of
+  // both kpacks; 0: a whole KC block). Runs shorter than KC keep fp32 sums short, and their bits those of a
+  // KC of that size, while the panels stay KC long (micro_runs).
+  int64_t sum_kc = 0;
 
   int kpack_a() const { return a_kpack ? a_kpack : k_align; }
   int kpack_b() const { return b_kpack ? b_kpack : k_align; }
+  int64_t sum_k() const { return sum_kc ? sum_kc : kc; }
 
   /*! \brief Bytes of one packed micro-panel of `r` rows and `kc` k values. */
   size_t panel_bytes(int64_t kc_block, int r) const {
     return static_cast<size_t>((kc_block + k_align - 1) / k_align) * k_align * r * elem_bytes;
   }
 };
+
+/*!
+ * \brief ks.micro over `kb` k values of one tile in runs of ks.sum_k(), each run summed from zero and added
+ *        to the total so far: c_out = ((c_in + run 0) + run 1) + ... (c_in null: from run 0), the bits of
+ *        one micro-kernel call per run with the total carried through c_in. a and b are packed panels.
+ */
+inline void micro_runs(const KernelSet& ks, int64_t kb, const uint8_t* a, const uint8_t* b, const float* c_in,
+                       int64_t ldc_in, float* c_out, int64_t ldc_out) {
+  const int64_t run = ks.sum_k();
+  for (int64_t s0 = 0; s0 < kb; s0 += run) {
+    // Packed panels store k in order: the run at k offset s0 starts s0 * rows elements in.
+    ks.micro(std::min(run, kb - s0), a + s0 * ks.mr * ks.elem_bytes, b + s0 * ks.nr * ks.elem_bytes,
+             s0 == 0 ? c_in : c_out, s0 == 0 ? ldc_in : ldc_out, c_out, ldc_out);
+  }
+}
 
 /*! \brief FP8 value of each of the 256 bit patterns, as float (exact). */
 const float* fp8_to_float_table(DType dtype);

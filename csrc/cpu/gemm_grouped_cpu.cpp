@@ -305,7 +305,7 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
     alignas(64) float part[64 * 64];  // mr * nr <= 64 * 64 for every KernelSet
     // The scales of one KC chunk, looked up once per chunk rather than per micro-tile: the
     // rows of a row block (and the columns of the tile) for each promotion step, 0 past the edge.
-    const int64_t steps_max = std::max<int64_t>(1, ceil_div(ks.kc, std::min<int64_t>(g, ks.kc)));
+    const int64_t steps_max = std::max<int64_t>(1, ceil_div(ks.kc, std::min<int64_t>(g, ks.sum_k())));
     const int64_t mt_pad = round_up(mt, mr), nt_pad = round_up(nt, nr);
     std::vector<float> sa_table(static_cast<size_t>(steps_max * mt_pad));
     std::vector<float> sb_table(static_cast<size_t>(steps_max * nt_pad));
@@ -313,12 +313,12 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
       const WorkItem& item = items[w];
       const Problem& q = probs[item.problem];
       const int64_t rows = item.rows, nb = std::min(nt, q.n - item.j0);
-      // Partial sums are promoted every `step` k: each K-block, or every KC chunk when one block
-      // covers K (tensorwise, rowwise, the tensorwise weight gradient).
+      // Partial sums are promoted every `step` k: each K-block, or every run of the kernel's sum_k()
+      // when one block covers K (tensorwise, rowwise, the tensorwise weight gradient).
       // Folded (power-of-two scales multiplied into the packed panels): unit scales, one sum over K.
       const bool folded = fold != nullptr;
       const bool whole_k = folded || g >= q.k;
-      const int64_t step = whole_k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.kc) : g;
+      const int64_t step = whole_k ? std::min<int64_t>(std::max<int64_t>(q.k, 1), ks.sum_k()) : g;
       const int64_t kc = ks.kc / step * step;
       const T* tile_bias = q.bias_offset >= 0 ? bias + q.bias_offset + item.j0 : nullptr;
       for (int64_t pc = 0; pc < q.k; pc += kc) {
@@ -366,10 +366,10 @@ void run(const GroupedGemmParams& p, const std::vector<Problem>& probs, const Ke
                 // (as the dense GEMM does), and the last chunk's tile is scaled once on its way out.
                 const float* c_in = pc == 0 ? nullptr : acc;
                 if (!last) {
-                  ks.micro(kb, a_panel, b_panel, c_in, nt, acc, nt);
+                  micro_runs(ks, kb, a_panel, b_panel, c_in, nt, acc, nt);
                   continue;
                 }
-                ks.micro(kb, a_panel, b_panel, c_in, nt, part, nr);
+                micro_runs(ks, kb, a_panel, b_panel, c_in, nt, part, nr);
                 promote(part, nr, sa_table.data() + ir, sb_table.data() + jr, mr, nr, true, part, nr);
                 acc = part;
                 ld_acc = nr;

@@ -121,6 +121,35 @@ void for_each_tile(const UnitGrid::Unit& u, const uint8_t* b_chunk, size_t b_pan
 }
 
 /*!
+ * \brief Where a multi-pass NC block keeps each tile's fp32 partial sums between passes: tile after
+ *        tile in the order for_each_tile visits them (the A panels of one B panel in turn), each mr x nr
+ *        tile one contiguous run (leading dimension nr).
+ *
+ * The partial sums of a large block (m x NC floats, many MiB) leave the caches between passes. Stored
+ * as rows NC floats apart, a tile's mr rows were mr separate lines on as many pages, fetched on demand
+ * when the micro-kernel added them at its end (about a tenth of a vdpbf16ps micro-kernel's time on
+ * AMD Zen 4); one run a tile, in visiting order, is a stream the hardware prefetchers follow.
+ */
+class PartialTiles {
+ public:
+  /*! \brief `totals`: m_pad x NC floats (PassBuffers::totals), or nullptr for a one-pass GEMM. */
+  PartialTiles(float* totals, int64_t m_pad, int mr, int nr)
+      : totals_(totals), m_tiles_(m_pad / mr), mr_(mr), tile_floats_(int64_t{mr} * nr) {}
+
+  /*! \brief The partial sums of the tile of A rows [i, i + mr) (i a multiple of mr) against B panel `q`
+   *         of the NC block; nullptr for a one-pass GEMM. */
+  float* at(int64_t q, int64_t i) const {
+    return totals_ ? totals_ + (q * m_tiles_ + i / mr_) * tile_floats_ : nullptr;
+  }
+
+ private:
+  float* totals_;
+  int64_t m_tiles_;
+  int mr_;
+  int64_t tile_floats_;
+};
+
+/*!
  * \brief The memory of one blocked GEMM call: its ring of packed-B chunks and, for a multi-pass
  *        GEMM, its fp32 partial sums; kept per calling thread (ScratchCache) across calls and
  *        across the three drivers, which never run nested on one thread.
