@@ -144,7 +144,7 @@ void run(const GemmView& p, const KernelSet& ks) {
   const size_t b_chunk_bytes = static_cast<size_t>(ceil_div(nc, nr) * kc_max * nr * elem_bytes);
   const gemm::PassBuffers buffers(gemm::pass_slots(threads, passes), b_chunk_bytes,
                                   multi_pass ? static_cast<size_t>(m_pad * nc) : 0, "nvfp4_gemm");
-  const gemm::PartialTiles partials(buffers.totals(), m_pad, mr, nr);
+  float* totals = buffers.totals();
   const Operand a_op{p.a, p.a_scale, p.a_ld};
   const Operand b_op{p.b, p.b_scale, p.b_ld};
 
@@ -172,7 +172,8 @@ void run(const GemmView& p, const KernelSet& ks) {
           const uint8_t* b_chunk = buffers.b_chunk(slot);
           gemm::for_each_tile(u, b_chunk, panel_bytes, mr, true, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
-            float* total = multi_pass ? partials.at(q, i) : acc;
+            // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
+            float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
             if (first) std::fill(total, total + mr * nr, 0.0f);
             ks.micro(kb, a_packed + (ir / mr) * a_panel_bytes, b_panel, total, nr);
             if (last) {
