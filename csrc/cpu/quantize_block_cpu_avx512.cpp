@@ -107,19 +107,6 @@ TL_LANE_INLINE void cast_block(const typename In::storage* x, uint8_t* q, __m512
   }
 }
 
-// q[i, i + 64) = b, with non-temporal stores under kStream (q + i then 16-byte aligned).
-template <bool kStream>
-TL_LANE_INLINE void store64(uint8_t* q, __m512i b) {
-  if (kStream) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm512_castsi512_si128(b));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_extracti32x4_epi32(b, 1));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_extracti32x4_epi32(b, 2));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_extracti32x4_epi32(b, 3));
-  } else {
-    _mm512_storeu_si512(q, b);
-  }
-}
-
 // q[i] = quantize(x[i], scale[(i - b) / seg]) for i in [b, e): blocks of seg elements from b, each with
 // its (positive, finite) scale. Where seg is a multiple of 32, 64 lanes at a time (each half of a chunk
 // in one block) on the 64-lane cast; the rest block by block, 16 lanes at a time (cast_block). With
@@ -144,7 +131,7 @@ TL_LANE_INLINE void cast_blocks(const typename In::storage* x, uint8_t* q, const
         const __m512 sc[4] = {s0, s0, s1, s1};
         bytes = fp8_bytes_scaled<Out>(v, sc);
       }
-      store64<kStream>(q + i, bytes);
+      store_bytes64<kStream>(q + i, bytes);
     }
   }
   while (i < e) {

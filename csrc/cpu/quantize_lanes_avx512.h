@@ -253,6 +253,19 @@ TL_LANE_INLINE __m512i fp8_bytes_bf16_scaled(__m512i h0, __m512i h1, __m512i hab
   return fp8_bytes_bf16_of<Out>(h0, h1, a);
 }
 
+// q[0, 64) = b, with non-temporal stores under kStream (q then 16-byte aligned, not always 64).
+template <bool kStream>
+TL_LANE_INLINE void store_bytes64(uint8_t* q, __m512i b) {
+  if (kStream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm512_castsi512_si128(b));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_extracti32x4_epi32(b, 1));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 32), _mm512_extracti32x4_epi32(b, 2));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(q + 48), _mm512_extracti32x4_epi32(b, 3));
+  } else {
+    _mm512_storeu_si512(q, b);
+  }
+}
+
 template <typename In, typename Out, bool kAmax, bool kStream>
 float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t begin,
                  int64_t end) {
@@ -294,14 +307,7 @@ float cast_range(const typename In::storage* x, uint8_t* q, float scale, int64_t
       }
       b = fp8_bytes<Out>(v, code_sc);
     }
-    if (kStream) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i), _mm512_castsi512_si128(b));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 16), _mm512_extracti32x4_epi32(b, 1));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 32), _mm512_extracti32x4_epi32(b, 2));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(q + i + 48), _mm512_extracti32x4_epi32(b, 3));
-    } else {
-      _mm512_storeu_si512(q + i, b);
-    }
+    store_bytes64<kStream>(q + i, b);
   }
   if constexpr (std::is_same_v<In, BFloat16> && kAmax) {  // the words' maximum, as float32 bits
     const __m512i zero = _mm512_setzero_si512();
