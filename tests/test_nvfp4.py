@@ -288,7 +288,9 @@ def quantized_operand(rows, k, seed, option="rowwise"):
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(
     "m, n, k",
-    [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (350, 45, 1072), (0, 8, 32), (8, 0, 32), (5, 6, 0)],
+    # 4160: past two 2048-k passes of the AMX kernels (totals carried through memory between them).
+    [(1, 1, 16), (37, 70, 48), (64, 64, 512), (130, 9, 272), (350, 45, 1072), (40, 33, 4160), (0, 8, 32), (8, 0, 32),
+     (5, 6, 0)],
 )
 def test_gemm(gemm_isa, m, n, k, out_dtype, with_bias):
     a, b = quantized_operand(m, k, 1), quantized_operand(n, k, 2, "2d")
@@ -334,6 +336,37 @@ def test_gemm_extreme_scales_and_values(gemm_isa):
     expected = ref.nvfp4_gemm(*args, torch.float32)
     assert got[2].isnan().all()
     assert_bitwise_equal(got, expected, "nvfp4_gemm vs reference", any_nan=True)
+
+
+def test_gemm_adds_block_sums_in_k_order(gemm_isa):
+    """Block scales over the whole E4M3 range make the float32 totals round at almost every block: the
+    kernel must add the block sums in K order, as the reference, across several 2048-k passes too.
+
+    Checked against the same blocks added last to first, which must differ, so the data can tell.
+    """
+    m, n, k = 24, 40, 4160
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=gen)
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    a_scale = torch.randint(1, 0x7F, (m, k // 16), dtype=torch.uint8, generator=gen)
+    b_scale = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)
+    args = (
+        a.view(fmt.FP4_DTYPE),
+        a_scale.view(torch.float8_e4m3fn),
+        torch.tensor(1.0),
+        b.view(fmt.FP4_DTYPE),
+        b_scale.view(torch.float8_e4m3fn),
+        torch.tensor(1.0),
+    )
+    got = ops.nvfp4_gemm(*args, torch.float32)
+    expected = ref.nvfp4_gemm(*args, torch.float32)
+    one = torch.tensor(1.0)
+    a_values, b_values = ref.dequantize_nvfp4(args[0], args[1], one), ref.dequantize_nvfp4(args[3], args[4], one)
+    backwards = torch.zeros(m, n)
+    for kb in reversed(range(k // 16)):
+        backwards += a_values[:, kb * 16 : (kb + 1) * 16] @ b_values[:, kb * 16 : (kb + 1) * 16].T
+    assert (backwards != expected).float().mean() > 0.5, "the data must make the K order matter"
+    assert_bitwise_equal(got, expected, "nvfp4_gemm vs reference")
 
 
 def test_gemm_ignores_thread_count():

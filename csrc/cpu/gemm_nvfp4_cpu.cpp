@@ -8,8 +8,9 @@
 // the micro-kernel only has to add each block's sum to the fp32 total in K order, as
 // reference/nvfp4.py nvfp4_gemm does. The fp32 totals stay in a tile on the stack when
 // one chunk covers K, else in an M x NC buffer (tile by tile) across chunks; the global scales (alpha)
-// and the bias come in the fp32 epilogue. The chunks run with no barrier between them
-// (run_passes, gemm_passes.h), and the next B panel is prefetched while the current one runs. Every output element is computed the same way
+// and the bias come in the fp32 epilogue (the kernel set's, streaming large outputs where it has
+// that). The chunks run with no barrier between them (run_passes, gemm_passes.h), and the next B panel
+// is prefetched while the current one runs where the kernel set asks. Every output element is computed the same way
 // whatever the thread count, so results do not depend on it.
 #include <algorithm>
 #include <cstdlib>
@@ -147,6 +148,7 @@ void run(const GemmView& p, const KernelSet& ks) {
   float* totals = buffers.totals();
   const Operand a_op{p.a, p.a_scale, p.a_ld};
   const Operand b_op{p.b, p.b_scale, p.b_ld};
+  const gemm::StoreTileFn<Out> store = ks.store.get<Out>(static_cast<size_t>(m * n) * sizeof(T));
 
   for (int64_t jc = 0; jc < n; jc += nc) {
     const int64_t nb = std::min(nc, n - jc);
@@ -170,14 +172,14 @@ void run(const GemmView& p, const KernelSet& ks) {
           pack_rows(ks, true, a_op, u.row, u.rows, pc, kb, mr, a_packed);
           if (ks.prepare) ks.prepare();
           const uint8_t* b_chunk = buffers.b_chunk(slot);
-          gemm::for_each_tile(u, b_chunk, panel_bytes, mr, true, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
+          gemm::for_each_tile(u, b_chunk, panel_bytes, mr, ks.prefetch_next_b, [&](int64_t q, int64_t ir, const uint8_t* b_panel) {
             const int64_t i = u.row + ir, j = q * nr;  // j: within the NC block
             // Each tile's totals are contiguous (mr x nr): rows nc apart would share L1 sets.
             float* total = totals ? totals + ((i / mr) * (nc / nr) + q) * mr * nr : acc;
             if (first) std::fill(total, total + mr * nr, 0.0f);
             ks.micro(kb, a_packed + (ir / mr) * a_panel_bytes, b_panel, total, nr);
             if (last) {
-              gemm::store_tile<Out>(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), p.alpha,
+              store(total, nr, std::min<int64_t>(mr, m - i), std::min<int64_t>(nr, nb - j), p.alpha,
                                     bias ? bias + jc + j : nullptr, false, d + i * n + jc + j, n);
             }
           });
