@@ -71,45 +71,66 @@ inline __m256i decode_block_bf16(const uint8_t* bytes8, __m512 scale) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
 }
 
-// Calls block(panel, i, kk, bf16 values) for row i of each panel of r rows and each 16-k block kk
-// of rows [row0, row0 + rows) x k [pc, pc + kc); rows past `rows` give zeros.
-template <typename Block>
-void for_each_row_block(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows,
-                        int64_t pc, int64_t kc, int r, Block&& block) {
-  const int64_t row_bytes = ld / 2, row_scales = ld / kBlockK;
-  for (int64_t p0 = 0; p0 < rows; p0 += r) {
-    for (int i = 0; i < r; ++i) {
-      const int64_t row = row0 + p0 + i;
-      const bool valid = p0 + i < rows;
-      for (int64_t kk = 0; kk < kc; kk += kBlockK) {
-        const __m256i v = valid ? decode_block_bf16(data + row * row_bytes + (pc + kk) / 2,
-                                                    _mm512_set1_ps(fp8::float_from_e4m3_bits(
-                                                        scale[row * row_scales + (pc + kk) / kBlockK])))
-                                : _mm256_setzero_si256();
-        block(p0 / r, i, kk, v);
-      }
-    }
-  }
+// Row `row`'s 16-k block at k, decoded (zeros for a row past the operand's: `valid` false).
+inline __m256i row_block(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row, bool valid, int64_t k) {
+  if (!valid) return _mm256_setzero_si256();
+  const float block_scale = fp8::float_from_e4m3_bits(scale[row * (ld / kBlockK) + k / kBlockK]);
+  return decode_block_bf16(data + row * (ld / 2) + k / 2, _mm512_set1_ps(block_scale));
 }
 
 // A panels, kpack = 16: panel words [(b * r + i) * 16 + t] = bf16(row i, k 16 b + t).
 void pack_k16(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows, int64_t pc,
               int64_t kc, int r, void* dst) {
   uint16_t* out = static_cast<uint16_t*>(dst);
-  for_each_row_block(data, scale, ld, row0, rows, pc, kc, r, [&](int64_t panel, int i, int64_t kk, __m256i v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + panel * kc * r + ((kk / kBlockK) * r + i) * kBlockK), v);
-  });
+  for (int64_t p0 = 0; p0 < rows; p0 += r) {
+    uint16_t* panel = out + (p0 / r) * kc * r;
+    for (int i = 0; i < r; ++i) {
+      for (int64_t kk = 0; kk < kc; kk += kBlockK) {
+        const __m256i v = row_block(data, scale, ld, row0 + p0 + i, p0 + i < rows, pc + kk);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((kk / kBlockK) * r + i) * kBlockK), v);
+      }
+    }
+  }
 }
 
-// B panels, bf16 pairs (kpack = 2): panel dwords [g * r + i] = bf16 pair (row i, k 2g and 2g + 1).
+// In place: rows[i] dword g becomes rows[g] dword i (an 8 x 8 dword transpose).
+inline void transpose_8x8_epi32(__m256i rows[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    rows[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+    rows[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+  }
+}
+
+// B panels, bf16 pairs (kpack = 2): panel dwords [g * r + i] = bf16 pair (row i, k 2g and 2g + 1); r a
+// multiple of 8. A block of 8 rows is decoded (a row's 16 bf16 are its 8 pairs) and transposed, so
+// each of its 8 pair rows is one 32-byte store.
 void pack_pairs(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row0, int64_t rows, int64_t pc,
                 int64_t kc, int r, void* dst) {
   uint32_t* out = static_cast<uint32_t*>(dst);
-  const __m256i pair_rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(r));
-  for_each_row_block(data, scale, ld, row0, rows, pc, kc, r, [&](int64_t panel, int i, int64_t kk, __m256i v) {
-    // The block's 16 bf16 in k order are its 8 pairs; pair p goes r dwords after pair p - 1.
-    _mm256_i32scatter_epi32(out + panel * (kc / 2) * r + (kk / 2) * r + i, pair_rows, v, 4);
-  });
+  for (int64_t p0 = 0; p0 < rows; p0 += r) {
+    uint32_t* panel = out + (p0 / r) * (kc / 2) * r;
+    for (int i0 = 0; i0 < r; i0 += 8) {
+      for (int64_t kk = 0; kk < kc; kk += kBlockK) {
+        __m256i v[8];
+        for (int i = 0; i < 8; ++i) v[i] = row_block(data, scale, ld, row0 + p0 + i0 + i, p0 + i0 + i < rows, pc + kk);
+        transpose_8x8_epi32(v);
+        for (int g = 0; g < 8; ++g) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (kk / 2 + g) * r + i0), v[g]);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
