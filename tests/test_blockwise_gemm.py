@@ -47,6 +47,17 @@ def test_shapes(cpu_isa, scaling, m, n, k):
     check_gemm(a, sa, b, sb, torch.float32, what=f"{cpu_isa} {scaling} {m}x{n}x{k}")
 
 
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_one_scale_not_a_power_of_two_among_many_rows(cpu_isa, operand, restore_torch_threads):
+    """Power-of-two scales fold into the packed operands; one that is not, in the last rows the
+    threads scan, must send the whole GEMM to the promotion path."""
+    torch.set_num_threads(2)
+    a, sa, b, sb = block_operands(300, 260, 512, E4M3, E4M3, "1x128_x_1x128")
+    scale = sa if operand == "a" else sb
+    scale[-3, 2] *= 0.75
+    check_gemm(a, sa, b, sb, torch.float32, what=f"{cpu_isa}, {operand}'s scale [-3, 2] not a power of two")
+
+
 @pytest.mark.parametrize("scaling", list(GEMM_SCALINGS))
 @pytest.mark.parametrize("a_fmt, b_fmt", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)

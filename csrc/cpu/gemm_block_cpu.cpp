@@ -11,6 +11,7 @@
 // chunks run with no barrier between them (run_passes, gemm_passes.h), and
 // the next B panel is prefetched while the current one runs.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <vector>
@@ -41,28 +42,39 @@ int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // Exponents of power-of-two scales, [k-block][row] with rows_padded per block, or empty
 // when a scale is not a power of two whose products with every nonzero finite FP8 value
-// are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)).
+// are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)). Runs of rows in
+// parallel: each reads its rows' scales (one L1-sized run) and writes its part of every block.
 std::vector<int32_t> scale_exponents(const TensorDesc& scale, const BlockLayout& l, int64_t rows,
                                      int64_t rows_padded, DType fp8) {
   const int lo = fp8 == DType::kFloat8E4M3 ? -117 : -110;
   const int hi = fp8 == DType::kFloat8E4M3 ? 118 : 111;
   std::vector<int32_t> out(l.grid_cols * rows_padded, 0);
-  for (int64_t c = 0; c < l.grid_cols; ++c) {
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t index = (i / l.rows) * l.grid_cols + c;
-      int e;
-      if (l.e8m0) {
-        e = static_cast<int>(scale.ptr<uint8_t>()[index]) - fp8::kE8M0Bias;
-      } else {
-        const uint32_t bits = fp8::bits_of(scale.ptr<float>()[index]);
-        const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
-        if ((bits & 0x7fffffu) != 0 || biased == 0 || biased >= 255) return {};
-        e = static_cast<int>(biased) - fp8::kE8M0Bias;
+  std::atomic<bool> foldable{true};
+  constexpr int64_t kRowsPerRun = 64;
+  parallel_for(rows, kRowsPerRun, [&](int64_t r0, int64_t r1) {
+    for (int64_t i0 = r0; i0 < r1 && foldable.load(std::memory_order_relaxed); i0 += kRowsPerRun) {
+      const int64_t i1 = std::min(r1, i0 + kRowsPerRun);
+      for (int64_t c = 0; c < l.grid_cols; ++c) {
+        bool ok = true;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t index = (i / l.rows) * l.grid_cols + c;
+          int e;
+          if (l.e8m0) {
+            e = static_cast<int>(scale.ptr<uint8_t>()[index]) - fp8::kE8M0Bias;
+          } else {
+            const uint32_t bits = fp8::bits_of(scale.ptr<float>()[index]);
+            const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
+            ok &= (bits & 0x7fffffu) == 0 && biased != 0 && biased < 255;
+            e = static_cast<int>(biased) - fp8::kE8M0Bias;
+          }
+          ok &= e >= lo && e <= hi;
+          out[c * rows_padded + i] = e;
+        }
+        if (!ok) foldable.store(false, std::memory_order_relaxed);
       }
-      if (e < lo || e > hi) return {};
-      out[c * rows_padded + i] = e;
     }
-  }
+  });
+  if (!foldable.load()) return {};
   return out;
 }
 
