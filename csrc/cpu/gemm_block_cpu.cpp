@@ -40,50 +40,45 @@ using gemm::sub_operand;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
-// Exponents of power-of-two scales, [k-block][row] with rows_padded per block, or empty
-// when a scale is not a power of two whose products with every nonzero finite FP8 value
-// are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)). Runs of rows in
-// parallel: each reads its rows' scales (one L1-sized run) and writes its part of every block.
+// Exponents of power-of-two scales, [row][k-block] (the scales' own order, rows_padded rows, zero
+// past `rows`), or empty when a scale is not a power of two whose products with every nonzero finite
+// FP8 value are normal (e4m3 magnitudes lie in [2^-9, 2^9), e5m2 in [2^-16, 2^16)). One contiguous
+// walk on the calling thread: a fork-join here waits, on a shared machine, for whichever thread the
+// OS has descheduled, which cost more than the walk.
 std::vector<int32_t> scale_exponents(const TensorDesc& scale, const BlockLayout& l, int64_t rows,
                                      int64_t rows_padded, DType fp8) {
   const int lo = fp8 == DType::kFloat8E4M3 ? -117 : -110;
   const int hi = fp8 == DType::kFloat8E4M3 ? 118 : 111;
-  std::vector<int32_t> out(l.grid_cols * rows_padded, 0);
-  std::atomic<bool> foldable{true};
-  constexpr int64_t kRowsPerRun = 64;
-  parallel_for(rows, kRowsPerRun, [&](int64_t r0, int64_t r1) {
-    for (int64_t i0 = r0; i0 < r1 && foldable.load(std::memory_order_relaxed); i0 += kRowsPerRun) {
-      const int64_t i1 = std::min(r1, i0 + kRowsPerRun);
-      for (int64_t c = 0; c < l.grid_cols; ++c) {
-        bool ok = true;
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t index = (i / l.rows) * l.grid_cols + c;
-          int e;
-          if (l.e8m0) {
-            e = static_cast<int>(scale.ptr<uint8_t>()[index]) - fp8::kE8M0Bias;
-          } else {
-            const uint32_t bits = fp8::bits_of(scale.ptr<float>()[index]);
-            const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
-            ok &= (bits & 0x7fffffu) == 0 && biased != 0 && biased < 255;
-            e = static_cast<int>(biased) - fp8::kE8M0Bias;
-          }
-          ok &= e >= lo && e <= hi;
-          out[c * rows_padded + i] = e;
-        }
-        if (!ok) foldable.store(false, std::memory_order_relaxed);
+  const int64_t cols = l.grid_cols;
+  std::vector<int32_t> out(rows_padded * cols, 0);
+  bool foldable = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = (i / l.rows) * cols;
+    int32_t* e = out.data() + i * cols;
+    if (l.e8m0) {
+      const uint8_t* bits = scale.ptr<uint8_t>() + row;
+      for (int64_t c = 0; c < cols; ++c) e[c] = static_cast<int32_t>(bits[c]) - fp8::kE8M0Bias;
+    } else {
+      const float* values = scale.ptr<float>() + row;
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint32_t bits = fp8::bits_of(values[c]);
+        const uint32_t biased = bits >> 23;  // a set sign bit makes this >= 256
+        foldable &= (bits & 0x7fffffu) == 0 && biased != 0 && biased < 255;
+        e[c] = static_cast<int32_t>(biased) - fp8::kE8M0Bias;
       }
     }
-  });
-  if (!foldable.load()) return {};
+    for (int64_t c = 0; c < cols; ++c) foldable &= e[c] >= lo && e[c] <= hi;
+    if (!foldable) return {};
+  }
   return out;
 }
 
-// Exponents of the panel rows [row0, row0 + r) for the K-blocks of a chunk starting at pc.
-void panel_exponents(const std::vector<int32_t>& exps, int64_t rows_padded, int64_t row0, int r,
-                     int64_t pc, int64_t kb, int64_t block_k, int32_t* out) {
+// Exponents of the panel rows [row0, row0 + r) for the K-blocks of a chunk starting at pc, [block][row].
+void panel_exponents(const std::vector<int32_t>& exps, int64_t cols, int64_t row0, int r, int64_t pc, int64_t kb,
+                     int64_t block_k, int32_t* out) {
   const int64_t first = pc / block_k, blocks = ceil_div(pc + kb, block_k) - first;
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < r; ++i) out[b * r + i] = exps[(first + b) * rows_padded + row0 + i];
+    for (int i = 0; i < r; ++i) out[b * r + i] = exps[(row0 + i) * cols + first + b];
   }
 }
 
@@ -169,7 +164,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           ks.pack_b(sub_operand(b_op, j, pc), std::min<int64_t>(nr, n - j), kb, nr, panel);
           if (folded) {
             int32_t exps[kMaxFoldExps];
-            panel_exponents(eb, n_pad, j, nr, pc, kb, b_bk, exps);
+            panel_exponents(eb, p.b_block.grid_cols, j, nr, pc, kb, b_bk, exps);
             fold(panel, ks.elem_bytes, kb, nr, ks.kpack_b(), exps, b_bk);
           }
         },
@@ -184,7 +179,7 @@ void run(const GemmBlockParams& p, const KernelSet& ks, PromoteFn promote, FoldF
           ks.pack_a(sub_operand(a_op, u.row, pc), u.rows, kb, mr, a_packed);
           for (int64_t ir = 0; folded && ir < u.rows; ir += mr) {
             int32_t exps[kMaxFoldExps];
-            panel_exponents(ea, m_pad, u.row + ir, mr, pc, kb, a_bk, exps);
+            panel_exponents(ea, p.a_block.grid_cols, u.row + ir, mr, pc, kb, a_bk, exps);
             fold(a_packed + (ir / mr) * a_panel_bytes, ks.elem_bytes, kb, mr, ks.kpack_a(), exps, a_bk);
           }
           if (ks.prepare) ks.prepare();
