@@ -11,7 +11,6 @@
 // chunks run with no barrier between them (run_passes, gemm_passes.h), and
 // the next B panel is prefetched while the current one runs.
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <vector>

@@ -51,7 +51,7 @@ struct KernelSet {
   PackFn pack_a = nullptr;  // A's packing where it is not `pack` (AMX: kpack 16, a tile row a block)
   void (*prepare)() = nullptr;  // per thread, before a run of micro-kernel calls (AMX tile config)
   bool prefetch_next_b = true;  // as gemm::KernelSet::prefetch_next_b
-  gemm::StoreTiles store;       // the epilogue compiled for this path (empty: the portable one)
+  gemm::StoreTiles store{};     // the epilogue compiled for this path (empty: the portable one)
 
   /*! \brief Bytes of one packed element: fp32 for kpack 1, else bf16. */
   int elem_bytes() const { return kpack == 1 ? 4 : 2; }

@@ -20,10 +20,10 @@
 // layout of tdpbf16ps's B tile).
 #include <immintrin.h>
 
-
 #include "amx_tiles_avx512.h"
 #include "gemm_cpu.h"
 #include "gemm_nvfp4_cpu.h"
+#include "pack_avx2.h"
 #include "transformer_linear/fp8_math.h"
 
 namespace tl {
@@ -93,25 +93,6 @@ void pack_k16(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t row
   }
 }
 
-// In place: rows[i] dword g becomes rows[g] dword i (an 8 x 8 dword transpose).
-inline void transpose_8x8_epi32(__m256i rows[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int g = 0; g < 4; ++g) {
-    rows[g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
-    rows[g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
-  }
-}
-
 // B panels, bf16 pairs (kpack = 2): panel dwords [g * r + i] = bf16 pair (row i, k 2g and 2g + 1); r a
 // multiple of 8. A block of 8 rows is decoded (a row's 16 bf16 are its 8 pairs) and transposed, so
 // each of its 8 pair rows is one 32-byte store.
@@ -122,12 +103,12 @@ void pack_pairs(const uint8_t* data, const uint8_t* scale, int64_t ld, int64_t r
     uint32_t* panel = out + (p0 / r) * (kc / 2) * r;
     for (int i0 = 0; i0 < r; i0 += 8) {
       for (int64_t kk = 0; kk < kc; kk += kBlockK) {
-        __m256i v[8];
-        for (int i = 0; i < 8; ++i) v[i] = row_block(data, scale, ld, row0 + p0 + i0 + i, p0 + i0 + i < rows, pc + kk);
-        transpose_8x8_epi32(v);
-        for (int g = 0; g < 8; ++g) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + (kk / 2 + g) * r + i0), v[g]);
+        __m256 v[8];  // the pairs as 32-bit lanes (moved, never computed on)
+        for (int i = 0; i < 8; ++i) {
+          v[i] = _mm256_castsi256_ps(row_block(data, scale, ld, row0 + p0 + i0 + i, p0 + i0 + i < rows, pc + kk));
         }
+        avx2::transpose8x8(v);
+        for (int g = 0; g < 8; ++g) _mm256_storeu_ps(reinterpret_cast<float*>(panel + (kk / 2 + g) * r + i0), v[g]);
       }
     }
   }
