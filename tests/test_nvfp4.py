@@ -305,6 +305,12 @@ def test_gemm(gemm_isa, m, n, k, out_dtype, with_bias):
     assert_nvfp4_gemm_close(got, a_values, b_values, alpha, bias)
 
 
+def raw_gemm_args(a, a_scale, a_global, b, b_scale, b_global):
+    """nvfp4_gemm's operands from uint8 code and E4M3 scale bytes and float global scales."""
+    return (a.view(fmt.FP4_DTYPE), a_scale.view(torch.float8_e4m3fn), torch.tensor(a_global),
+            b.view(fmt.FP4_DTYPE), b_scale.view(torch.float8_e4m3fn), torch.tensor(b_global))
+
+
 def test_gemm_extreme_scales_and_values(gemm_isa):
     """Largest and subnormal E4M3 scales, +-6 and +-0 codes, a NaN scale: still the reference's bits.
 
@@ -324,14 +330,7 @@ def test_gemm_extreme_scales_and_values(gemm_isa):
     b_scale[0:2] = 0x7E
     b_scale[3] = 0x01
     a_scale[2, 1] = 0x7F  # NaN: row 2 of the output is NaN
-    args = (
-        a.view(fmt.FP4_DTYPE),
-        a_scale.view(torch.float8_e4m3fn),
-        torch.tensor(0.5),
-        b.view(fmt.FP4_DTYPE),
-        b_scale.view(torch.float8_e4m3fn),
-        torch.tensor(0.25),
-    )
+    args = raw_gemm_args(a, a_scale, 0.5, b, b_scale, 0.25)
     got = ops.nvfp4_gemm(*args, torch.float32)
     expected = ref.nvfp4_gemm(*args, torch.float32)
     assert got[2].isnan().all()
@@ -350,14 +349,7 @@ def test_gemm_adds_block_sums_in_k_order(gemm_isa):
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     a_scale = torch.randint(1, 0x7F, (m, k // 16), dtype=torch.uint8, generator=gen)
     b_scale = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)
-    args = (
-        a.view(fmt.FP4_DTYPE),
-        a_scale.view(torch.float8_e4m3fn),
-        torch.tensor(1.0),
-        b.view(fmt.FP4_DTYPE),
-        b_scale.view(torch.float8_e4m3fn),
-        torch.tensor(1.0),
-    )
+    args = raw_gemm_args(a, a_scale, 1.0, b, b_scale, 1.0)
     got = ops.nvfp4_gemm(*args, torch.float32)
     expected = ref.nvfp4_gemm(*args, torch.float32)
     one = torch.tensor(1.0)
