@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_paths import QUANTIZE_ISAS
+from large_outputs import large_output_rows
 from tolerances import assert_bitwise_equal, assert_nvfp4_gemm_close
 
 from transformer_linear import _C
@@ -303,6 +304,19 @@ def test_gemm(gemm_isa, m, n, k, out_dtype, with_bias):
     b_values = ref.dequantize_nvfp4(b.data, b.scale, one)
     alpha = (a.global_scale * b.global_scale).item()
     assert_nvfp4_gemm_close(got, a_values, b_values, alpha, bias)
+
+
+@pytest.mark.parametrize("out_dtype", HP_DTYPES)
+def test_gemm_large_output(gemm_isa, out_dtype):
+    """An output large enough for the streamed epilogue (where the path has it): the reference's bits, with
+    bias; N = 2049 leaves the rows' ends off a cache line."""
+    n, k = 2049, 64
+    m = large_output_rows(n, out_dtype)
+    a, b = quantized_operand(m, k, 5), quantized_operand(n, k, 6, "2d")
+    bias = torch.randn(n).to(out_dtype)
+    got = ops.nvfp4_gemm(a.data, a.scale, a.global_scale, b.data, b.scale, b.global_scale, out_dtype, bias)
+    expected = ref.nvfp4_gemm(a.data, a.scale, a.global_scale, b.data, b.scale, b.global_scale, out_dtype, bias)
+    assert_bitwise_equal(got, expected, f"nvfp4_gemm {m}x{n}x{k} vs reference")
 
 
 def raw_gemm_args(a, a_scale, a_global, b, b_scale, b_global):
