@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import sys
 import time
 from typing import Callable
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from bench_kernels import cpu_model
-from bench_linear import _time_interleaved, cpu_path
+from bench_linear import _time_interleaved, cpu_path, paired_ratio
 from torch import nn
 
 import transformer_linear as tl
@@ -88,7 +89,8 @@ def gemm_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> No
     if _grouped_mm_works():
         w_t = w.transpose(1, 2).contiguous()
         steps["torch._grouped_mm fp32"] = lambda: torch._grouped_mm(x, w_t, offs=offs)
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
+    times, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     grouped = seconds["FP8 grouped GEMM (tensorwise, per-expert scales)"]
     dense, loop = seconds["FP8 dense GEMM, same FLOPs"], seconds["fp32 per-expert F.linear loop"]
     flops = 2 * total * k * n
@@ -139,13 +141,13 @@ def linear_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> 
         steps[f"tl.GroupedLinear {name} (m_splits tensor)"] = _fwd_bwd(
             module, x, torch.tensor(sizes), grad, list(module.parameters())
         )
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
-    fp32, bf16 = seconds["nn.Linear loop fp32"], seconds["nn.Linear loop bf16"]
+    times, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, args.clock)
     print("| variant | fwd+bwd ms | vs nn.Linear loop fp32 | vs nn.Linear loop bf16 |")
     print("|---|---:|---:|---:|")
-    for name, s in seconds.items():
+    for name, t in times.items():
         label = f"{name} (1 call)" if name in slow else name
-        print(f"| {label} | {s * 1e3:.2f} | {s / fp32:.2f}x | {s / bf16:.2f}x |")
+        print(f"| {label} | {statistics.median(t) * 1e3:.2f} | {paired_ratio(times, name, 'nn.Linear loop fp32'):.2f}x | "
+              f"{paired_ratio(times, name, 'nn.Linear loop bf16'):.2f}x |")
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ torch.compile'd): the tensorwise ones (current, delayed) and the block-scaled
 ones (Float8BlockScaling 1x128/128x128, MXFP8BlockScaling 1x32 E8M0,
 Float8RowwiseScaling, NVFP4BlockScaling ``nvfp4``), and torchao's Float8Linear(emulate=True) (eager and
 compiled) when torchao is installed. Columns: median fwd+bwd time, its ratio
-to nn.Linear fp32 and to nn.Linear bf16 (what a CPU user would pick instead),
-and the bytes autograd saves for backward (parameters excluded; peak memory
+to nn.Linear fp32 and to nn.Linear bf16 (what a CPU user would pick instead: the median over the
+rounds of the two steps' time within one round, so a slow phase of a shared machine lands on both sides
+of a ratio), and the bytes autograd saves for backward (parameters excluded; peak memory
 is reported on CUDA only). The variants are timed in interleaved rounds, so
 on a shared machine every one sees the same background load. A tiny shape
 measures the eager per-call overhead. The CPU path of the FP8 kernels, and
@@ -120,13 +121,14 @@ def _fwd_bwd_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Cal
 def _time_interleaved(
     steps: dict[str, Callable[[], None]], iters: int, warmup: int, slow_call_s: float,
     clock: Callable[[], float] = time.perf_counter,
-) -> tuple[dict[str, float], set[str]]:
-    """Median seconds of each step over ``iters`` rounds that run every step once, in turn.
+) -> tuple[dict[str, list[float]], set[str]]:
+    """Seconds of each step in each of ``iters`` rounds that run every step once, in turn.
 
     The first warm-up round is timed: a step slower than ``slow_call_s`` there (bf16 matmuls on a CPU
     without native bf16 take minutes) keeps that one time and sits out the other rounds. Returns
-    the times and the names timed from that one call. ``clock``: wall time, or ``time.thread_time``
-    (the calling thread's CPU time: on a shared machine, what a one-thread step itself spent).
+    the times (a list per step, one entry per round) and the names timed from that one call.
+    ``clock``: wall time, or ``time.thread_time`` (the calling thread's CPU time: on a shared machine,
+    what a one-thread step itself spent).
     """
     times: dict[str, list[float]] = {name: [] for name in steps}
     slow: set[str] = set()
@@ -146,7 +148,16 @@ def _time_interleaved(
             start = clock()
             step()
             times[name].append(clock() - start)
-    return {name: statistics.median(t) for name, t in times.items()}, slow
+    return times, slow
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """``name``'s time over ``baseline``'s: the median of the per-round ratios where both ran every
+    round, else the ratio of the medians."""
+    ours, theirs = times[name], times[baseline]
+    if len(ours) == len(theirs) > 1:
+        return statistics.median(a / b for a, b in zip(ours, theirs))
+    return statistics.median(ours) / statistics.median(theirs)
 
 
 def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace) -> None:
@@ -173,14 +184,14 @@ def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    seconds, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, clock)
+    times, slow = _time_interleaved(steps, args.iters, max(args.warmup, 1), args.slow_call_s, clock)
     peak = f"{torch.cuda.max_memory_allocated() / 2**20:.1f} (all variants)" if args.device == "cuda" else "-"
-    fp32, bf16 = seconds["nn.Linear fp32"], seconds.get("nn.Linear bf16")
-    for name, s in seconds.items():
+    for name, t in times.items():
         label = f"{name} (1 call)" if name in slow else name
-        vs_bf16 = f"{s / bf16:.2f}x" if bf16 else "-"
+        vs_bf16 = f"{paired_ratio(times, name, 'nn.Linear bf16'):.2f}x" if "nn.Linear bf16" in times else "-"
         print(
-            f"| {label} | {s * 1e3:.3f} | {s / fp32:.2f}x | {vs_bf16} | {saved[name]} | "
+            f"| {label} | {statistics.median(t) * 1e3:.3f} | {paired_ratio(times, name, 'nn.Linear fp32'):.2f}x | "
+            f"{vs_bf16} | {saved[name]} | "
             f"{saved[name] / saved['nn.Linear fp32']:.2f}x | {peak} |"
         )
     for name in missing:
