@@ -76,11 +76,20 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, clock: 
     return times
 
 
+def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
+    """``name``'s time over ``baseline``'s: the median of the per-round ratios where both ran every
+    round (a slow phase of a shared machine lands on both sides), else the ratio of the medians."""
+    ours, theirs = times[name], times[baseline]
+    if len(ours) == len(theirs) > 1:
+        return statistics.median(a / b for a, b in zip(ours, theirs))
+    return statistics.median(ours) / statistics.median(theirs)
+
+
 def ab_columns(times: dict[str, list[float]], x: torch.Tensor, nbytes: int, same: bool) -> str:
     """old ms, new ms, the median of the rounds' old/new, each build's share of memcpy's rate (``nbytes``
     moved, against twice the input for the memcpy) and whether the outputs agree."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
+    ratio = paired_ratio(times, "old", "new")
     memcpy_gbs = 2 * x.numel() * x.element_size() / med["memcpy"]
     return (f"{med['old'] * 1e3:>8.2f}{med['new'] * 1e3:>8.2f}{ratio:>8.2f}x"
             f"{nbytes / med['old'] / memcpy_gbs:>15.0%}{nbytes / med['new'] / memcpy_gbs:>15.0%}  {same}")

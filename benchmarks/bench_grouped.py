@@ -30,8 +30,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from ab_builds import paired_ratio
 from bench_kernels import cpu_model
-from bench_linear import _time_interleaved, cpu_path, paired_ratio
+from bench_linear import _time_interleaved, cpu_path
 from torch import nn
 
 import transformer_linear as tl
@@ -146,8 +147,8 @@ def linear_table(sizes: list[int], k: int, n: int, args: argparse.Namespace) -> 
     print("|---|---:|---:|---:|")
     for name, t in times.items():
         label = f"{name} (1 call)" if name in slow else name
-        print(f"| {label} | {statistics.median(t) * 1e3:.2f} | {paired_ratio(times, name, 'nn.Linear loop fp32'):.2f}x | "
-              f"{paired_ratio(times, name, 'nn.Linear loop bf16'):.2f}x |")
+        vs_fp32, vs_bf16 = (paired_ratio(times, name, f"nn.Linear loop {b}") for b in ("fp32", "bf16"))
+        print(f"| {label} | {statistics.median(t) * 1e3:.2f} | {vs_fp32:.2f}x | {vs_bf16:.2f}x |")
 
 
 def main() -> None:

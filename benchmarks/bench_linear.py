@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import transformer_linear as tl
+from ab_builds import paired_ratio
 from bench_kernels import cpu_model
 from transformer_linear import _C, recipe
 
@@ -150,14 +151,6 @@ def _time_interleaved(
             times[name].append(clock() - start)
     return times, slow
 
-
-def paired_ratio(times: dict[str, list[float]], name: str, baseline: str) -> float:
-    """``name``'s time over ``baseline``'s: the median of the per-round ratios where both ran every
-    round, else the ratio of the medians."""
-    ours, theirs = times[name], times[baseline]
-    if len(ours) == len(theirs) > 1:
-        return statistics.median(a / b for a, b in zip(ours, theirs))
-    return statistics.median(ours) / statistics.median(theirs)
 
 
 def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace) -> None:
