@@ -251,6 +251,27 @@ def test_stochastic_rounding_ignores_thread_count(option):
     assert_same_copies(results[0], results[1], f"{option}, 1 vs 2 threads: ")
 
 
+@pytest.mark.parametrize("option", ["columnwise", "rht", "2d"])
+def test_large_columnwise_copy_ignores_thread_count(option):
+    """A columnwise copy of 8 MiB or more (written with non-temporal stores) whose rows of 2056 bytes start
+    off cache lines; 1 to 3 threads claim different runs of bands (each gathered and written out per run):
+    the reference's bits every time."""
+    torch.manual_seed(11)
+    x = torch.randn(4112, 4112) * torch.rand(4112, 1)
+    options = OPTIONS[option]
+    amax, amax_t = amaxes(x, options)
+    expected = ref.quantize_nvfp4(x, amax, amax_t, **options)
+    assert expected.data_t.numel() >= 8 << 20
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = ops.quantize_nvfp4(x, amax, amax_t, **options)
+            assert_same_copies(got, expected, f"{option}, {threads} threads: ")
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_stochastic_rounding_depends_on_seed_offset_and_usage():
     x = torch.randn(32, 64)
     amax = ops.nvfp4_amax(x)

@@ -23,6 +23,7 @@
 
 #include "../common/backend.h"
 #include "cpu_features.h"
+#include "memory_cpu.h"
 #include "transformer_linear/element_types.h"
 #include "transformer_linear/tensor.h"
 
@@ -87,49 +88,6 @@ void store_tile(const float* tile, int64_t ld_tile, int64_t rows, int64_t cols, 
 }
 
 /*!
- * \brief Outputs of at least this many bytes are written with non-temporal stores (store_tile_streaming).
- *
- * An output tile's rows are lines the GEMM writes once, in full, and never reads back. Plain stores
- * first fetch each line (read-for-ownership) into L2, where the lines of a large output evict the packed
- * A block and B panel the AMX micro-kernel streams from there: on one AMX core, a loop of micro-kernel
- * calls (K = 1024) that also wrote each 32 x 32 tile to a 16 MiB bf16 output ran at 0.65x the rate of
- * the loop alone, and at 0.85x with non-temporal stores; the FP8 GEMMs of 2048 x 4096 x 1024 and
- * 4096 x 4096 x 1024 (bf16 out, two threads) went 10-18% faster. Smaller outputs may stay in the
- * caches for the op that reads them.
- */
-constexpr size_t kStreamOutputBytes = size_t{8} << 20;
-
-/*!
- * \brief dst[0, count) = src[0, count): the whole 64-byte lines of dst with non-temporal stores (x86; one
- *        64-byte store a line where the file is compiled for AVX-512), its ragged ends with plain ones.
- *        `IsaTag` as store_tile's: each instruction-set file compiles its own copy.
- */
-template <typename IsaTag, typename T>
-inline void stream_copy(const T* src, int64_t count, T* dst) {
-  const size_t bytes = static_cast<size_t>(count) * sizeof(T);
-  auto* out = reinterpret_cast<uint8_t*>(dst);
-  const auto* in = reinterpret_cast<const uint8_t*>(src);
-#if defined(__x86_64__) || defined(__i386__)
-  const size_t head = std::min<size_t>(bytes, (64 - (reinterpret_cast<uintptr_t>(out) & 63)) & 63);
-  if (head) std::memcpy(out, in, head);
-  size_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-#if defined(__AVX512F__)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), _mm512_loadu_si512(in + i));
-#else
-    for (size_t v = 0; v < 64; v += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i + v),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i + v)));
-    }
-#endif
-  }
-  if (i < bytes) std::memcpy(out + i, in + i, bytes - i);
-#else
-  std::memcpy(out, in, bytes);
-#endif
-}
-
-/*!
  * \brief store_tile without `accumulate`, D's rows written with stream_copy, ending with a store fence
  *        (non-temporal stores are not ordered with the plain store that tells another thread the tile is
  *        done). Rows of more than 64 columns (no KernelSet's tile has them) are stored as store_tile does.
@@ -149,9 +107,7 @@ void store_tile_streaming(const float* tile, int64_t ld_tile, int64_t rows, int6
          : store_row<Out, false, false, IsaTag>(tile + i * ld_tile, cols, alpha, bias, row);
     stream_copy<IsaTag>(row, cols, d + i * ldd);
   }
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_sfence();
-#endif
+  stream_fence();
 }
 
 /*! \brief The signature of store_tile<Out>. */

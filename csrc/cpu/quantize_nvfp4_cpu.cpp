@@ -10,10 +10,12 @@
 // On the AVX2 and AVX-512 paths the per-block work runs in vector kernels
 // (quantize_nvfp4_cpu_vec.h) that compute the same bits as the portable code here.
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "../common/backend_nvfp4.h"
 #include "cpu_features.h"
+#include "memory_cpu.h"
 #include "parallel.h"
 #include "quantize_nvfp4_cpu.h"
 #include "quantize_nvfp4_cpu_amax.h"
@@ -35,6 +37,8 @@ constexpr int64_t kChunkCols = 256;
 // and stochastic rounding, 4.0 -> 6.3 GB/s without, float32 16M elements, AMX Xeon, 2 threads; 8 and 32
 // bands a little slower than 16).
 constexpr int64_t kColumnwiseBands = 16;
+// Bands of columnwise blocks ColumnStage gathers before writing them out (8 bytes of codes each).
+constexpr int64_t kStageBands = 16;
 // Input bytes per group of rows that the global amax pass walks backward (as the
 // tensorwise amax pass, csrc/cpu/quantize_cpu.cpp).
 constexpr int64_t kAmaxChunkBytes = kClaimChunkBytes;
@@ -43,6 +47,64 @@ struct Scratch {
   std::vector<float> tile;      // kBlock x chunk columns, row-major
   std::vector<uint8_t> codes;   // kBlock x chunk columns of 16x16 codes
   std::vector<uint32_t> bits;   // random bits of one block or one tile row
+  std::vector<uint8_t> stage_data, stage_scale;  // ColumnStage's buffers
+};
+
+// The columnwise blocks of a run of consecutive bands of one chunk, gathered per column and written to
+// output_t as one run of bytes a row (and one of scales) when the run ends.
+//
+// A band tile puts 8 bytes of codes and a scale byte into each of its chunk's 256 rows of output_t. Written
+// there directly, these were 16 stores a vector to lines far apart (output_t's rows are M / 2 bytes
+// long), which cost a third of a columnwise quantize (4096 x 4096 bfloat16, one AMX Xeon core: 15.9 ms
+// against 10.0 with the stores sent to a small buffer instead). Gathered here, they land in one 36 KiB
+// buffer that stays in L1 (the thread's Scratch), and output_t gets whole runs of 16 bands (two lines a row), streamed past the
+// caches for a large copy: 13.4 ms plain, 10.6 ms streamed (8 bands a run: 15.0 ms plain).
+class ColumnStage {
+ public:
+  /*! \brief Gathers in `s`'s stage buffers; `streaming`: writes runs with non-temporal stores (then call
+   *         stream_fence before the work is handed on). */
+  ColumnStage(Scratch& s, bool streaming) : streaming_(streaming) {
+    s.stage_data.resize(kChunkCols * kStageBands * 8);
+    s.stage_scale.resize(kChunkCols * kStageBands);
+    data_ = s.stage_data.data(), scale_ = s.stage_scale.data();
+  }
+
+  // Where band tile (r0, [c0, c1)) puts its blocks: the slot after the run's last band, if the tile
+  // continues the run (same chunk, the next band, room left); else the run is written out first.
+  ColumnsOut slot(const QuantizeNvfp4Params& p, int64_t r0, int64_t c0, int64_t c1) {
+    if (bands_ > 0 && (c0 != c0_ || r0 != r0_ + bands_ * kBlock || bands_ == kStageBands)) flush(p);
+    if (bands_ == 0) c0_ = c0, c1_ = c1, r0_ = r0;
+    const int64_t b = bands_++;
+    return ColumnsOut{data_ + b * 8, kStageBands * 8, scale_ + b, kStageBands};
+  }
+
+  // Writes the run out: column c's bands to output_t from t_pos(c, r0) (consecutive bands of a column
+  // are consecutive there).
+  void flush(const QuantizeNvfp4Params& p) {
+    if (bands_ == 0) return;
+    uint8_t* out = p.output_t.ptr<uint8_t>();
+    uint8_t* scale = static_cast<uint8_t*>(p.scale_t.data);
+    for (int64_t c = c0_; c < c1_; ++c) {
+      const int64_t pos = p.t_pos(c, r0_), j = c - c0_;
+      if (streaming_) {
+        stream_copy<ColumnStage>(data_ + j * kStageBands * 8, bands_ * 8, out + pos / 2);
+        stream_copy<ColumnStage>(scale_ + j * kStageBands, bands_, scale + pos / kBlock);
+      } else if (bands_ == kStageBands) {  // fixed-size copies (no library calls)
+        std::memcpy(out + pos / 2, data_ + j * kStageBands * 8, kStageBands * 8);
+        std::memcpy(scale + pos / kBlock, scale_ + j * kStageBands, kStageBands);
+      } else {
+        std::memcpy(out + pos / 2, data_ + j * kStageBands * 8, bands_ * 8);
+        std::memcpy(scale + pos / kBlock, scale_ + j * kStageBands, bands_);
+      }
+    }
+    bands_ = 0;
+  }
+
+ private:
+  bool streaming_;
+  uint8_t* data_;   // column j's band b: 8 bytes at data_ + (j * kStageBands + b) * 8
+  uint8_t* scale_;  // and its scale at scale_[j * kStageBands + b]
+  int64_t c0_ = 0, c1_ = 0, r0_ = 0, bands_ = 0;
 };
 
 class Nvfp4Quantizer {
@@ -94,11 +156,10 @@ class Nvfp4Quantizer {
     }
   }
 
-  // 1x16 columnwise blocks: column c of rows [r0, r0 + 16) is a block of output_t's row c.
-  void columnwise_1d(const float* tile, int64_t r0, int64_t c0, int64_t c1, Scratch& s) const {
+  // 1x16 columnwise blocks: column c of rows [r0, r0 + 16) is a block of output_t's row c, put at out_t.
+  void columnwise_1d(const float* tile, int64_t r0, int64_t c0, int64_t c1, const ColumnsOut& out_t,
+                     Scratch& s) const {
     const int64_t w = c1 - c0;
-    uint8_t* out = p_.output_t.ptr<uint8_t>();
-    uint8_t* scale = static_cast<uint8_t*>(p_.scale_t.data);
     float v[kBlock];
     uint8_t codes[kBlock];
     for (int64_t c = c0; c < c1; ++c) {
@@ -107,14 +168,15 @@ class Nvfp4Quantizer {
       float amax = 0.0f;
       for (int i = 0; i < kBlock; ++i) amax = fp8::amax_update(amax, v[i]);
       const uint8_t sb = block_scale_bits(amax, p_.s_enc_t);
-      scale[p_.t_pos(c, r0) / kBlock] = sb;
+      out_t.scale[(c - c0) * out_t.scale_ld] = sb;
       round_block(v, block_encode_factor(sb, p_.s_enc_t), 1, static_cast<uint64_t>(c * p_.m + r0), codes, s);
-      pack(codes, out + p_.t_pos(c, r0) / 2);
+      pack(codes, out_t.data + (c - c0) * out_t.data_ld);
     }
   }
 
-  // 16x16 tiles of rows [r0, r1) (r1 - r0 <= 16), columns [c0, c1): rowwise and/or transposed.
-  void tiles_2d(const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1, Scratch& s) const {
+  // 16x16 tiles of rows [r0, r1) (r1 - r0 <= 16), columns [c0, c1): rowwise and/or transposed (to out_t).
+  void tiles_2d(const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1, const ColumnsOut& out_t,
+                Scratch& s) const {
     const int64_t w = c1 - c0, h = r1 - r0;
     uint8_t* codes = s.codes.data();
     for (int64_t c = c0; c < c1; c += kBlock) {
@@ -136,12 +198,11 @@ class Nvfp4Quantizer {
         }
       }
       if (p_.output_t.defined()) {  // h == 16 here: M % 16 == 0 was checked
-        uint8_t* scale = static_cast<uint8_t*>(p_.scale_t.data);
         uint8_t column[kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
-          scale[p_.t_pos(c + j, r0) / kBlock] = sb;
+          out_t.scale[(c - c0 + j) * out_t.scale_ld] = sb;
           for (int i = 0; i < kBlock; ++i) column[i] = codes[i * w + (c - c0) + j];
-          pack(column, p_.output_t.ptr<uint8_t>() + p_.t_pos(c + j, r0) / 2);
+          pack(column, out_t.data + (c - c0 + j) * out_t.data_ld);
         }
       }
     }
@@ -166,12 +227,16 @@ class Nvfp4Quantizer {
       c0 = rem / in_group * kChunkCols;
     };
     const int64_t esize = element_size(p_.input.dtype);
+    const bool stream_t = p_.output_t.defined() && static_cast<size_t>(p_.output_t.numel()) >= kStreamOutputBytes;
     const char* input = static_cast<const char*>(p_.input.data);
     parallel_for_claimed(threads, bands * chunks, run, /*from_end=*/false, [&](int64_t t0, int64_t t1) {
       thread_local Scratch s;
       s.tile.resize(kBlock * kChunkCols);
       s.codes.resize(kBlock * kChunkCols);
       s.bits.resize(kBlock);
+      // Written out by the end of the claim: no bytes stay staged past the work a thread claimed.
+      std::optional<ColumnStage> stage;
+      if (p_.output_t.defined()) stage.emplace(s, stream_t);
       for (int64_t t = t0; t < t1; ++t) {
         int64_t r0, c0;
         tile_at(t, r0, c0);
@@ -193,22 +258,25 @@ class Nvfp4Quantizer {
             if (r < p_.keep_begin || r >= p_.keep_end) std::fill_n(s.tile.data() + (r - r0) * (c1 - c0), c1 - c0, 0.0f);
           }
         }
+        const ColumnsOut out_t = stage ? stage->slot(p_, r0, c0, c1) : ColumnsOut{};
         if (vec_) {
           if (p_.scaling_2d) {
-            vec_->tiles_2d(p_, s.tile.data(), r0, r1, c0, c1);
+            vec_->tiles_2d(p_, s.tile.data(), r0, r1, c0, c1, out_t);
             continue;
           }
           if (p_.output.defined()) vec_->rows_1d(p_, s.tile.data(), r0, r1, c0, c1);
-          if (p_.output_t.defined()) vec_->columns_1d(p_, s.tile.data(), r0, c0, c1);
+          if (p_.output_t.defined()) vec_->columns_1d(p_, s.tile.data(), r0, c0, c1, out_t);
           continue;
         }
         if (p_.scaling_2d) {
-          tiles_2d(s.tile.data(), r0, r1, c0, c1, s);
+          tiles_2d(s.tile.data(), r0, r1, c0, c1, out_t, s);
           continue;
         }
         if (p_.output.defined()) rowwise_1d(s.tile.data(), r0, r1, c0, c1, s);
-        if (p_.output_t.defined()) columnwise_1d(s.tile.data(), r0, c0, c1, s);
+        if (p_.output_t.defined()) columnwise_1d(s.tile.data(), r0, c0, c1, out_t, s);
       }
+      if (stage) stage->flush(p_);
+      if (stream_t) stream_fence();
     });
   }
 

@@ -34,14 +34,29 @@ namespace tl {
 namespace cpu {
 namespace nvfp4 {
 
+/*!
+ * \brief Where the columnwise blocks of one band tile (columns [c0, c1)) go: column c0 + j's 8 bytes of
+ *        codes at data + j * data_ld, its scale at scale + j * scale_ld (the driver's staging buffer,
+ *        quantize_nvfp4_cpu.cpp).
+ */
+struct ColumnsOut {
+  uint8_t* data;
+  int64_t data_ld;
+  uint8_t* scale;
+  int64_t scale_ld;
+};
+
 /*! \brief The vector kernels of one instruction set (arguments as the portable driver's). */
 struct VecKernels {
   // Rows [r0, r1) x columns [c0, c1) of a float32 or bfloat16 input as float32 into `tile`
   // (ld = c1 - c0); false for other dtypes (the driver's scalar load).
   bool (*load_tile)(const QuantizeNvfp4Params& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* tile);
   void (*rows_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
-  void (*columns_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1);
-  void (*tiles_2d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
+  void (*columns_1d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1,
+                     const ColumnsOut& out_t);
+  // out_t: the transposed copy's blocks (with output_t; 16 rows then).
+  void (*tiles_2d)(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                   const ColumnsOut& out_t);
 };
 
 VecKernels avx2_vec_kernels();
@@ -372,8 +387,12 @@ struct Vec {
 
   static void hadamard(F (&v)[kBlock]) {
     for (int i = 0; i < kBlock; ++i) v[i] = v[i] * kRhtSigns[i];
+    // Unrolled whole, so the 16 vectors stay in registers (a rolled butterfly kept them on the stack).
+#pragma GCC unroll 4
     for (int half = 1; half < kBlock; half *= 2) {
+#pragma GCC unroll 8
       for (int base = 0; base < kBlock; base += 2 * half) {
+#pragma GCC unroll 8
         for (int j = base; j < base + half; ++j) {
           const F a = v[j], b = v[j + half];
           v[j] = a + b;
@@ -384,10 +403,13 @@ struct Vec {
     for (int i = 0; i < kBlock; ++i) v[i] = v[i] * 0.25f;
   }
 
-  static void columns_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1) {
+  static void columns_1d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t c0, int64_t c1,
+                         const ColumnsOut& out_t) {
     const int64_t w = c1 - c0;
-    uint8_t* out = p.output_t.ptr<uint8_t>();
-    uint8_t* scale = static_cast<uint8_t*>(p.scale_t.data);
+    // Locals: byte stores may alias out_t and p, whose fields would be reloaded after each one.
+    uint8_t* const data = out_t.data;
+    uint8_t* const scale = out_t.scale;
+    const int64_t data_ld = out_t.data_ld, scale_ld = out_t.scale_ld;
     for (int64_t c = c0; c < c1; c += W) {
       const int lanes = static_cast<int>(c1 - c < W ? c1 - c : W);
       F v[kBlock];
@@ -407,14 +429,14 @@ struct Vec {
       uint64_t packed[W];
       quantize_blocks(v, p.s_enc_t, p, 1, g, sb, packed);
       for (int l = 0; l < lanes; ++l) {
-        scale[p.t_pos(c + l, r0) / kBlock] = sb[l];
-        std::memcpy(out + p.t_pos(c + l, r0) / 2, &packed[l], sizeof(uint64_t));
+        scale[(c - c0 + l) * scale_ld] = sb[l];
+        std::memcpy(data + (c - c0 + l) * data_ld, &packed[l], sizeof(uint64_t));
       }
     }
   }
 
   static void tiles_2d(const QuantizeNvfp4Params& p, const float* tile, int64_t r0, int64_t r1, int64_t c0,
-                       int64_t c1) {
+                       int64_t c1, const ColumnsOut& out_t) {
     const int64_t w = c1 - c0, h = r1 - r0;
     for (int64_t c = c0; c < c1; c += kBlock) {
       F v[kBlock][kNB];
@@ -449,16 +471,18 @@ struct Vec {
         }
       }
       if (p.output_t.defined()) {  // h == 16 here: M % 16 == 0 was checked
-        uint8_t* scale = static_cast<uint8_t*>(p.scale_t.data);
+        uint8_t* const data = out_t.data;
+        uint8_t* const scale = out_t.scale;
+        const int64_t data_ld = out_t.data_ld, scale_ld = out_t.scale_ld;
         for (int j = 0; j < kNB; ++j) {
           I col[kBlock];
           for (int i = 0; i < kBlock; ++i) col[i] = codes[i][j];
           uint64_t packed[W];
           pack_rows(col, packed);
           for (int l = 0; l < W; ++l) {
-            const int64_t cc = c + j * W + l;
-            scale[p.t_pos(cc, r0) / kBlock] = sb;
-            std::memcpy(p.output_t.ptr<uint8_t>() + p.t_pos(cc, r0) / 2, &packed[l], sizeof(uint64_t));
+            const int64_t cj = c - c0 + j * W + l;
+            scale[cj * scale_ld] = sb;
+            std::memcpy(data + cj * data_ld, &packed[l], sizeof(uint64_t));
           }
         }
       }
