@@ -93,6 +93,7 @@ struct Vec {
   using I = typename VecTypes<W>::I;
   using U = typename VecTypes<W>::U;
   using U64 = typename VecTypes<W>::U64;
+  using Q = typename VecTypes<W>::Q;  // W / 2 lanes of 64 bits
   static constexpr int kNB = kBlock / W;  // vectors per 16-value block
 
   static F load(const float* p) {
@@ -173,65 +174,94 @@ struct Vec {
     return r;
   }
 
-  // The high and low 32 bits of each lane's product with m: even and odd lanes through the
-  // 32 x 32 -> 64-bit multiply (vpmuludq) where the instruction set is compiled in.
-  static void mulhilo(U c, uint32_t m, U& hi, U& lo) {
-#if defined(__AVX512F__)
-    if constexpr (W == 16) {
-      const __m512i x = (__m512i)c, mm = _mm512_set1_epi64(m);
-      const __m512i even = _mm512_mul_epu32(x, mm), odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), mm);
-      lo = (U)_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-      hi = (U)_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
-      return;
-    }
-#endif
-#if defined(__AVX2__)
-    if constexpr (W == 8) {
-      const __m256i x = (__m256i)c, mm = _mm256_set1_epi64x(m);
-      const __m256i even = _mm256_mul_epu32(x, mm), odd = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), mm);
-      lo = (U)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
-      hi = (U)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-      return;
-    }
-#endif
-    const U64 p = __builtin_convertvector(c, U64) * static_cast<uint64_t>(m);
-    hi = __builtin_convertvector(p >> 32, U);
-    lo = __builtin_convertvector(p, U);
+  // out lane l = first + l * step, in vector operations: lanes stored one by one and then loaded as a
+  // vector stall the load (no store forwarding), which took a sixth of a stochastically rounded quantize's
+  // time. (An out parameter: a 64-byte vector return value would change the ABI on the AVX2 path.)
+  static void lane_indices(uint64_t first, uint64_t step, U64& out) {
+    U64 iota;
+    for (int l = 0; l < W; ++l) iota[l] = static_cast<uint64_t>(l);  // a constant
+    out = (U64{} + first) + iota * step;
   }
 
-  // Philox4x32-10 in lanes.
-  static void philox(U (&c)[4], uint32_t k0, uint32_t k1) {
+  // Each lane's low 32 bits times m, as the whole 64-bit product (vpmuludq where compiled in).
+  static Q mul_low32(Q a, uint32_t m) {
+#if defined(__AVX512F__)
+    if constexpr (W == 16) return (Q)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64(m));
+#endif
+#if defined(__AVX2__)
+    if constexpr (W == 8) return (Q)_mm256_mul_epu32((__m256i)a, _mm256_set1_epi64x(m));
+#endif
+    return (a & 0xffffffffu) * static_cast<uint64_t>(m);
+  }
+
+  // Each lane's high 32 bits in its low half (the upper half keeps them too): a dword shuffle, which runs
+  // beside the multiplies where a 64-bit shift would compete with them for one port (AVX-512).
+  static Q high_words(Q p) {
+    U u;
+    std::memcpy(&u, &p, sizeof(u));
+    I odd;
+    for (int l = 0; l < W; ++l) odd[l] = l | 1;
+    u = __builtin_shuffle(u, odd);
+    std::memcpy(&p, &u, sizeof(p));
+    return p;
+  }
+
+  // Philox4x32-10 under key `seed` of each lane's counter (low and high 32 bits of g, c2, c3): words[t]
+  // lane l is word t of lane l's output.
+  //
+  // Run on two halves of W / 2 64-bit lanes, each 32-bit word in the low half of a lane: the 32 x 32 ->
+  // 64-bit multiply then leaves a product's low word in place and its high word one shift away, where W
+  // 32-bit lanes needed their even and odd lanes multiplied apart and blended back, twice a round (the
+  // blends and shifts were most of a stochastically rounded quantize). A lane's upper half is never
+  // cleared: it feeds only XORs into other upper halves and multiplies, which read the low half.
+  static void philox_words(const U64& g, uint32_t c2, uint32_t c3, uint64_t seed, U (&words)[4]) {
+    Q c[2][4];
+    for (int h = 0; h < 2; ++h) {
+      Q gh;
+      std::memcpy(&gh, reinterpret_cast<const char*>(&g) + h * sizeof(Q), sizeof(Q));
+      c[h][0] = gh;
+      c[h][1] = gh >> 32;
+      c[h][2] = Q{} + c2;
+      c[h][3] = Q{} + c3;
+    }
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    // Unrolled: the rounds' rotation of the four words is then renaming, not register moves.
+#pragma GCC unroll 10
     for (int r = 0; r < 10; ++r) {
       if (r) {
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
       }
-      U hi0, lo0, hi1, lo1;
-      mulhilo(c[0], 0xD2511F53u, hi0, lo0);
-      mulhilo(c[2], 0xCD9E8D57u, hi1, lo1);
-      const U c1 = c[1], c3 = c[3];
-      c[0] = hi1 ^ c1 ^ k0;
-      c[1] = lo1;
-      c[2] = hi0 ^ c3 ^ k1;
-      c[3] = lo0;
+      for (int h = 0; h < 2; ++h) {  // the halves are independent chains: interleaved, they overlap
+        const Q p0 = mul_low32(c[h][0], 0xD2511F53u), p1 = mul_low32(c[h][2], 0xCD9E8D57u);
+        c[h][0] = high_words(p1) ^ c[h][1] ^ k0;
+        c[h][1] = p1;
+        c[h][2] = high_words(p0) ^ c[h][3] ^ k1;
+        c[h][3] = p0;
+      }
+    }
+    using UH = typename VecTypes<W>::UH;
+    for (int t = 0; t < 4; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const UH low = __builtin_convertvector(c[h][t], UH);
+        std::memcpy(reinterpret_cast<char*>(&words[t]) + h * sizeof(UH), &low, sizeof(UH));
+      }
     }
   }
 
   // Random bits of W consecutive indices first.. (first a multiple of 4) of one usage.
   static U row_bits(const QuantizeNvfp4Params& p, uint32_t usage, uint64_t first) {
     U64 idx;
-    for (int l = 0; l < W; ++l) idx[l] = first + static_cast<uint64_t>(l);
-    const U64 g = idx >> 2;
-    U c[4] = {__builtin_convertvector(g, U), __builtin_convertvector(g >> 32, U), usplat(static_cast<uint32_t>(p.offset)),
-              usplat(static_cast<uint32_t>(p.offset >> 32) | (usage << 31))};
-    philox(c, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+    lane_indices(first, 1, idx);
+    U c[4];
+    philox_words(idx >> 2, static_cast<uint32_t>(p.offset), static_cast<uint32_t>(p.offset >> 32) | (usage << 31),
+                 p.seed, c);
     const U word = __builtin_convertvector(idx & 3u, U);
     return word == 0 ? c[0] : word == 1 ? c[1] : word == 2 ? c[2] : c[3];
   }
 
   // 16 codes (lane order, kNB vectors) -> 8 bytes, the first of each pair in the low nibble.
   static void pack_lanes(const I (&codes)[kNB], uint8_t* out) {
-    using Q = typename VecTypes<W>::Q;
     using B = typename VecTypes<W>::B;
     for (int v = 0; v < kNB; ++v) {
       Q q;
@@ -313,11 +343,9 @@ struct Vec {
     I codes[kBlock];
     if (p.stochastic_rounding) {
       for (int q = 0; q < 4; ++q) {
-        const U64 gq = g + static_cast<uint64_t>(q);
-        U ctr[4] = {__builtin_convertvector(gq, U), __builtin_convertvector(gq >> 32, U),
-                    usplat(static_cast<uint32_t>(p.offset)),
-                    usplat(static_cast<uint32_t>(p.offset >> 32) | (usage << 31))};
-        philox(ctr, static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+        U ctr[4];
+        philox_words(g + static_cast<uint64_t>(q), static_cast<uint32_t>(p.offset),
+                     static_cast<uint32_t>(p.offset >> 32) | (usage << 31), p.seed, ctr);
         for (int t = 0; t < 4; ++t) codes[4 * q + t] = codes_sr(v[4 * q + t] * factor, ctr[t]);
       }
     } else {
@@ -370,7 +398,7 @@ struct Vec {
           for (int i = 0; i < W; ++i) v[h * W + i] = t[i];
         }
         U64 g;
-        for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>(r * p.k + c + l * kBlock) >> 2;
+        lane_indices(static_cast<uint64_t>(r * p.k + c) >> 2, kBlock / 4, g);
         uint8_t sb[W];
         uint64_t packed[W];
         quantize_blocks(v, p.s_enc, p, 0, g, sb, packed);
@@ -424,7 +452,8 @@ struct Vec {
       }
       if (p.rht) hadamard(v);
       U64 g;
-      for (int l = 0; l < W; ++l) g[l] = static_cast<uint64_t>((c + l) * p.m + r0) >> 2;
+      lane_indices(static_cast<uint64_t>(c * p.m + r0), static_cast<uint64_t>(p.m), g);
+      g >>= 2;
       uint8_t sb[W];
       uint64_t packed[W];
       quantize_blocks(v, p.s_enc_t, p, 1, g, sb, packed);
