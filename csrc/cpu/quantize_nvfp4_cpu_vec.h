@@ -240,12 +240,15 @@ struct Vec {
         c[h][3] = p0;
       }
     }
-    using UH = typename VecTypes<W>::UH;
+    // The low words of both halves into one vector with one two-source shuffle (two half-width stores read
+    // back as one vector would wait for no store forwarding).
+    I low_words;
+    for (int l = 0; l < W; ++l) low_words[l] = 2 * l;
     for (int t = 0; t < 4; ++t) {
-      for (int h = 0; h < 2; ++h) {
-        const UH low = __builtin_convertvector(c[h][t], UH);
-        std::memcpy(reinterpret_cast<char*>(&words[t]) + h * sizeof(UH), &low, sizeof(UH));
-      }
+      U lo, hi;
+      std::memcpy(&lo, &c[0][t], sizeof(U));
+      std::memcpy(&hi, &c[1][t], sizeof(U));
+      words[t] = __builtin_shuffle(lo, hi, low_words);
     }
   }
 
