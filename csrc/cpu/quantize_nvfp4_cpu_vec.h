@@ -210,7 +210,7 @@ struct Vec {
   // lane l is word t of lane l's output.
   //
   // Run on two halves of W / 2 64-bit lanes, each 32-bit word in the low half of a lane: the 32 x 32 ->
-  // 64-bit multiply then leaves a product's low word in place and its high word one shift away, where W
+  // 64-bit multiply then leaves a product's low word in place and its high word one shuffle away, where W
   // 32-bit lanes needed their even and odd lanes multiplied apart and blended back, twice a round (the
   // blends and shifts were most of a stochastically rounded quantize). A lane's upper half is never
   // cleared: it feeds only XORs into other upper halves and multiplies, which read the low half.
