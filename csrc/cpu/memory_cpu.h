@@ -36,7 +36,8 @@ constexpr size_t kStreamOutputBytes = size_t{8} << 20;
 /*!
  * \brief dst[0, count) = src[0, count): the whole 64-byte lines of dst with non-temporal stores (x86; one
  *        64-byte store a line where the file is compiled for AVX-512), its ragged ends with plain ones.
- *        `IsaTag` as store_tile's: each instruction-set file compiles its own copy.
+ *        `IsaTag`: a type of the calling file's own (as gemm_cpu.h's store_tile takes), so each
+ *        instruction-set file compiles its own copy.
  */
 template <typename IsaTag, typename T>
 inline void stream_copy(const T* src, int64_t count, T* dst) {
