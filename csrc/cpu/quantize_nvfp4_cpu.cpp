@@ -89,9 +89,6 @@ class ColumnStage {
       if (streaming_) {
         stream_copy<ColumnStage>(data_ + j * kStageBands * 8, bands_ * 8, out + pos / 2);
         stream_copy<ColumnStage>(scale_ + j * kStageBands, bands_, scale + pos / kBlock);
-      } else if (bands_ == kStageBands) {  // fixed-size copies (no library calls)
-        std::memcpy(out + pos / 2, data_ + j * kStageBands * 8, kStageBands * 8);
-        std::memcpy(scale + pos / kBlock, scale_ + j * kStageBands, kStageBands);
       } else {
         std::memcpy(out + pos / 2, data_ + j * kStageBands * 8, bands_ * 8);
         std::memcpy(scale + pos / kBlock, scale_ + j * kStageBands, bands_);
