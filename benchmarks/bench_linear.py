@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import transformer_linear as tl
+import ab_builds
 from ab_builds import paired_ratio
 from bench_kernels import cpu_model
 from transformer_linear import _C, recipe
@@ -125,8 +126,10 @@ def _time_interleaved(
 ) -> tuple[dict[str, list[float]], set[str]]:
     """Seconds of each step in each of ``iters`` rounds that run every step once, in turn.
 
-    The first warm-up round is timed: a step slower than ``slow_call_s`` there (bf16 matmuls on a CPU
-    without native bf16 take minutes) keeps that one time and sits out the other rounds. Returns
+    ``warmup`` warm-up rounds come first, at least two (the timed rounds are ab_builds.time_interleaved's,
+    which begins with an untimed one). The first warm-up round is timed: a step slower than ``slow_call_s``
+    there (bf16 matmuls on a CPU without native bf16 take minutes) keeps that one time and sits out the
+    other rounds. Returns
     the times (a list per step, one entry per round) and the names timed from that one call.
     ``clock``: wall time, or ``time.thread_time`` (the calling thread's CPU time: on a shared machine,
     what a one-thread step itself spent).
@@ -141,16 +144,11 @@ def _time_interleaved(
             slow.add(name)
             times[name].append(took)
     fast = {name: step for name, step in steps.items() if name not in slow}
-    for _ in range(warmup - 1):
+    for _ in range(warmup - 2):  # the last warm-up round is time_interleaved's untimed one
         for step in fast.values():
             step()
-    for _ in range(iters):
-        for name, step in fast.items():
-            start = clock()
-            step()
-            times[name].append(clock() - start)
+    times.update(ab_builds.time_interleaved(fast, iters, clock))
     return times, slow
-
 
 
 def run_shape(label: str, shape: tuple[int, int, int], args: argparse.Namespace) -> None:
