@@ -37,8 +37,9 @@ constexpr int64_t kChunkCols = 256;
 // and stochastic rounding, 4.0 -> 6.3 GB/s without, float32 16M elements, AMX Xeon, 2 threads; 8 and 32
 // bands a little slower than 16).
 constexpr int64_t kColumnwiseBands = 16;
-// Bands of columnwise blocks ColumnStage gathers before writing them out (8 bytes of codes each).
-constexpr int64_t kStageBands = 16;
+// Bands of columnwise blocks ColumnStage gathers before writing them out (8 bytes of codes each): one group
+// of the walk down a chunk.
+constexpr int64_t kStageBands = kColumnwiseBands;
 // Input bytes per group of rows that the global amax pass walks backward (as the
 // tensorwise amax pass, csrc/cpu/quantize_cpu.cpp).
 constexpr int64_t kAmaxChunkBytes = kClaimChunkBytes;
@@ -57,8 +58,9 @@ struct Scratch {
 // there directly, these were 16 stores a vector to lines far apart (output_t's rows are M / 2 bytes
 // long), which cost a third of a columnwise quantize (4096 x 4096 bfloat16, one AMX Xeon core: 15.9 ms
 // against 10.0 with the stores sent to a small buffer instead). Gathered here, they land in one 36 KiB
-// buffer that stays in L1 (the thread's Scratch), and output_t gets whole runs of 16 bands (two lines a row), streamed past the
-// caches for a large copy: 13.4 ms plain, 10.6 ms streamed (8 bands a run: 15.0 ms plain).
+// buffer that stays in L1 (the thread's Scratch), and output_t gets whole runs of 16 bands (two lines a
+// row), streamed past the caches for a large copy: 13.4 ms plain, 10.6 ms streamed (8 bands a run: 15.0 ms
+// plain).
 class ColumnStage {
  public:
   /*! \brief Gathers in `s`'s stage buffers; `streaming`: writes runs with non-temporal stores (then call
